@@ -1,0 +1,206 @@
+"""Buffer pairs between stages (paper §6.1–6.2) and their legitimacy rules.
+
+Boundary k (0..N) sits before stage k: boundary 0 holds the padded model inputs, boundary N
+the model outputs. Each boundary has `num_pairs` `StageBuffer`s, one per buffer pair, each a
+set of preallocated tensors sized for `bs_max` rows padded to the largest input length.
+Executor i with pair j reads `buffers[i][j]` and writes `buffers[i + 1][j]`; tensors move
+between stages as views of these buffers, never by copy.
+
+A buffer's `state` is its state as the input of the stage after it:
+
+- AVAILABLE: that stage may run a batch with this pair;
+- INREADING / INWRITING: the stage after / before it is executing with it;
+- INVALID: the stage after it has handed its output on and may not use this pair until the
+  stage after *that* has taken the output (the legitimation below).
+
+A pair is legitimate for executor i when its input is AVAILABLE and its output is AVAILABLE or
+INVALID. When executor i finishes with pair j its input becomes INVALID if it handed rows on
+(AVAILABLE if it holds them back to merge with stretched rows that are still catching up:
+the paper's rule would deadlock there), and its output returns to its previous state. Once
+executor i has no unread rows left in `buffers[i][j]` and is active (holds some AVAILABLE
+input), it legitimates pair j for executor i - 1 again: `buffers[i - 1][j]` INVALID ->
+AVAILABLE. With one pair this makes the pipeline run serially; with two, stages overlap.
+
+Row bookkeeping (`unread`) backs the self-checks: an executor never reads rows nobody wrote,
+never overwrites rows not yet read, and never mixes two batches' data in one buffer. A check
+that fires is logged and kept in `violations` (as `BufferStateError`s): it means the runtime
+has a bug. The executors carry on, so that every query still gets its one answer.
+
+Not thread-safe by itself: the `Scheduler` owns the pool and changes it under its lock.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import BufferStateError
+from .manifest import Manifest, TensorSpec
+
+log = logging.getLogger(__name__)
+
+
+class BufferState(enum.Enum):
+    AVAILABLE = "available"
+    INVALID = "invalid"
+    INREADING = "inreading"
+    INWRITING = "inwriting"
+
+
+class HostFence:
+    """Completion fence of a buffer pair on CPU.
+
+    CPU engines finish their work before `run` returns, so recording marks completion at once.
+    A GPU fence (an event recorded on the stage's stream) implements the same three methods.
+    """
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._done.set()
+
+    def reset(self) -> None:
+        self._done.clear()
+
+    def record(self) -> None:
+        self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+
+class StageBuffer:
+    """The tensors at one boundary for one buffer pair."""
+
+    def __init__(self, boundary: int, pair: int, specs: tuple[TensorSpec, ...], bs_max: int, max_length: int) -> None:
+        self.boundary = boundary
+        self.pair = pair
+        self.specs = specs
+        self.bs_max = bs_max
+        self._flat = {s.name: np.zeros(math.prod(s.shape(bs_max, max(max_length, 1))), s.np_dtype) for s in specs}
+        self.state = BufferState.AVAILABLE
+        self.state_before_write = BufferState.AVAILABLE
+        self.unread = np.zeros(bs_max, dtype=bool)
+        self.unread_batch_group: int | None = None
+        self.fence = HostFence()
+
+    def views(self, length: int) -> dict[str, np.ndarray]:
+        """All `bs_max` rows laid out contiguously for batches padded to `length`."""
+        out = {}
+        for spec in self.specs:
+            shape = spec.shape(self.bs_max, length)
+            out[spec.name] = self._flat[spec.name][: math.prod(shape)].reshape(shape)
+        return out
+
+    def rows(self, length: int, rows: range) -> dict[str, np.ndarray]:
+        """Contiguous views of `rows`, padded to `length`."""
+        return {name: view[rows.start:rows.stop] for name, view in self.views(length).items()}
+
+    def __repr__(self) -> str:
+        return f"StageBuffer(boundary={self.boundary}, pair={self.pair}, state={self.state.value})"
+
+
+@dataclass(frozen=True)
+class PairUse:
+    """One executor's use of one buffer pair for one batch item."""
+
+    stage: int
+    pair: int
+    rows: range
+    group: int  # the batch whose buffer rows these are (the root of a split)
+
+
+class BufferPool:
+    """All boundaries' buffers, and the legitimation between adjacent executors."""
+
+    def __init__(self, manifest: Manifest, num_pairs: int, bs_max: int) -> None:
+        if num_pairs < 1:
+            raise ValueError(f"num_buffer_pairs must be >= 1, got {num_pairs}")
+        self.num_stages = manifest.num_stages
+        self.num_pairs = num_pairs
+        length = manifest.max_length
+        self.buffers = [
+            [StageBuffer(k, j, manifest.boundary(k), bs_max, length) for j in range(num_pairs)]
+            for k in range(self.num_stages + 1)
+        ]
+        # owed[i]: pairs executor i has finished reading and must legitimate for executor i-1
+        self._owed: list[set[int]] = [set() for _ in range(self.num_stages)]
+        self.violations: list[BufferStateError] = []
+
+    def _violate(self, message: str) -> None:
+        log.error("buffer-pair rule broken: %s", message)
+        self.violations.append(BufferStateError(message))
+
+    def pair(self, stage: int, pair: int) -> tuple[StageBuffer, StageBuffer]:
+        return self.buffers[stage][pair], self.buffers[stage + 1][pair]
+
+    def is_legitimate(self, stage: int, pair: int) -> bool:
+        inp, out = self.pair(stage, pair)
+        return inp.state is BufferState.AVAILABLE and out.state in (BufferState.AVAILABLE, BufferState.INVALID)
+
+    def first_legitimate(self, stage: int) -> int | None:
+        return next((j for j in range(self.num_pairs) if self.is_legitimate(stage, j)), None)
+
+    def is_active(self, stage: int) -> bool:
+        """An executor is active while it holds some pair whose input is AVAILABLE."""
+        return any(b.state is BufferState.AVAILABLE for b in self.buffers[stage])
+
+    def begin(self, use: PairUse) -> None:
+        """Executor `use.stage` starts working with its pair: check the rules, then take it."""
+        inp, out = self.pair(use.stage, use.pair)
+        if not self.is_legitimate(use.stage, use.pair):
+            self._violate(f"stage {use.stage} started on pair {use.pair} that is not legitimate: {inp}, {out}")
+        if use.stage > 0:
+            if not inp.unread[use.rows.start:use.rows.stop].all() or inp.unread_batch_group != use.group:
+                self._violate(f"stage {use.stage} would read rows {use.rows} of {inp} that hold no data for it")
+        if use.stage < self.num_stages - 1:
+            if out.unread[use.rows.start:use.rows.stop].any():
+                self._violate(f"stage {use.stage} would overwrite unread rows {use.rows} of {out}")
+            if out.unread.any() and out.unread_batch_group != use.group:
+                self._violate(f"stage {use.stage} would mix two batches' rows in {out}")
+        inp.state = BufferState.INREADING
+        out.state_before_write, out.state = out.state, BufferState.INWRITING
+        inp.fence.wait()
+        out.fence.reset()
+
+    def finish(self, use: PairUse, handed_on: bool) -> None:
+        """Executor `use.stage` finished with its pair; rows it wrote are now unread downstream."""
+        inp, out = self.pair(use.stage, use.pair)
+        if inp.state is not BufferState.INREADING or out.state is not BufferState.INWRITING:
+            self._violate(f"stage {use.stage} finished on pair {use.pair} it was not using: {inp}, {out}")
+        out.fence.record()
+        inp.state = BufferState.INVALID if handed_on else BufferState.AVAILABLE
+        out.state = out.state_before_write
+        if use.stage > 0:
+            inp.unread[use.rows.start:use.rows.stop] = False
+            if not inp.unread.any():
+                self._owed[use.stage].add(use.pair)
+        if use.stage < self.num_stages - 1:
+            out.unread[use.rows.start:use.rows.stop] = True
+            out.unread_batch_group = use.group
+
+    def legitimate_upstream(self, stage: int) -> list[int]:
+        """Hand back pairs to the executors before `stage` while they re-enter active.
+
+        Returns the stages that got a pair back (to be woken).
+        """
+        woken = []
+        while stage > 0 and self._owed[stage] and self.is_active(stage):
+            for j in sorted(self._owed[stage]):
+                upstream, mine = self.buffers[stage - 1][j], self.buffers[stage][j]
+                if mine.unread.any():
+                    self._violate(f"stage {stage} legitimated pair {j} while {mine} still holds unread rows")
+                if upstream.state is BufferState.INVALID:
+                    upstream.state = BufferState.AVAILABLE
+                elif upstream.state is BufferState.INWRITING and upstream.state_before_write is BufferState.INVALID:
+                    # the stage before is writing into it: legitimate the state it returns to
+                    upstream.state_before_write = BufferState.AVAILABLE
+                else:
+                    self._violate(f"stage {stage} legitimated pair {j} for stage {stage - 1}, which was not waiting: {upstream}")
+            self._owed[stage].clear()
+            woken.append(stage - 1)
+            stage -= 1
+        return woken

@@ -1,0 +1,134 @@
+"""The `dvabatch` command."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .query import Answer
+from .scheduler import RuntimeSettings, load_scheduler
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dvabatch", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="slice a small model and serve it on a short synthetic load")
+    demo.add_argument("--stages", type=int, default=4)
+    demo.add_argument("--queries", type=int, default=40)
+    demo.add_argument("--rate", type=float, default=400.0, help="Poisson arrival rate, queries per second")
+    demo.add_argument("--policy", action="append", help="policy name (repeatable); default: pipelined and random")
+    demo.add_argument("--pairs", type=int, default=2, help="buffer pairs between stages")
+    demo.add_argument("--hidden", type=int, default=128)
+    demo.add_argument("--layers", type=int, default=8)
+    demo.add_argument("--max-length", type=int, default=64)
+    demo.add_argument("--bs-max", type=int, default=16)
+    demo.add_argument("--threads", type=int, default=1, help="onnxruntime threads per stage")
+    demo.add_argument("--out", type=Path, help="model directory to write (default: a temporary one)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "demo":
+        return run_demo(args)
+    return 2
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from policies import create_policy
+    from slicer import cut, toy
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.out or Path(tmp) / "token_mlp"
+        model = toy.token_mlp(hidden=args.hidden, layers=args.layers)
+        layers = [f"h{k}" for k in range(1, args.layers + 1)]
+        at = [layers[round(i * args.layers / args.stages) - 1] for i in range(1, args.stages)]
+        manifest = cut.cut_model(model, cut.cut_positions_after(model, at), out, "token_mlp", args.bs_max, args.max_length)
+        print(f"sliced token_mlp (hidden {args.hidden}, {args.layers} layers) into {manifest.num_stages} stages "
+              f"after {at}: {out}")
+        queries = _workload(args, np.random.default_rng(0))
+        reference = _reference(out / "model.onnx", queries)
+        failures = 0
+        for name in args.policy or ["pipelined", "random"]:
+            failures += _serve(out, name, args, queries, reference)
+    return 1 if failures else 0
+
+
+def _workload(args: argparse.Namespace, rng: np.random.Generator) -> list[tuple[float, dict[str, np.ndarray]]]:
+    """Poisson arrivals; lengths mostly 5-20 tokens with a tail up to the maximum."""
+    t, queries = 0.0, []
+    for _ in range(args.queries):
+        t += rng.exponential(1.0 / args.rate)
+        short = rng.random() < 0.8
+        length = int(rng.integers(5, 21) if short else rng.integers(21, args.max_length + 1))
+        x = rng.standard_normal((length, args.hidden)).astype(np.float32)
+        queries.append((t, {"x": x, "mask": np.ones(length, np.float32)}))
+    return queries
+
+
+def _reference(path: Path, queries: list[tuple[float, dict[str, np.ndarray]]]) -> list[dict[str, np.ndarray]]:
+    """The unsliced model run on each query alone."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return [dict(zip(names, (r[0] for r in session.run(None, {k: v[None] for k, v in q.items()})))) for _, q in queries]
+
+
+def _serve(model_dir: Path, policy_name: str, args: argparse.Namespace,
+           queries: list[tuple[float, dict[str, np.ndarray]]], reference: list[dict[str, np.ndarray]]) -> int:
+    from policies import create_policy
+
+    settings = RuntimeSettings(num_buffer_pairs=args.pairs, bs_max=args.bs_max, threads_per_stage=args.threads,
+                               record_trace=True)
+    scheduler = load_scheduler(model_dir, create_policy(policy_name), settings)
+    answers: dict[int, tuple[float, Answer]] = {}
+    all_done = threading.Event()
+
+    def reply(answer: Answer) -> None:
+        answers[answer.query_id] = (time.perf_counter(), answer)
+        if len(answers) == len(queries):
+            all_done.set()
+
+    sent: dict[int, tuple[int, float]] = {}
+    with scheduler:
+        t0 = time.perf_counter()
+        for i, (at, inputs) in enumerate(queries):
+            time.sleep(max(0.0, t0 + at - time.perf_counter()))
+            now = time.perf_counter()
+            sent[scheduler.submit(inputs, reply)] = (i, now)
+        finished = all_done.wait(60)
+        trace = list(scheduler.trace)
+        stats = scheduler.stats
+    print(f"\n== policy {policy_name}: {len(queries)} queries at {args.rate:.0f}/s, {args.pairs} buffer pairs ==")
+    print(f"{'query':>5} {'len':>4} {'latency ms':>10} {'max |err|':>10}")
+    latencies, failures = [], 0
+    for qid, (i, t_sent) in sent.items():
+        t_done, answer = answers.get(qid, (float("nan"), None))
+        length = len(queries[i][1]["mask"])
+        if answer is None or answer.error is not None:
+            failures += 1
+            print(f"{qid:>5} {length:>4} {'-':>10} {answer.error if answer else 'no answer'}")
+            continue
+        err = max(float(np.max(np.abs(answer.outputs[k] - v))) for k, v in reference[i].items())
+        failures += err > 1e-4
+        latencies.append((t_done - t_sent) * 1e3)
+        print(f"{qid:>5} {length:>4} {latencies[-1]:>10.2f} {err:>10.1e}")
+    print("batch decisions:")
+    for ev in trace:
+        if ev.kind in ("new", "stretch", "split"):
+            where = "arrival" if ev.stage is None else f"after stage {ev.stage}"
+            print(f"  {ev.kind:<7} batch {ev.batch_id:>3} rows [{ev.start}, {ev.start + ev.num}) at {where} {ev.detail}")
+    if latencies:
+        lat = np.array(latencies)
+        print(f"latency ms: mean {lat.mean():.2f}  p50 {np.percentile(lat, 50):.2f}  p99 {np.percentile(lat, 99):.2f}")
+    print(f"meta operations: new {stats.new}, stretch {stats.stretch}, split {stats.split}; "
+          f"answered {stats.answered_ok} ok / {stats.answered_error} errors; all answered: {finished}")
+    return failures + (not finished)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

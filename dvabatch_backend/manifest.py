@@ -1,0 +1,215 @@
+"""The model manifest: what a sliced model directory holds, as a versioned JSON document.
+
+`Manifest.load` validates everything the runtime relies on and refuses a bad document
+with a `ManifestError` naming the field; `Manifest.dump` writes what `load` reads back.
+
+Tensor dimensions are ints or one of two symbols: ``"batch"`` (always the first dimension)
+and ``"seq"`` (the input length, at most ``max_length``). Every stage's inputs are exactly
+the previous stage's outputs (same names, dtypes and dims), so buffers between stages are
+shared by name.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import ManifestError
+
+SCHEMA_VERSION = 1
+BATCH = "batch"
+SEQ = "seq"
+SUPPORTED_DTYPES = ("float32", "float16", "float64", "int64", "int32", "int8", "uint8", "bool")
+
+Dim = int | str
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    dims: tuple[Dim, ...]
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+    @property
+    def has_seq(self) -> bool:
+        return SEQ in self.dims
+
+    def shape(self, batch: int, length: int) -> tuple[int, ...]:
+        """The concrete shape for `batch` rows padded to `length`."""
+        return tuple(batch if d == BATCH else length if d == SEQ else int(d) for d in self.dims)
+
+    def sample_shape(self, length: int) -> tuple[int, ...]:
+        """The shape of one query's tensor (no batch dimension)."""
+        return self.shape(1, length)[1:]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "dims": list(self.dims)}
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    file: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str
+    max_batch_size: int
+    max_length: int
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    stages: tuple[StageSpec, ...]
+    full_model: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def has_seq(self) -> bool:
+        return any(t.has_seq for t in self.inputs)
+
+    def boundary(self, k: int) -> tuple[TensorSpec, ...]:
+        """Tensors at boundary k: 0 is the model input, `num_stages` the model output."""
+        return self.stages[k].inputs if k < self.num_stages else self.stages[-1].outputs
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "name": self.name,
+            "max_batch_size": self.max_batch_size,
+            "max_length": self.max_length,
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+            "stages": [s.to_json() for s in self.stages],
+            "full_model": self.full_model,
+        }
+        doc.update(self.extra)
+        return doc
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Manifest":
+        path = Path(path)
+        if not path.is_file():
+            raise ManifestError(str(path), "manifest file not found")
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ManifestError(str(path), f"not a readable JSON document ({exc})") from exc
+        manifest = cls.from_json(doc)
+        for i, stage in enumerate(manifest.stages):
+            if not (path.parent / stage.file).is_file():
+                raise ManifestError(f"stages[{i}].file", f"{stage.file!r} not found beside the manifest")
+        return manifest
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "Manifest":
+        if not isinstance(doc, dict):
+            raise ManifestError("manifest", "must be a JSON object")
+        version = _field(doc, "schema_version", int, "manifest")
+        if version != SCHEMA_VERSION:
+            raise ManifestError("schema_version", f"{version} is not supported (expected {SCHEMA_VERSION})")
+        name = _field(doc, "name", str, "manifest")
+        max_bs = _field(doc, "max_batch_size", int, "manifest")
+        if max_bs < 1:
+            raise ManifestError("max_batch_size", f"must be >= 1, got {max_bs}")
+        max_len = _field(doc, "max_length", int, "manifest")
+        if max_len < 0:
+            raise ManifestError("max_length", f"must be >= 0, got {max_len}")
+        inputs = _tensors(_field(doc, "inputs", list, "manifest"), "inputs")
+        outputs = _tensors(_field(doc, "outputs", list, "manifest"), "outputs")
+        raw_stages = _field(doc, "stages", list, "manifest")
+        if not raw_stages:
+            raise ManifestError("stages", "must list at least one stage")
+        stages = tuple(_stage(s, f"stages[{i}]") for i, s in enumerate(raw_stages))
+        full = doc.get("full_model")
+        if full is not None and not isinstance(full, str):
+            raise ManifestError("full_model", "must be a string or null")
+        known = {"schema_version", "name", "max_batch_size", "max_length", "inputs", "outputs", "stages", "full_model"}
+        extra = {k: v for k, v in doc.items() if k not in known}
+        manifest = cls(name, max_bs, max_len, inputs, outputs, stages, full, extra)
+        _check_chain(manifest)
+        return manifest
+
+
+def _field(doc: dict[str, Any], key: str, kind: type, where: str) -> Any:
+    if key not in doc:
+        raise ManifestError(key if where == "manifest" else f"{where}.{key}", "missing")
+    value = doc[key]
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        label = key if where == "manifest" else f"{where}.{key}"
+        raise ManifestError(label, f"must be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _tensors(raw: Sequence[Any], where: str) -> tuple[TensorSpec, ...]:
+    if not raw:
+        raise ManifestError(where, "must list at least one tensor")
+    specs = tuple(_tensor(t, f"{where}[{i}]") for i, t in enumerate(raw))
+    names = [t.name for t in specs]
+    if len(set(names)) != len(names):
+        raise ManifestError(where, f"duplicate tensor names in {names}")
+    return specs
+
+
+def _tensor(raw: Any, where: str) -> TensorSpec:
+    if not isinstance(raw, dict):
+        raise ManifestError(where, "must be an object")
+    name = _field(raw, "name", str, where)
+    dtype = _field(raw, "dtype", str, where)
+    if dtype not in SUPPORTED_DTYPES:
+        raise ManifestError(f"{where}.dtype", f"{dtype!r} is not one of {SUPPORTED_DTYPES}")
+    dims = _field(raw, "dims", list, where)
+    if not dims or dims[0] != BATCH:
+        raise ManifestError(f"{where}.dims", f"must start with {BATCH!r}, got {dims}")
+    for d in dims[1:]:
+        if d == SEQ or (isinstance(d, int) and not isinstance(d, bool) and d > 0):
+            continue
+        raise ManifestError(f"{where}.dims", f"{d!r} is neither a positive int nor {SEQ!r}")
+    return TensorSpec(name, dtype, tuple(dims))
+
+
+def _stage(raw: Any, where: str) -> StageSpec:
+    if not isinstance(raw, dict):
+        raise ManifestError(where, "must be an object")
+    file = _field(raw, "file", str, where)
+    return StageSpec(
+        file,
+        _tensors(_field(raw, "inputs", list, where), f"{where}.inputs"),
+        _tensors(_field(raw, "outputs", list, where), f"{where}.outputs"),
+    )
+
+
+def _check_chain(m: Manifest) -> None:
+    if set(m.stages[0].inputs) != set(m.inputs):
+        raise ManifestError("stages[0].inputs", "must equal the model inputs")
+    for i in range(1, m.num_stages):
+        if set(m.stages[i].inputs) != set(m.stages[i - 1].outputs):
+            raise ManifestError(f"stages[{i}].inputs", f"must equal stages[{i - 1}].outputs")
+    if set(m.stages[-1].outputs) != set(m.outputs):
+        raise ManifestError(f"stages[{m.num_stages - 1}].outputs", "must equal the model outputs")
+    if m.has_seq and m.max_length < 1:
+        raise ManifestError("max_length", "must be >= 1 for a model with a 'seq' dimension")
+    seq_everywhere = [t for s in m.stages for t in s.inputs + s.outputs if t.has_seq]
+    if seq_everywhere and not m.has_seq:
+        raise ManifestError("inputs", "no input has a 'seq' dimension but a stage tensor does")

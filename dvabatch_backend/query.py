@@ -1,0 +1,84 @@
+"""Queries: one inference request's tensors, its arrival time, its length, and how to answer it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+
+from .errors import BadInputError, QueryError
+from .manifest import SEQ, Manifest, TensorSpec
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Exactly one per query: its outputs, or the error that replaces them."""
+
+    query_id: int
+    outputs: dict[str, np.ndarray] | None
+    error: QueryError | None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+Reply = Callable[[Answer], None]
+
+
+@dataclass
+class Query:
+    id: int
+    inputs: dict[str, np.ndarray]  # one sample each: no batch dimension
+    length: int  # actual input length along "seq"; 0 for models without one
+    arrival: float
+    reply: Reply
+
+
+def validate_inputs(
+    query_id: int, inputs: Mapping[str, np.ndarray], manifest: Manifest
+) -> tuple[dict[str, np.ndarray], int]:
+    """Check one query's tensors against the model inputs; return them (as arrays) and the length.
+
+    NaN and infinities are data, not errors: they pass through.
+    """
+    specs = {t.name: t for t in manifest.inputs}
+    missing = sorted(set(specs) - set(inputs))
+    unknown = sorted(set(inputs) - set(specs))
+    if missing:
+        raise BadInputError(query_id, f"missing input(s) {missing}; the model expects {sorted(specs)}")
+    if unknown:
+        raise BadInputError(query_id, f"unknown input(s) {unknown}; the model expects {sorted(specs)}")
+    arrays: dict[str, np.ndarray] = {}
+    lengths: set[int] = set()
+    for name, spec in specs.items():
+        arr = np.asarray(inputs[name])
+        _check_tensor(query_id, arr, spec, manifest.max_length)
+        if spec.has_seq:
+            lengths.add(arr.shape[spec.dims.index(SEQ) - 1])
+        arrays[name] = arr
+    if len(lengths) > 1:
+        raise BadInputError(query_id, f"inputs disagree on the sequence length: {sorted(lengths)}")
+    return arrays, (lengths.pop() if lengths else 0)
+
+
+def _check_tensor(query_id: int, arr: np.ndarray, spec: TensorSpec, max_length: int) -> None:
+    expected_rank = len(spec.dims) - 1
+    if arr.dtype != spec.np_dtype:
+        raise BadInputError(query_id, f"input {spec.name!r} has dtype {arr.dtype}, expected {spec.dtype}")
+    if arr.ndim != expected_rank:
+        raise BadInputError(
+            query_id,
+            f"input {spec.name!r} has rank {arr.ndim} (shape {list(arr.shape)}), expected rank "
+            f"{expected_rank} for one query of dims {list(spec.dims[1:])}",
+        )
+    if arr.size == 0:
+        raise BadInputError(query_id, f"input {spec.name!r} is empty (shape {list(arr.shape)})")
+    for axis, (got, want) in enumerate(zip(arr.shape, spec.dims[1:])):
+        if want == SEQ:
+            if got > max_length:
+                raise BadInputError(
+                    query_id, f"input {spec.name!r} has length {got}, longer than the largest profiled {max_length}"
+                )
+        elif got != want:
+            raise BadInputError(query_id, f"input {spec.name!r} dim {axis} is {got}, expected {want}")

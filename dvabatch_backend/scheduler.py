@@ -1,0 +1,436 @@
+"""The scheduler: the runtime's entry point and the owner of all its mutable state.
+
+`submit`/`submit_many` take arrived queries and return at once; the policy batches them with
+`new`/`stretch`, the stage executors run the batches as a pipeline, the policy may `split`
+them as stages finish, and each query is answered through its `reply` exactly once: with its
+outputs when its rows leave the last stage, or with an error (bad input, a failed stage,
+shutting down).
+
+Lock discipline: one lock, `Scheduler.lock`, guards every piece of mutable runtime state:
+waiting and pending queries, the batch table, the batch queues, the buffer pool, executor
+states, stats and trace. Engines run, and replies are delivered, outside it. Each executor
+waits on its own condition over that lock; the batch-window timer and `wait_until` on two more.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from .batch_table import BatchItem, BatchQueue, BatchTable, TableSnapshot
+from .buffers import BufferPool, BufferState, PairUse
+from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo, Split, Stretch
+from .engine import OrtStageEngine, StageEngine
+from .errors import BadInputError, PolicyError, QueryError, ShuttingDownError, StageFailedError
+from .executor import ExecutorState, StageExecutor, Work
+from .manifest import Manifest
+from .query import Answer, Query, Reply, validate_inputs
+from .stats import RuntimeStats, StageStats, TraceEvent
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+_Delivery = tuple[Reply, Answer]
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    num_buffer_pairs: int = 2
+    bs_max: int | None = None  # None: the manifest's max_batch_size
+    threads_per_stage: int = 1
+    record_trace: bool = False
+
+
+class Scheduler:
+    def __init__(
+        self,
+        manifest: Manifest,
+        engines: Sequence[StageEngine],
+        policy: Policy,
+        settings: RuntimeSettings = RuntimeSettings(),
+        clock: Clock = time.perf_counter,
+    ) -> None:
+        if len(engines) != manifest.num_stages:
+            raise ValueError(f"{len(engines)} engines for {manifest.num_stages} stages")
+        bs_max = settings.bs_max or manifest.max_batch_size
+        if not 1 <= bs_max <= manifest.max_batch_size:
+            raise ValueError(f"bs_max must be in [1, {manifest.max_batch_size}], got {bs_max}")
+        self.manifest = manifest
+        self.num_stages = manifest.num_stages
+        self.bs_max = bs_max
+        self.input_specs = manifest.inputs
+        self.output_specs = manifest.outputs
+        self.settings = settings
+        self.lock = threading.Lock()
+        self._clock = clock
+        self._ids = itertools.count()
+        self._policy = policy
+        self._table = BatchTable(self.num_stages, bs_max)
+        self._view = BatchTableView(self._table)
+        self._queues = [BatchQueue() for _ in range(self.num_stages)]
+        self._buffers = BufferPool(manifest, settings.num_buffer_pairs, bs_max)
+        self._pending: dict[int, Query] = {}  # submitted, not yet answered
+        self._waiting: dict[int, Query] = {}  # pending and not yet in a batch
+        self._infos: dict[int, QueryInfo] = {}
+        self._wake_at: float | None = None
+        self._stopping = False
+        self._started = False
+        self.stats = RuntimeStats(stages=[StageStats() for _ in range(self.num_stages)])
+        self.trace: list[TraceEvent] = []
+        self._timer_wakeup = threading.Condition(self.lock)
+        self._progress = threading.Condition(self.lock)
+        self._executors = [StageExecutor(i, e, self) for i, e in enumerate(engines)]
+        self._timer = threading.Thread(target=self._timer_loop, name="dvabatch-batch-window", daemon=True)
+        policy.bind(PolicyContext(
+            num_stages=self.num_stages, bs_max=bs_max, max_length=manifest.max_length,
+            num_buffer_pairs=settings.num_buffer_pairs, stage_times=_stage_times(manifest),
+        ))
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> "Scheduler":
+        with self.lock:
+            if self._started:
+                return self
+            self._started = True
+        for ex in self._executors:
+            ex.thread.start()
+        self._timer.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Answer every pending query with "shutting down" and join every thread."""
+        with self.lock:
+            already = self._stopping
+            self._stopping = True
+            deliveries = [(q.reply, Answer(q.id, None, ShuttingDownError(q.id))) for q in self._pending.values()]
+            self.stats.answered_error += len(deliveries)
+            self._pending.clear()
+            self._waiting.clear()
+            self._table.clear()
+            for queue in self._queues:
+                queue.clear()
+            for ex in self._executors:
+                ex.wakeup.notify_all()
+            self._timer_wakeup.notify_all()
+            self._progress.notify_all()
+        _deliver(deliveries)
+        if already or not self._started:
+            return
+        for thread in [ex.thread for ex in self._executors] + [self._timer]:
+            thread.join(timeout)
+            if thread.is_alive():
+                log.error("thread %s did not stop within %.1fs", thread.name, timeout)
+
+    def __enter__(self) -> "Scheduler":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return [ex.thread for ex in self._executors] + [self._timer]
+
+    # -- arrivals -----------------------------------------------------------------------
+
+    def submit(self, inputs: Mapping[str, np.ndarray], reply: Reply) -> int:
+        return self.submit_many([(inputs, reply)])[0]
+
+    def submit_many(self, requests: Sequence[tuple[Mapping[str, np.ndarray], Reply]]) -> list[int]:
+        """Take arrived queries; return their ids at once. Bad ones are answered here and now."""
+        now = self._clock()
+        deliveries: list[_Delivery] = []
+        accepted: list[Query] = []
+        ids = []
+        for inputs, reply in requests:
+            qid = next(self._ids)
+            ids.append(qid)
+            try:
+                arrays, length = validate_inputs(qid, inputs, self.manifest)
+            except BadInputError as exc:
+                deliveries.append((reply, Answer(qid, None, exc)))
+                continue
+            accepted.append(Query(qid, arrays, length, now, reply))
+        with self.lock:
+            self.stats.submitted += len(requests)
+            self.stats.answered_error += len(deliveries)
+            for q in accepted:
+                if self._stopping:
+                    deliveries.append((q.reply, Answer(q.id, None, ShuttingDownError(q.id))))
+                    self.stats.answered_error += 1
+                    continue
+                self._pending[q.id] = self._waiting[q.id] = q
+                self._infos[q.id] = QueryInfo(q.id, q.length, q.arrival)
+            deliveries += self._dispatch(now)
+        _deliver(deliveries)
+        return ids
+
+    def _dispatch(self, now: float) -> list[_Delivery]:
+        """Ask the policy what to do with the waiting queries, and do it. Under the lock."""
+        if not self._waiting or self._stopping:
+            return []
+        plan = self._policy.on_arrival([self._infos[q] for q in self._waiting], self._view, now)
+        deliveries: list[_Delivery] = []
+        for decision in plan.decisions:
+            deliveries += self._apply(decision, now)
+        self._wake_at = plan.wake_at
+        if self._wake_at is not None:
+            self._timer_wakeup.notify()
+        elif self._waiting and len(self._table) == 0:
+            # Nothing in flight and no wake-up asked: the waiting queries would wait forever.
+            log.error("policy %s left %d queries waiting with nothing in flight", self._policy.name, len(self._waiting))
+            self.stats.policy_errors += 1
+            waiting = list(self._waiting)
+            for i in range(0, len(waiting), self.bs_max):
+                deliveries += self._apply(New(tuple(waiting[i:i + self.bs_max])), now)
+        return deliveries
+
+    def _apply(self, decision: New | Stretch, now: float) -> list[_Delivery]:
+        ids = decision.query_ids
+        refusal = None
+        if not ids or len(set(ids)) != len(ids) or any(q not in self._waiting for q in ids):
+            refusal = f"{decision} names queries that are not all distinct and waiting"
+        elif len(ids) > self.bs_max:
+            refusal = f"{decision} has more than bs_max={self.bs_max} queries"
+        if refusal is not None:
+            return self._policy_error(refusal, [q for q in ids if q in self._waiting])
+        queries = [self._waiting.pop(q) for q in ids]
+        for q in ids:
+            del self._infos[q]
+        if isinstance(decision, Stretch):
+            why = self._table.stretch_refusal(decision.batch_id, [q.length for q in queries])
+            if why is None:
+                item = self._table.stretch(decision.batch_id, queries)
+                self.stats.stretch += 1
+                self._push(0, item)
+                self._record("stretch", now, None, item)
+                return []
+            self.stats.stretch_refused += 1
+            log.debug("stretch refused, new batch instead: %s", why)
+            decision = New(ids)
+        longest = max(q.length for q in queries)
+        pad = longest if decision.pad_length is None else decision.pad_length
+        if not longest <= pad <= max(self.manifest.max_length, longest):
+            self._waiting.update({q.id: q for q in queries})
+            self._infos.update({q.id: QueryInfo(q.id, q.length, q.arrival) for q in queries})
+            return self._policy_error(f"{decision}: pad length {pad} outside [{longest}, {self.manifest.max_length}]", ids)
+        item = self._table.new(queries, pad, pair=-1, now=now, no_stretch=decision.no_stretch)
+        self.stats.new += 1
+        self._push(0, item)
+        self._record("new", now, None, item, f"pad={pad}")
+        return []
+
+    def _policy_error(self, why: str, query_ids: Sequence[int]) -> list[_Delivery]:
+        log.error("policy %s: %s", self._policy.name, why)
+        self.stats.policy_errors += 1
+        deliveries = []
+        for qid in query_ids:
+            self._waiting.pop(qid, None)
+            self._infos.pop(qid, None)
+            q = self._pending.pop(qid)
+            deliveries.append((q.reply, Answer(qid, None, PolicyError(qid, f"policy {self._policy.name}: {why}"))))
+        self.stats.answered_error += len(deliveries)
+        return deliveries
+
+    def _timer_loop(self) -> None:
+        with self.lock:
+            while not self._stopping:
+                if self._wake_at is None:
+                    self._timer_wakeup.wait()
+                    continue
+                delay = self._wake_at - self._clock()
+                if delay > 0:
+                    self._timer_wakeup.wait(delay)
+                    continue
+                self._wake_at = None
+                deliveries = self._dispatch(self._clock())
+                if deliveries:
+                    self.lock.release()
+                    try:
+                        _deliver(deliveries)
+                    finally:
+                        self.lock.acquire()
+
+    # -- executors ----------------------------------------------------------------------
+
+    def next_work(self, ex: StageExecutor) -> Work | None:
+        """Block until executor `ex` has an item with a legitimate pair; None when stopping."""
+        stage = ex.stage
+        with self.lock:
+            while True:
+                if self._stopping:
+                    ex.state = ExecutorState.STOPPED
+                    return None
+                item = self._queues[stage].head()
+                pair = None if item is None else self._pair_for(stage, item)
+                if pair is not None and self._buffers.is_legitimate(stage, pair):
+                    break
+                if not self._buffers.is_active(stage):
+                    ex.state = ExecutorState.INACTIVE
+                else:
+                    ex.state = ExecutorState.ACTIVE if item is None else ExecutorState.CHECKING
+                ex.wakeup.wait()
+            self._queues[stage].pop()
+            row = self._table.get(item.batch_id)
+            row.pair = pair
+            use = PairUse(stage, pair, row.rows(item), group=row.group)
+            self._buffers.begin(use)
+            ex.state = ExecutorState.WORKING
+            length = row.pad_length
+            inp, out = self._buffers.pair(stage, pair)
+            return Work(
+                stage, item, use, length, inp.rows(length, use.rows), out.rows(length, use.rows),
+                row.queries[item.start:item.start + item.num], self._clock(),
+            )
+
+    def _pair_for(self, stage: int, item: BatchItem) -> int | None:
+        """The item's buffer pair; a new batch takes the first legitimate one at stage 0."""
+        row = self._table.get(item.batch_id)
+        if row.pair >= 0:
+            return row.pair
+        return self._buffers.first_legitimate(stage)
+
+    def finish_work(
+        self, ex: StageExecutor, work: Work, error: BaseException | None, results: list[dict[str, np.ndarray]] | None
+    ) -> None:
+        stage, item = work.stage, work.item
+        now = self._clock()
+        deliveries: list[_Delivery] = []
+        with self.lock:
+            if self._stopping:
+                return
+            stats = self.stats.stages[stage]
+            stats.batches += 1
+            stats.rows += item.num
+            stats.busy_seconds += now - work.started
+            self._record("run", work.started, stage, item, t1=now)
+            if error is not None:
+                deliveries += self._answer_errors(work, error)
+            elif results is not None:
+                deliveries += self._answer_results(work.queries, results)
+            handed_on = self._hand_on(stage, item, now)
+            self._buffers.finish(work.use, handed_on=bool(handed_on))
+            for out_item in handed_on:
+                self._push(stage + 1, out_item)
+            if stage == self.num_stages - 1 and self._table.retire_if_done(item.batch_id):
+                self._record("exit", now, stage, BatchItem(item.batch_id, 0, 0))
+            for woken in self._buffers.legitimate_upstream(stage):
+                self._executors[woken].wakeup.notify()
+            if stage == self.num_stages - 1:
+                deliveries += self._dispatch(now)
+            self._progress.notify_all()
+        _deliver(deliveries)
+
+    def _hand_on(self, stage: int, item: BatchItem, now: float) -> list[BatchItem]:
+        """Items for the next stage after `stage` ran `item`: the policy's `Schedule()`."""
+        nxt = self._table.complete(item, stage)
+        if nxt is None:
+            return []
+        row = self._table.get(nxt.batch_id)
+        if nxt.start != 0 or nxt.num != row.bs:
+            return [nxt]
+        decision = self._policy.on_stage_done(stage, self._table.info(row), self._view, now)
+        if not isinstance(decision, Split):
+            return [nxt]
+        why = self._table.split_refusal(nxt, stage, decision.sizes)
+        if why is not None:
+            self.stats.split_refused += 1
+            log.debug("split refused: %s", why)
+            return [nxt]
+        children = self._table.split(nxt.batch_id, stage, decision.sizes)
+        self.stats.split += 1
+        self._record("split", now, stage, nxt, f"into {list(decision.sizes)} -> ids {[c.batch_id for c in children]}")
+        return children
+
+    def _push(self, stage: int, item: BatchItem) -> None:
+        self._queues[stage].push(item)
+        self.stats.handoffs += 1
+        self._executors[stage].wakeup.notify()
+
+    def _answer_results(self, queries: list[Query], results: list[dict[str, np.ndarray]]) -> list[_Delivery]:
+        deliveries = []
+        for q, outputs in zip(queries, results, strict=True):
+            if self._pending.pop(q.id, None) is not None:
+                deliveries.append((q.reply, Answer(q.id, outputs, None)))
+                self.stats.answered_ok += 1
+        return deliveries
+
+    def _answer_errors(self, work: Work, error: BaseException) -> list[_Delivery]:
+        deliveries = []
+        for q in work.queries:
+            if self._pending.pop(q.id, None) is not None:
+                exc = StageFailedError(q.id, f"{type(error).__name__}: {error}", work.stage)
+                deliveries.append((q.reply, Answer(q.id, None, exc)))
+                self.stats.answered_error += 1
+        return deliveries
+
+    def _record(self, kind: str, t0: float, stage: int | None, item: BatchItem, detail: str = "", t1: float | None = None) -> None:
+        if self.settings.record_trace:
+            self.trace.append(TraceEvent(kind, t0, t0 if t1 is None else t1, stage, item.batch_id, item.start, item.num, detail))
+
+    # -- observation --------------------------------------------------------------------
+
+    @property
+    def buffer_violations(self) -> list[str]:
+        return list(self._buffers.violations)
+
+    def executor_states(self) -> list[ExecutorState]:
+        with self.lock:
+            return [ex.state for ex in self._executors]
+
+    def buffer_states(self) -> list[list[BufferState]]:
+        with self.lock:
+            return [[b.state for b in boundary] for boundary in self._buffers.buffers]
+
+    def snapshot(self) -> TableSnapshot:
+        with self.lock:
+            return TableSnapshot([self._table.info(r) for r in self._table], [list(q) for q in self._queues])
+
+    def wait_until(self, predicate: Callable[["Scheduler"], bool], timeout: float) -> bool:
+        """Wait until `predicate(self)` holds after some progress; it is evaluated under the lock."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while not predicate(self):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stopping:
+                    return predicate(self)
+                self._progress.wait(remaining)
+            return True
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    def table_snapshot_unlocked(self) -> TableSnapshot:
+        """For `wait_until` predicates, which already hold the lock."""
+        return TableSnapshot([self._table.info(r) for r in self._table], [list(q) for q in self._queues])
+
+
+def load_scheduler(model_dir: str | Path, policy: Policy, settings: RuntimeSettings = RuntimeSettings()) -> Scheduler:
+    """A scheduler over a sliced model directory, one onnxruntime engine per stage."""
+    model_dir = Path(model_dir)
+    manifest = Manifest.load(model_dir / "manifest.json")
+    engines = [OrtStageEngine(model_dir / s.file, settings.threads_per_stage) for s in manifest.stages]
+    return Scheduler(manifest, engines, policy, settings)
+
+
+def _stage_times(manifest: Manifest) -> tuple[dict[int, float], ...]:
+    profile = manifest.extra.get("stage_times")
+    if not isinstance(profile, list) or len(profile) != manifest.num_stages:
+        return ()
+    return tuple({int(bs): float(t) for bs, t in stage.items()} for stage in profile)
+
+
+def _deliver(deliveries: list[_Delivery]) -> None:
+    for reply, answer in deliveries:
+        try:
+            reply(answer)
+        except Exception:  # a failing reply callback must not take the runtime down
+            log.exception("reply callback for query %d raised", answer.query_id)

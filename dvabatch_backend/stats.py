@@ -1,0 +1,43 @@
+"""Counters and an optional trace of what the runtime did, for tests, demos and metrics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StageStats:
+    batches: int = 0
+    rows: int = 0
+    busy_seconds: float = 0.0
+
+
+@dataclass
+class RuntimeStats:
+    submitted: int = 0
+    answered_ok: int = 0
+    answered_error: int = 0
+    new: int = 0
+    stretch: int = 0
+    split: int = 0
+    stretch_refused: int = 0
+    split_refused: int = 0
+    policy_errors: int = 0
+    handoffs: int = 0
+    stages: list[StageStats] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One thing that happened. `kind` is new, stretch, split, run or exit.
+
+    For `run`, [t0, t1] is the time the executor spent in the working state.
+    """
+
+    kind: str
+    t0: float
+    t1: float
+    stage: int | None
+    batch_id: int
+    start: int = 0
+    num: int = 0
+    detail: str = ""

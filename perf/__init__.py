@@ -1,0 +1,1 @@
+"""Benchmarks: load generators, baselines and experiment drivers (run as `python -m perf.NAME`)."""

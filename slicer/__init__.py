@@ -1,0 +1,1 @@
+"""Offline: cut ONNX models into stages and write model directories the runtime serves."""

@@ -1,0 +1,376 @@
+"""Cut an ONNX graph into pipeline stages and write a sliced model directory.
+
+A cut position ``p`` splits the graph's node list (which ONNX keeps in topological order)
+into ``nodes[:p]`` and ``nodes[p:]``; N-1 positions give N stages. Boundary k is what flows
+into stage k: boundary 0 is the model inputs, boundary N the model outputs.
+
+Names at the boundaries: a tensor keeps its original name where the stage before the
+boundary produced it (and at boundaries 0 and N). A tensor that only passes through a stage
+(a model input such as ``mask`` needed later, or a tensor made two stages back) cannot keep
+its name, because an ONNX graph cannot have one name as both input and output: at boundary
+k it is called ``f"{orig}__{k}"``, the stage before adds an ``Identity`` that forwards it and
+the stage after reads the renamed tensor. A model output made before the last stage is
+renamed the same way at every internal boundary, so the last stage can restore its name.
+
+Boundary dtypes and dims come from running the full model in onnxruntime at two batch and
+seq settings, not from shape inference.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from dvabatch_backend.manifest import BATCH, SEQ, SUPPORTED_DTYPES, Manifest, StageSpec, TensorSpec
+
+FULL_MODEL_FILE = "model.onnx"
+MANIFEST_FILE = "manifest.json"
+PROBE_SETTINGS = ((2, 3), (3, 5))  # (batch, seq) pairs the full model is run at
+
+
+def boundary_tensors(model: onnx.ModelProto, cut_positions: Sequence[int]) -> list[list[str]]:
+    """Original names of the tensors at each boundary 0..N for the given cut positions.
+
+    Internal boundary at position p: tensors made by ``nodes[:p]`` or graph inputs (not
+    initializers) that ``nodes[p:]`` read or that are graph outputs. Graph inputs come
+    first in input order, then the rest in production order.
+    """
+    graph = model.graph
+    positions = _check_positions(model, cut_positions)
+    inputs = _graph_inputs(graph)
+    outputs = [o.name for o in graph.output]
+    output_set = set(outputs)
+    made_at: dict[str, int] = {name: -1 for name in inputs}
+    last_use: dict[str, int] = {}
+    for i, node in enumerate(graph.node):
+        for name in _node_inputs(node):
+            last_use[name] = i
+        for name in node.output:
+            if name and name not in made_at:
+                made_at[name] = i
+    bounds = [list(inputs)]
+    for p in positions:
+        bounds.append(
+            [t for t, i in made_at.items() if i < p and (last_use.get(t, -1) >= p or t in output_set)]
+        )
+    bounds.append(outputs)
+    return bounds
+
+
+def cut_positions_after(model: onnx.ModelProto, tensor_names: Sequence[str]) -> list[int]:
+    """For each named tensor (in the given order), the position right after the node making it."""
+    made_by = {name: i for i, node in enumerate(model.graph.node) for name in node.output if name}
+    positions = []
+    for name in tensor_names:
+        if name not in made_by:
+            what = (
+                "a graph input" if name in {i.name for i in model.graph.input}
+                else "an initializer" if name in _initializer_names(model.graph)
+                else "not a tensor of the graph"
+            )
+            raise ValueError(f"cannot cut after tensor {name!r}: no node produces it ({what})")
+        positions.append(made_by[name] + 1)
+    return positions
+
+
+def cut_model(
+    model: onnx.ModelProto,
+    cut_positions: Sequence[int],
+    out_dir: Path,
+    name: str,
+    max_batch_size: int,
+    max_length: int,
+) -> Manifest:
+    """Cut `model` at `cut_positions` and write the sliced model directory `out_dir`.
+
+    Writes ``stage{i}.onnx`` for each stage, ``model.onnx`` (the full model) and
+    ``manifest.json``; returns the manifest. Nothing is written unless every stage was
+    built and checked.
+    """
+    graph = model.graph
+    bounds = boundary_tensors(model, cut_positions)
+    n_stages = len(bounds) - 1
+    starts = [0, *cut_positions]
+    ends = [*cut_positions, len(graph.node)]
+
+    for k, bound in enumerate(bounds[1:-1], start=1):
+        if not bound:
+            raise ValueError(f"nothing crosses the cut at position {starts[k]} (boundary {k})")
+    names = _boundary_names(model, bounds, starts, ends)
+    specs = _tensor_specs(model, bounds)
+    boundary_specs = [
+        tuple(_renamed_spec(specs[t], names[k][t]) for t in bound) for k, bound in enumerate(bounds)
+    ]
+
+    stage_models = [
+        _build_stage(model, k, starts[k], ends[k], bounds, names, boundary_specs) for k in range(n_stages)
+    ]
+    manifest = Manifest(
+        name=name,
+        max_batch_size=max_batch_size,
+        max_length=max_length,
+        inputs=boundary_specs[0],
+        outputs=boundary_specs[-1],
+        stages=tuple(
+            StageSpec(f"stage{k}.onnx", boundary_specs[k], boundary_specs[k + 1]) for k in range(n_stages)
+        ),
+        full_model=FULL_MODEL_FILE,
+    )
+    Manifest.from_json(manifest.to_json())  # the checks Manifest.load makes; raises ManifestError
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for k, stage in enumerate(stage_models):
+        onnx.save(stage, str(out_dir / f"stage{k}.onnx"))
+    onnx.save(model, str(out_dir / FULL_MODEL_FILE))
+    manifest.dump(out_dir / MANIFEST_FILE)
+    return manifest
+
+
+# --- graph helpers ---------------------------------------------------------------------
+
+
+def _initializer_names(graph: onnx.GraphProto) -> set[str]:
+    return {t.name for t in graph.initializer} | {t.values.name for t in graph.sparse_initializer}
+
+
+def _graph_inputs(graph: onnx.GraphProto) -> list[str]:
+    inits = _initializer_names(graph)
+    return [i.name for i in graph.input if i.name not in inits]
+
+
+def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def _outer_refs(graph: onnx.GraphProto) -> list[str]:
+    """Names a subgraph reads from enclosing scopes."""
+    defined = {i.name for i in graph.input} | _initializer_names(graph)
+    defined |= {name for node in graph.node for name in node.output}
+    used = [name for node in graph.node for name in _node_inputs(node)]
+    used += [o.name for o in graph.output]
+    return [name for name in dict.fromkeys(used) if name not in defined]
+
+
+def _node_inputs(node: onnx.NodeProto) -> list[str]:
+    """The tensors a node reads: its inputs and what its subgraphs take from outside."""
+    names = [name for name in node.input if name]
+    for sub in _subgraphs(node):
+        names += _outer_refs(sub)
+    return list(dict.fromkeys(names))
+
+
+def _rename_inputs(graph_nodes: Iterator[onnx.NodeProto], rename: dict[str, str]) -> None:
+    """Rename reads of tensors in place, inside subgraphs too (ONNX names are unique across scopes)."""
+    for node in graph_nodes:
+        for i, name in enumerate(node.input):
+            if name in rename:
+                node.input[i] = rename[name]
+        for sub in _subgraphs(node):
+            _rename_inputs(iter(sub.node), rename)
+            for out in sub.output:
+                if out.name in rename:
+                    out.name = rename[out.name]
+
+
+def _check_positions(model: onnx.ModelProto, cut_positions: Sequence[int]) -> list[int]:
+    n = len(model.graph.node)
+    positions = list(cut_positions)
+    for p in positions:
+        if isinstance(p, bool) or not isinstance(p, (int, np.integer)):
+            raise ValueError(f"cut positions must be ints, got {p!r} in {positions}")
+        if not 0 < p < n:
+            raise ValueError(f"cut position {p} is outside (0, {n}): the graph has {n} nodes; positions {positions}")
+    if any(b <= a for a, b in zip(positions, positions[1:])):
+        raise ValueError(f"cut positions must be strictly increasing, got {positions}")
+    return [int(p) for p in positions]
+
+
+# --- boundary names and specs ----------------------------------------------------------
+
+
+def _boundary_names(
+    model: onnx.ModelProto, bounds: list[list[str]], starts: list[int], ends: list[int]
+) -> list[dict[str, str]]:
+    """For each boundary, original tensor name -> the name it has at that boundary."""
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    n = len(bounds) - 1
+    names: list[dict[str, str]] = [{t: t for t in bounds[0]}]
+    for k in range(1, n):
+        made_before = {o for node in graph.node[starts[k - 1]:ends[k - 1]] for o in node.output if o}
+        names.append({t: t if t in made_before and t not in outputs else f"{t}__{k}" for t in bounds[k]})
+    names.append({t: t for t in bounds[n]})
+
+    existing = set(_graph_inputs(graph)) | _initializer_names(graph) | outputs
+    existing |= {o for node in graph.node for o in node.output}
+    for k in range(1, n):
+        for t, new in names[k].items():
+            if new != t and new in existing:
+                raise ValueError(
+                    f"cannot rename pass-through tensor {t!r} at boundary {k}: the graph already has a tensor {new!r}"
+                )
+    return names
+
+
+def _renamed_spec(spec: TensorSpec, name: str) -> TensorSpec:
+    return spec if spec.name == name else TensorSpec(name, spec.dtype, spec.dims)
+
+
+def _input_spec(vi: onnx.ValueInfoProto) -> TensorSpec:
+    """A model input's spec from its declared type: dims are ints, "batch" or "seq"."""
+    if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+        raise ValueError(f"model input {vi.name!r} must be a tensor with a declared shape")
+    tt = vi.type.tensor_type
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)).name
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"model input {vi.name!r} has dtype {dtype}, not one of {SUPPORTED_DTYPES}")
+    dims: list[int | str] = []
+    for i, d in enumerate(tt.shape.dim):
+        if d.HasField("dim_value") and d.dim_value > 0:
+            dims.append(int(d.dim_value))
+        elif d.HasField("dim_param") and d.dim_param in (BATCH, SEQ):
+            dims.append(d.dim_param)
+        else:
+            raise ValueError(
+                f"model input {vi.name!r} dim {i} ({str(d).strip() or 'unknown'}) must be a positive int "
+                f"or the dim_param {BATCH!r} or {SEQ!r}"
+            )
+    if not dims or dims[0] != BATCH or BATCH in dims[1:]:
+        raise ValueError(f"model input {vi.name!r} must have {BATCH!r} as its first and only first dim, got {dims}")
+    return TensorSpec(vi.name, dtype, tuple(dims))
+
+
+def _probe_feed(spec: TensorSpec, batch: int, seq: int, rng: np.random.Generator) -> np.ndarray:
+    shape = spec.shape(batch, seq)
+    dtype = spec.np_dtype
+    if np.issubdtype(dtype, np.floating):
+        return rng.standard_normal(shape).astype(dtype)
+    return np.ones(shape, dtype=dtype)
+
+
+def _tensor_specs(model: onnx.ModelProto, bounds: list[list[str]]) -> dict[str, TensorSpec]:
+    """Specs of every boundary tensor under its original name: inputs declared, the rest probed."""
+    graph = model.graph
+    inits = _initializer_names(graph)
+    specs = {vi.name: _input_spec(vi) for vi in graph.input if vi.name not in inits}
+    has_seq = any(s.has_seq for s in specs.values())
+    wanted = [t for t in dict.fromkeys(t for bound in bounds for t in bound) if t not in specs]
+    if not wanted:
+        return specs
+    for t in wanted:
+        if t in inits:
+            raise ValueError(f"boundary tensor {t!r} is an initializer; a model output must be computed by a node")
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    declared = {o.name for o in probe.graph.output}
+    probe.graph.output.extend(onnx.ValueInfoProto(name=t) for t in wanted if t not in declared)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    runs = []
+    for batch, seq in PROBE_SETTINGS:
+        feeds = {name: _probe_feed(spec, batch, seq, rng) for name, spec in specs.items()}
+        runs.append(session.run(wanted, feeds))
+
+    (b1, s1), (b2, s2) = PROBE_SETTINGS
+    for j, t in enumerate(wanted):
+        a1, a2 = np.asarray(runs[0][j]), np.asarray(runs[1][j])
+        dtype = a1.dtype.name
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"boundary tensor {t!r} has dtype {dtype}, not one of {SUPPORTED_DTYPES}")
+        if a1.ndim != a2.ndim:
+            raise ValueError(f"boundary tensor {t!r} changes rank with the input shape: {a1.shape} vs {a2.shape}")
+        dims: list[int | str] = []
+        for i, (d1, d2) in enumerate(zip(a1.shape, a2.shape)):
+            if (d1, d2) == (b1, b2):
+                dims.append(BATCH)
+            elif has_seq and (d1, d2) == (s1, s2):
+                dims.append(SEQ)
+            elif d1 == d2 and d1 > 0:
+                dims.append(int(d1))
+            else:
+                raise ValueError(
+                    f"boundary tensor {t!r} dim {i} is {d1} at (batch={b1}, seq={s1}) and {d2} at "
+                    f"(batch={b2}, seq={s2}): neither {BATCH!r}, {SEQ!r} nor a positive constant"
+                )
+        if not dims or dims[0] != BATCH or BATCH in dims[1:]:
+            raise ValueError(
+                f"boundary tensor {t!r} has shape {a1.shape} at batch={b1}: its first and only its first dim "
+                f"must be {BATCH!r}, got {dims}"
+            )
+        specs[t] = TensorSpec(t, dtype, tuple(dims))
+    return specs
+
+
+# --- stages ----------------------------------------------------------------------------
+
+
+def _value_info(spec: TensorSpec) -> onnx.ValueInfoProto:
+    elem = helper.np_dtype_to_tensor_dtype(spec.np_dtype)
+    return helper.make_tensor_value_info(spec.name, elem, list(spec.dims))
+
+
+def _build_stage(
+    model: onnx.ModelProto,
+    k: int,
+    start: int,
+    end: int,
+    bounds: list[list[str]],
+    names: list[dict[str, str]],
+    boundary_specs: list[tuple[TensorSpec, ...]],
+) -> onnx.ModelProto:
+    graph = model.graph
+    nodes = []
+    for src in graph.node[start:end]:
+        node = onnx.NodeProto()
+        node.CopyFrom(src)
+        nodes.append(node)
+    rename = {t: new for t, new in names[k].items() if new != t}
+    _rename_inputs(iter(nodes), rename)
+
+    produced = {o for node in nodes for o in node.output if o}
+    for t in bounds[k + 1]:
+        target = names[k + 1][t]
+        if t in produced:
+            source = t
+        elif t in names[k]:
+            source = names[k][t]
+        else:
+            raise ValueError(f"stage {k} cannot provide boundary tensor {t!r}")
+        if source != target:
+            nodes.append(helper.make_node("Identity", [source], [target], name=f"forward_{target}"))
+
+    used = {name for node in nodes for name in _node_inputs(node)}
+    initializers = [t for t in graph.initializer if t.name in used]
+    sparse = [t for t in graph.sparse_initializer if t.values.name in used]
+    boundary_names = {s.name for s in boundary_specs[k]} | {s.name for s in boundary_specs[k + 1]}
+    value_info = [vi for vi in graph.value_info if vi.name in produced and vi.name not in boundary_names]
+
+    stage_graph = helper.make_graph(
+        nodes,
+        f"{graph.name or 'model'}_stage{k}",
+        [_value_info(s) for s in boundary_specs[k]],
+        [_value_info(s) for s in boundary_specs[k + 1]],
+        initializer=initializers,
+        value_info=value_info,
+        sparse_initializer=sparse,
+    )
+    stage = helper.make_model(stage_graph, opset_imports=list(model.opset_import), producer_name="slicer.cut")
+    stage.ir_version = model.ir_version
+    stage.functions.extend(model.functions)
+    try:
+        onnx.checker.check_model(stage)
+    except onnx.checker.ValidationError as exc:
+        raise ValueError(f"stage {k} (nodes {start}..{end - 1}) is not a valid ONNX model: {exc}") from exc
+    return stage

@@ -1,0 +1,117 @@
+"""Small ONNX models built from seeded numpy weights, for tests and demos.
+
+Every model uses IR version 10 and the default-domain opset 17: onnx 1.23 writes IR 14 by
+default, which onnxruntime 1.31 refuses to load.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+IR_VERSION = 10
+OPSET = 17
+
+
+def _model(graph: onnx.GraphProto) -> onnx.ModelProto:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="slicer.toy")
+    model.ir_version = IR_VERSION
+    return model
+
+
+def _linear(
+    rng: np.random.Generator, k: int, src: str, dst: str, size: int, inits: list[onnx.TensorProto]
+) -> list[onnx.NodeProto]:
+    """Nodes for dst = MatMul(src, W_k) + b_k, weights scaled to keep values O(1)."""
+    w = (rng.standard_normal((size, size)) / np.sqrt(size)).astype(np.float32)
+    b = (0.1 * rng.standard_normal(size)).astype(np.float32)
+    inits += [numpy_helper.from_array(w, f"W{k}"), numpy_helper.from_array(b, f"b{k}")]
+    return [
+        helper.make_node("MatMul", [src, f"W{k}"], [f"mm{k}"], name=f"matmul{k}"),
+        helper.make_node("Add", [f"mm{k}", f"b{k}"], [dst], name=f"add{k}"),
+    ]
+
+
+def token_mlp(hidden: int = 8, layers: int = 4, seed: int = 0) -> onnx.ModelProto:
+    """A per-token MLP with a masked mean pool.
+
+    Inputs ``x`` float32 [batch, seq, hidden] and ``mask`` float32 [batch, seq]; layer k
+    computes ``h{k} = Relu(h{k-1} @ W_k + b_k)``. Outputs ``tokens = h{layers} * mask[..., None]``
+    [batch, seq, hidden] and ``pooled = sum_seq(tokens) / max(sum_seq(mask), 1e-6)``
+    [batch, hidden]. Rows are independent and zero-padding does not change a row's results.
+    """
+    if hidden < 1 or layers < 1:
+        raise ValueError(f"hidden and layers must be >= 1, got hidden={hidden}, layers={layers}")
+    rng = np.random.default_rng(seed)
+    inits: list[onnx.TensorProto] = []
+    nodes: list[onnx.NodeProto] = []
+    prev = "x"
+    for k in range(1, layers + 1):
+        nodes += _linear(rng, k, prev, f"lin{k}", hidden, inits)
+        nodes.append(helper.make_node("Relu", [f"lin{k}"], [f"h{k}"], name=f"relu{k}"))
+        prev = f"h{k}"
+    inits += [
+        numpy_helper.from_array(np.array([-1], dtype=np.int64), "axis_last"),
+        numpy_helper.from_array(np.array([1], dtype=np.int64), "axis_seq"),
+        numpy_helper.from_array(np.array(1e-6, dtype=np.float32), "eps"),
+    ]
+    nodes += [
+        helper.make_node("Unsqueeze", ["mask", "axis_last"], ["mask3"], name="unsqueeze_mask"),
+        helper.make_node("Mul", [prev, "mask3"], ["tokens"], name="apply_mask"),
+        helper.make_node("ReduceSum", ["tokens", "axis_seq"], ["token_sum"], keepdims=0, name="sum_tokens"),
+        helper.make_node("ReduceSum", ["mask", "axis_seq"], ["count"], keepdims=1, name="count_tokens"),
+        helper.make_node("Max", ["count", "eps"], ["count_safe"], name="clamp_count"),
+        helper.make_node("Div", ["token_sum", "count_safe"], ["pooled"], name="mean_pool"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "token_mlp",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", hidden]),
+            helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["batch", "seq"]),
+        ],
+        [
+            helper.make_tensor_value_info("tokens", TensorProto.FLOAT, ["batch", "seq", hidden]),
+            helper.make_tensor_value_info("pooled", TensorProto.FLOAT, ["batch", hidden]),
+        ],
+        initializer=inits,
+    )
+    return _model(graph)
+
+
+def dense_mlp(features: int = 16, layers: int = 4, seed: int = 0) -> onnx.ModelProto:
+    """A plain MLP: ``x`` float32 [batch, features] -> ``y`` float32 [batch, features].
+
+    Hidden layers ``h{k} = Relu(h{k-1} @ W_k + b_k)`` for k = 1..layers-1; the last layer
+    ``y = h{layers-1} @ W + b`` has no Relu.
+    """
+    if features < 1 or layers < 1:
+        raise ValueError(f"features and layers must be >= 1, got features={features}, layers={layers}")
+    rng = np.random.default_rng(seed)
+    inits: list[onnx.TensorProto] = []
+    nodes: list[onnx.NodeProto] = []
+    prev = "x"
+    for k in range(1, layers):
+        nodes += _linear(rng, k, prev, f"lin{k}", features, inits)
+        nodes.append(helper.make_node("Relu", [f"lin{k}"], [f"h{k}"], name=f"relu{k}"))
+        prev = f"h{k}"
+    nodes += _linear(rng, layers, prev, "y", features, inits)
+    graph = helper.make_graph(
+        nodes,
+        "dense_mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", features])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", features])],
+        initializer=inits,
+    )
+    return _model(graph)
+
+
+def save(model: onnx.ModelProto, path: str | Path) -> Path:
+    """Check `model` with onnx.checker and save it to `path` (parent folders created)."""
+    onnx.checker.check_model(model)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
