@@ -209,7 +209,7 @@ class Scheduler:
             if why is None:
                 item = self._table.stretch(decision.batch_id, queries)
                 self.stats.stretch += 1
-                self._push(0, item)
+                self._push(0, item, now)
                 self._record("stretch", now, None, item)
                 return []
             self.stats.stretch_refused += 1
@@ -223,7 +223,7 @@ class Scheduler:
             return self._policy_error(f"{decision}: pad length {pad} outside [{longest}, {self.manifest.max_length}]", ids)
         item = self._table.new(queries, pad, pair=-1, now=now, no_stretch=decision.no_stretch)
         self.stats.new += 1
-        self._push(0, item)
+        self._push(0, item, now)
         self._record("new", now, None, item, f"pad={pad}")
         return []
 
@@ -318,7 +318,7 @@ class Scheduler:
             handed_on = self._hand_on(stage, item, now)
             self._buffers.finish(work.use, handed_on=bool(handed_on))
             for out_item in handed_on:
-                self._push(stage + 1, out_item)
+                self._push(stage + 1, out_item, now)
             if stage == self.num_stages - 1 and self._table.retire_if_done(item.batch_id):
                 self._record("exit", now, stage, BatchItem(item.batch_id, 0, 0))
             for woken in self._buffers.legitimate_upstream(stage):
@@ -349,9 +349,10 @@ class Scheduler:
         self._record("split", now, stage, nxt, f"into {list(decision.sizes)} -> ids {[c.batch_id for c in children]}")
         return children
 
-    def _push(self, stage: int, item: BatchItem) -> None:
+    def _push(self, stage: int, item: BatchItem, now: float) -> None:
         self._queues[stage].push(item)
         self.stats.handoffs += 1
+        self._record("push", now, stage, item)
         self._executors[stage].wakeup.notify()
 
     def _answer_results(self, queries: list[Query], results: list[dict[str, np.ndarray]]) -> list[_Delivery]:

@@ -28,7 +28,7 @@ class RuntimeStats:
 
 @dataclass(frozen=True)
 class TraceEvent:
-    """One thing that happened. `kind` is new, stretch, split, run or exit.
+    """One thing that happened. `kind` is new, stretch, split, push (onto `stage`'s queue), run or exit.
 
     For `run`, [t0, t1] is the time the executor spent in the working state.
     """

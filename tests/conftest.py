@@ -1,0 +1,142 @@
+"""Shared fixtures: small sliced models, the unsliced reference, and engines tests can steer."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from dvabatch_backend import Answer, Manifest, OrtStageEngine, RuntimeSettings, Scheduler
+from dvabatch_backend.decisions import Policy
+from slicer import cut, toy
+
+HIDDEN = 8
+MAX_LENGTH = 12
+MAX_BS = 8
+TOKEN_LAYERS = 6  # cut points h1..h5: up to 6 stages
+DENSE_LAYERS = 6  # cut points h1..h5
+
+
+@dataclass
+class SlicedModel:
+    """A model directory plus its unsliced reference, run on each query alone."""
+
+    dir: Path
+    manifest: Manifest
+    full: ort.InferenceSession = field(repr=False)
+
+    def reference(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        names = [o.name for o in self.full.get_outputs()]
+        return dict(zip(names, (r[0] for r in self.full.run(None, {k: v[None] for k, v in inputs.items()}))))
+
+    def engines(self) -> list[OrtStageEngine]:
+        return [OrtStageEngine(self.dir / s.file) for s in self.manifest.stages]
+
+    def query(self, rng: np.random.Generator, length: int | None = None) -> dict[str, np.ndarray]:
+        if "mask" in {t.name for t in self.manifest.inputs}:
+            length = int(rng.integers(1, MAX_LENGTH + 1)) if length is None else length
+            return {"x": rng.standard_normal((length, HIDDEN)).astype(np.float32), "mask": np.ones(length, np.float32)}
+        return {"x": rng.standard_normal(16).astype(np.float32)}
+
+
+class ModelZoo:
+    """Sliced toy models, made once per test session and cached by (kind, cut tensors)."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._cache: dict[tuple[str, tuple[str, ...]], SlicedModel] = {}
+
+    def get(self, kind: str, cuts: tuple[str, ...]) -> SlicedModel:
+        key = (kind, cuts)
+        if key not in self._cache:
+            model = toy.token_mlp(hidden=HIDDEN, layers=TOKEN_LAYERS) if kind == "token" else toy.dense_mlp(16, DENSE_LAYERS)
+            out = self._root / f"{kind}-{'-'.join(cuts) or 'whole'}"
+            manifest = cut.cut_model(model, cut.cut_positions_after(model, list(cuts)), out, kind, MAX_BS, MAX_LENGTH)
+            full = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+            self._cache[key] = SlicedModel(out, manifest, full)
+        return self._cache[key]
+
+    def stages(self, kind: str, n: int) -> SlicedModel:
+        """`n` stages cut after evenly spread hidden layers."""
+        layers = [f"h{k}" for k in range(1, 6)]
+        picks = tuple(layers[round(i * 5 / n) - 1] for i in range(1, n)) if n > 1 else ()
+        return self.get(kind, picks)
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> ModelZoo:
+    return ModelZoo(tmp_path_factory.mktemp("zoo"))
+
+
+class Collector:
+    """A reply callback that records every answer, and waits for a number of them."""
+
+    def __init__(self) -> None:
+        self.answers: dict[int, list[Answer]] = defaultdict(list)
+        self.times: dict[int, float] = {}
+        self._cond = threading.Condition()
+
+    def __call__(self, answer: Answer) -> None:
+        with self._cond:
+            self.answers[answer.query_id].append(answer)
+            self.times.setdefault(answer.query_id, time.perf_counter())
+            self._cond.notify_all()
+
+    def wait_for(self, ids: list[int] | set[int], timeout: float = 20.0) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: all(i in self.answers for i in ids), timeout)
+
+    def one(self, qid: int) -> Answer:
+        got = self.answers[qid]
+        assert len(got) == 1, f"query {qid} answered {len(got)} times: {got}"
+        return got[0]
+
+
+class GatedEngine:
+    """A real engine that runs only when the test lets it: steps are ordered by events, not sleeps."""
+
+    def __init__(self, inner: OrtStageEngine) -> None:
+        self.inner = inner
+        self.started = threading.Semaphore(0)
+        self._permits = threading.Semaphore(0)
+
+    def run(self, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+        self.started.release()
+        if not self._permits.acquire(timeout=20):
+            raise TimeoutError("the test never let this stage run")
+        self.inner.run(inputs, outputs)
+
+    def wait_started(self, timeout: float = 10.0) -> None:
+        assert self.started.acquire(timeout=timeout), "stage did not start"
+
+    def release(self) -> None:
+        self._permits.release()
+
+
+class SlowEngine:
+    """A real engine that also takes `delay` seconds, to widen the windows in which stages overlap."""
+
+    def __init__(self, inner: OrtStageEngine, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+
+    def run(self, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+        self.inner.run(inputs, outputs)
+        time.sleep(self.delay)
+
+
+def make_scheduler(model: SlicedModel, policy: Policy, engines: list | None = None, **settings: object) -> Scheduler:
+    options = {"record_trace": True, **settings}
+    return Scheduler(model.manifest, engines or model.engines(), policy, RuntimeSettings(**options))  # type: ignore[arg-type]
+
+
+def assert_matches_reference(model: SlicedModel, inputs: Mapping[str, np.ndarray], answer: Answer) -> None:
+    assert answer.error is None, answer.error
+    assert answer.outputs is not None
+    for name, ref in model.reference(inputs).items():
+        np.testing.assert_allclose(answer.outputs[name], ref, atol=1e-4, rtol=0, err_msg=f"output {name}")

@@ -1,0 +1,88 @@
+"""Property: under random arrivals and random legal meta operations, every query is answered
+exactly once, with the unsliced model's result, and the buffer-pair checks never fire."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from policies import RandomLegalPolicy
+
+from .conftest import Collector, SlowEngine, assert_matches_reference, make_scheduler
+
+CUT_POINTS = ("h1", "h2", "h3", "h4", "h5")
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> dict:
+    kind = draw(st.sampled_from(["token", "dense"]))
+    cuts = tuple(sorted(draw(st.sets(st.sampled_from(CUT_POINTS), max_size=5))))
+    groups = draw(st.lists(st.integers(1, 6), min_size=1, max_size=12))  # queries per arrival
+    return {
+        "kind": kind,
+        "cuts": cuts,
+        "pairs": draw(st.integers(1, 3)),
+        "bs_max": draw(st.integers(1, 8)),
+        "groups": groups,
+        "gaps": draw(st.lists(st.sampled_from([0.0, 0.0005, 0.001]), min_size=len(groups), max_size=len(groups))),
+        "delay": draw(st.sampled_from([0.0, 0.0005, 0.002])),  # keep batches in flight when queries arrive
+        "seed": draw(st.integers(0, 2**16)),
+        "p_stretch": draw(st.sampled_from([0.0, 0.5, 0.9])),
+        "p_split": draw(st.sampled_from([0.0, 0.3, 0.7])),
+        "p_hold": draw(st.sampled_from([0.0, 0.2])),
+    }
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_random_schedules_answer_every_query_once_and_correctly(zoo, scenario: dict) -> None:
+    model = zoo.get(scenario["kind"], scenario["cuts"])
+    engines = model.engines()
+    if scenario["delay"]:
+        engines = [SlowEngine(e, scenario["delay"]) for e in engines]
+    policy = RandomLegalPolicy(
+        seed=scenario["seed"], stretch=scenario["p_stretch"], split=scenario["p_split"], hold=scenario["p_hold"]
+    )
+    scheduler = make_scheduler(model, policy, engines, num_buffer_pairs=scenario["pairs"], bs_max=scenario["bs_max"])
+    rng = np.random.default_rng(scenario["seed"])
+    collector = Collector()
+    sent: dict[int, dict[str, np.ndarray]] = {}
+    with scheduler:
+        for size, gap in zip(scenario["groups"], scenario["gaps"]):
+            batch = [model.query(rng) for _ in range(size)]
+            ids = scheduler.submit_many([(q, collector) for q in batch])
+            sent.update(zip(ids, batch))
+            time.sleep(gap)
+        assert collector.wait_for(set(sent), timeout=30), f"unanswered: {set(sent) - set(collector.answers)}"
+    assert set(collector.answers) == set(sent)
+    for qid, inputs in sent.items():
+        assert_matches_reference(model, inputs, collector.one(qid))
+    assert scheduler.buffer_violations == []
+    assert scheduler.stats.policy_errors == 0
+    assert scheduler.stats.answered_ok == len(sent)
+    assert not any(t.is_alive() for t in scheduler.threads)
+
+
+def test_long_random_run_with_every_meta_operation(zoo) -> None:
+    """One longer run per pair count, heavy on stretch and split, for the rarer interleavings."""
+    model = zoo.stages("token", 4)
+    rng = np.random.default_rng(7)
+    for pairs in (1, 2, 3):
+        engines = [SlowEngine(e, 0.0003) for e in model.engines()]
+        policy = RandomLegalPolicy(seed=pairs, stretch=0.9, split=0.6, hold=0.1)
+        scheduler = make_scheduler(model, policy, engines, num_buffer_pairs=pairs)
+        collector = Collector()
+        sent: dict[int, dict[str, np.ndarray]] = {}
+        with scheduler:
+            for _ in range(120):
+                batch = [model.query(rng) for _ in range(int(rng.integers(1, 4)))]
+                sent.update(zip(scheduler.submit_many([(q, collector) for q in batch]), batch))
+                time.sleep(float(rng.choice([0.0, 0.0003, 0.001])))
+            assert collector.wait_for(set(sent), timeout=60)
+        for qid, inputs in sent.items():
+            assert_matches_reference(model, inputs, collector.one(qid))
+        stats = scheduler.stats
+        assert stats.stretch > 0 and stats.split > 0, stats
+        assert scheduler.buffer_violations == []
