@@ -276,6 +276,7 @@ class Scheduler:
                     ex.state = ExecutorState.INACTIVE
                 else:
                     ex.state = ExecutorState.ACTIVE if item is None else ExecutorState.CHECKING
+                self._progress.notify_all()
                 ex.wakeup.wait()
             self._queues[stage].pop()
             row = self._table.get(item.batch_id)
@@ -383,8 +384,8 @@ class Scheduler:
         return list(self._buffers.violations)
 
     def executor_states(self) -> list[ExecutorState]:
-        with self.lock:
-            return [ex.state for ex in self._executors]
+        """Each executor's state; read without the lock (usable inside `wait_until` predicates)."""
+        return [ex.state for ex in self._executors]
 
     def buffer_states(self) -> list[list[BufferState]]:
         with self.lock:
@@ -392,7 +393,7 @@ class Scheduler:
 
     def snapshot(self) -> TableSnapshot:
         with self.lock:
-            return TableSnapshot([self._table.info(r) for r in self._table], [list(q) for q in self._queues])
+            return self.snapshot_unlocked()
 
     def wait_until(self, predicate: Callable[["Scheduler"], bool], timeout: float) -> bool:
         """Wait until `predicate(self)` holds after some progress; it is evaluated under the lock."""
@@ -409,8 +410,8 @@ class Scheduler:
     def pending_count(self) -> int:
         return len(self._pending)
 
-    def table_snapshot_unlocked(self) -> TableSnapshot:
-        """For `wait_until` predicates, which already hold the lock."""
+    def snapshot_unlocked(self) -> TableSnapshot:
+        """Batch rows and queue items, for callers that hold the lock (`wait_until` predicates)."""
         return TableSnapshot([self._table.info(r) for r in self._table], [list(q) for q in self._queues])
 
 

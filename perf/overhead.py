@@ -1,0 +1,671 @@
+"""Runtime overhead benchmark (not a test): what the dvabatch runtime adds on top of the stage engines.
+
+    python -m perf.overhead [--quick] [--json OUT] [--no-breakdown]
+
+1. Scheduling overhead per stage hand-off. dense_mlp(features=16, layers=8) is sliced into
+   1, 2, 4 and 8 stages and served with the PipelinedPolicy, 1 and 2 buffer pairs, one
+   onnxruntime thread per stage. Queries are sent closed loop, one at a time (submit, wait for
+   the reply on a threading.Event, repeat). Every stage engine is wrapped in `TimedEngine`,
+   which adds up the perf_counter time spent in the real `OrtStageEngine.run` (io_binding
+   included), so per query
+
+       runtime overhead = (submit -> reply callback) - (time inside the stage engines)
+
+   and per hand-off, for each query of an N-stage pipeline,
+
+       hand-off = (overhead of that query - median overhead of the 1-stage pipeline) / (N - 1)
+
+   of which the median and p90 over queries are reported. The target (<= 50 us) is judged
+   on the median.
+
+2. End-to-end cost of slicing. token_mlp(hidden=128, layers=8), length-16 queries, cut into
+   2 and 4 stages (2 buffer pairs; 4 stages also with 1 pair), against onnxruntime run
+   directly on the unsliced model.onnx at batch size 1 with the same session options
+   (`ort_session_options(1)`). Both are timed per query, inputs copy included: dvabatch from
+   `submit` to the reply callback, the baseline around `np.copy` of the inputs + `session.run`.
+   Target: <= 0.3 ms added per query (mean and median) for 4 stages.
+
+Every configuration of a part runs in the same process; blocks of queries alternate between
+them in shuffled order (rounds), so machine noise falls on all of them alike.
+
+3. Breakdown (skip with --no-breakdown): where a hand-off's time goes. The 8-stage pipeline is
+   (a) driven synchronously from one thread through `Scheduler.next_work`/`finish_work` (the
+   pure CPU cost of the bookkeeping, no thread switch), (b) served normally under a
+   `Scheduler` subclass that timestamps those calls (engine end -> finish_work -> wake-up and
+   next_work of the next stage -> engine start), plus (c) a CPython thread-to-thread wake-up
+   through a Condition over a shared lock (the pattern the executors use), and (d) the cost of
+   one onnxruntime call with and without building the IOBinding each time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from dvabatch_backend.engine import OrtStageEngine, ort_session_options
+from dvabatch_backend.executor import gather_inputs, scatter_outputs
+from dvabatch_backend.manifest import Manifest
+from dvabatch_backend.query import Answer
+from dvabatch_backend.scheduler import RuntimeSettings, Scheduler
+from policies.pipelined import PipelinedPolicy
+from slicer import cut, toy
+
+HANDOFF_TARGET_US = 50.0
+ADDED_TARGET_MS = 0.3
+
+perf = time.perf_counter
+Inputs = Mapping[str, np.ndarray]
+
+
+# --- models ----------------------------------------------------------------------------
+
+
+def slice_model(model, layer_tensors: Sequence[str], num_stages: int, out_dir: Path, name: str,
+                bs_max: int, max_length: int) -> Path:
+    """Cut `model` into `num_stages` stages of about equal numbers of layers (as the demo does)."""
+    n = len(layer_tensors)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot cut {n} layers into {num_stages} stages")
+    at = [layer_tensors[round(i * n / num_stages) - 1] for i in range(1, num_stages)]
+    cut.cut_model(model, cut.cut_positions_after(model, at), out_dir, name, bs_max, max_length)
+    return out_dir
+
+
+# --- runners ---------------------------------------------------------------------------
+
+
+class TimedEngine:
+    """A stage engine that adds up the time spent in the real engine's `run`.
+
+    With `marks` set, also keeps (start, end) of every call (for the breakdown).
+    """
+
+    def __init__(self, engine, marks: list | None = None) -> None:
+        self.engine = engine
+        self.seconds = 0.0
+        self.calls = 0
+        self.marks = marks
+
+    def run(self, inputs: Inputs, outputs: Inputs) -> None:
+        t0 = perf()
+        try:
+            self.engine.run(inputs, outputs)
+        finally:
+            t1 = perf()
+            self.seconds += t1 - t0
+            self.calls += 1
+            if self.marks is not None:
+                self.marks.append((t0, t1))
+
+
+@dataclass
+class Sample:
+    latency: float  # submit -> answer (reply callback), or the baseline's copy + session.run
+    engine: float  # time inside the stage engines (the baseline: = latency)
+    client: float  # submit -> the submitting thread runs again with the answer
+
+
+class ServedRunner:
+    """A Scheduler over timed OrtStageEngines, queried closed loop, one query at a time."""
+
+    def __init__(self, model_dir: Path, pairs: int, scheduler_cls: type[Scheduler] = Scheduler,
+                 engine_marks: bool = False) -> None:
+        manifest = Manifest.load(model_dir / "manifest.json")
+        self.engines = [
+            TimedEngine(OrtStageEngine(model_dir / s.file, 1), [] if engine_marks else None) for s in manifest.stages
+        ]
+        settings = RuntimeSettings(num_buffer_pairs=pairs, threads_per_stage=1)
+        self.scheduler = scheduler_cls(manifest, self.engines, PipelinedPolicy(), settings)
+        self.num_stages = manifest.num_stages
+        self._done = threading.Event()
+        self._answer: Answer | None = None
+        self._t_answer = 0.0
+
+    def start(self) -> "ServedRunner":
+        self.scheduler.start()
+        return self
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    def _reply(self, answer: Answer) -> None:
+        self._t_answer = perf()
+        self._answer = answer
+        self._done.set()
+
+    def query(self, inputs: Inputs) -> Sample:
+        engines = self.engines
+        e0 = sum(e.seconds for e in engines)
+        self._done.clear()
+        t0 = perf()
+        self.scheduler.submit(inputs, self._reply)
+        if not self._done.wait(10.0):
+            raise RuntimeError("no answer within 10 s")
+        t2 = perf()
+        answer = self._answer
+        if answer is None or answer.error is not None:
+            raise RuntimeError(f"query failed: {answer}")
+        return Sample(self._t_answer - t0, sum(e.seconds for e in engines) - e0, t2 - t0)
+
+    def answer_of(self, inputs: Inputs) -> dict[str, np.ndarray]:
+        self.query(inputs)
+        assert self._answer is not None and self._answer.outputs is not None
+        return self._answer.outputs
+
+
+class DirectRunner:
+    """onnxruntime on the unsliced model, batch size 1, the runtime's session options."""
+
+    def __init__(self, model_path: Path) -> None:
+        import onnxruntime as ort
+
+        self.session = ort.InferenceSession(str(model_path), ort_session_options(1), providers=["CPUExecutionProvider"])
+
+    def start(self) -> "DirectRunner":
+        return self
+
+    def stop(self) -> None:
+        pass
+
+    def query(self, inputs: Inputs) -> Sample:
+        t0 = perf()
+        feeds = {k: v[None].copy() for k, v in inputs.items()}
+        self.session.run(None, feeds)
+        t = perf() - t0
+        return Sample(t, t, t)
+
+    def answer_of(self, inputs: Inputs) -> dict[str, np.ndarray]:
+        names = [o.name for o in self.session.get_outputs()]
+        return {n: r[0] for n, r in zip(names, self.session.run(None, {k: v[None] for k, v in inputs.items()}))}
+
+
+def run_interleaved(runners: Mapping[str, ServedRunner | DirectRunner], queries: Sequence[Inputs], rounds: int,
+                    block: int, warmup: int, seed: int = 0) -> dict[str, list[Sample]]:
+    """Warm every runner up, then run `rounds` rounds of one `block` per runner, in shuffled order.
+
+    Every runner gets the same query sequence.
+    """
+    rng = random.Random(seed)
+    for runner in runners.values():
+        for i in range(warmup):
+            runner.query(queries[i % len(queries)])
+    samples: dict[str, list[Sample]] = {label: [] for label in runners}
+    for r in range(rounds):
+        order = list(runners)
+        rng.shuffle(order)
+        for label in order:
+            runner, out = runners[label], samples[label]
+            for i in range(block):
+                out.append(runner.query(queries[(r * block + i) % len(queries)]))
+    return samples
+
+
+def check_answers(runners: Mapping[str, ServedRunner | DirectRunner], queries: Sequence[Inputs], ref: DirectRunner,
+                  tol: float = 1e-4) -> None:
+    for label, runner in runners.items():
+        for q in queries[:3]:
+            got, want = runner.answer_of(q), ref.answer_of(q)
+            err = max(float(np.max(np.abs(got[k] - want[k]))) for k in want)
+            if not err <= tol:
+                raise RuntimeError(f"{label}: answer differs from the unsliced model by {err:.2e}")
+
+
+# --- statistics ------------------------------------------------------------------------
+
+
+def us(x: float) -> float:
+    return x * 1e6
+
+
+def q(values: Sequence[float] | np.ndarray, p: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=float), p))
+
+
+def summary(values: Sequence[float] | np.ndarray, scale: float = 1e6) -> dict[str, float]:
+    a = np.asarray(values, dtype=float) * scale
+    return {"mean": float(a.mean()), "p50": float(np.median(a)), "p90": q(a, 90), "p99": q(a, 99)}
+
+
+# --- part 1: per hand-off --------------------------------------------------------------
+
+STAGE_COUNTS = (1, 2, 4, 8)
+PAIRS = (1, 2)
+
+
+def part_handoff(tmp: Path, rounds: int, block: int, warmup: int) -> dict:
+    features = 16
+    model = toy.dense_mlp(features=features, layers=8)
+    layer_tensors = [f"h{k}" for k in range(1, 8)] + ["y"]
+    dirs = {n: slice_model(model, layer_tensors, n, tmp / f"dense{n}", "dense_mlp", 4, 1) for n in STAGE_COUNTS}
+    rng = np.random.default_rng(1)
+    queries = [{"x": rng.standard_normal(features).astype(np.float32)} for _ in range(64)]
+    ref = DirectRunner(dirs[1] / "model.onnx")
+    runners = {(n, p): ServedRunner(dirs[n], p).start() for p in PAIRS for n in STAGE_COUNTS}
+    try:
+        check_answers({f"{n} stages/{p} pairs": r for (n, p), r in runners.items()}, queries, ref)
+        samples = run_interleaved(runners, queries, rounds, block, warmup, seed=1)
+    finally:
+        for r in runners.values():
+            r.stop()
+    result: dict = {"model": f"dense_mlp(features={features}, layers=8)", "queries_per_config": rounds * block,
+                    "warmup": warmup, "rounds": rounds, "configs": [], "handoff": []}
+    overhead = {}
+    for (n, p), ss in samples.items():
+        lat = np.array([s.latency for s in ss])
+        eng = np.array([s.engine for s in ss])
+        cli = np.array([s.client for s in ss])
+        overhead[n, p] = lat - eng
+        result["configs"].append({
+            "stages": n, "pairs": p, "latency_us": summary(lat), "engine_us": summary(eng),
+            "overhead_us": summary(lat - eng), "client_latency_us": summary(cli),
+        })
+    for p in PAIRS:
+        base = float(np.median(overhead[1, p]))
+        for n in STAGE_COUNTS[1:]:
+            per = (overhead[n, p] - base) / (n - 1)
+            med, p90 = us(float(np.median(per))), us(q(per, 90))
+            result["handoff"].append({"stages": n, "pairs": p, "p50_us": med, "p90_us": p90,
+                                      "target_us": HANDOFF_TARGET_US, "holds": med <= HANDOFF_TARGET_US})
+    return result
+
+
+def print_handoff(res: dict) -> None:
+    print(f"\n== 1. Scheduling overhead per stage hand-off: {res['model']}, PipelinedPolicy, 1 thread/stage,")
+    print(f"      closed loop (concurrency 1), {res['queries_per_config']} queries per config "
+          f"after {res['warmup']} warm-up, {res['rounds']} interleaved rounds; times in us")
+    print(f"{'stages':>6} {'pairs':>5} | {'e2e p50':>8} {'engines p50':>11} | {'overhead p50':>12} {'p90':>7} "
+          f"{'mean':>7} | {'client-side e2e p50':>19}")
+    for c in sorted(res["configs"], key=lambda c: (c["pairs"], c["stages"])):
+        o = c["overhead_us"]
+        print(f"{c['stages']:>6} {c['pairs']:>5} | {c['latency_us']['p50']:>8.1f} {c['engine_us']['p50']:>11.1f} | "
+              f"{o['p50']:>12.1f} {o['p90']:>7.1f} {o['mean']:>7.1f} | {c['client_latency_us']['p50']:>19.1f}")
+    print("per hand-off = (overhead of the N-stage query - median overhead with 1 stage) / (N - 1)")
+    print(f"{'stages':>6} {'pairs':>5} | {'hand-off p50 us':>15} {'p90 us':>8} | target p50 <= {HANDOFF_TARGET_US:.0f} us")
+    for h in res["handoff"]:
+        print(f"{h['stages']:>6} {h['pairs']:>5} | {h['p50_us']:>15.1f} {h['p90_us']:>8.1f} | "
+              f"{'holds' if h['holds'] else 'MISSED'}")
+
+
+# --- part 2: end to end vs the unsliced model ------------------------------------------
+
+E2E_CONFIGS = (("2 stages, 2 pairs", 2, 2), ("4 stages, 2 pairs", 4, 2), ("4 stages, 1 pair", 4, 1))
+E2E_TARGET_CONFIG = "4 stages, 2 pairs"
+
+
+def part_end_to_end(tmp: Path, rounds: int, block: int, warmup: int) -> dict:
+    hidden, layers, length = 128, 8, 16
+    model = toy.token_mlp(hidden=hidden, layers=layers)
+    layer_tensors = [f"h{k}" for k in range(1, layers + 1)]
+    dirs = {n: slice_model(model, layer_tensors, n, tmp / f"token{n}", "token_mlp", 16, 64) for n in (2, 4)}
+    rng = np.random.default_rng(2)
+    queries = [{"x": rng.standard_normal((length, hidden)).astype(np.float32), "mask": np.ones(length, np.float32)}
+               for _ in range(64)]
+    baseline = DirectRunner(dirs[4] / "model.onnx")
+    runners: dict[str, ServedRunner | DirectRunner] = {"unsliced onnxruntime": baseline}
+    runners.update({label: ServedRunner(dirs[n], p).start() for label, n, p in E2E_CONFIGS})
+    try:
+        check_answers(runners, queries, baseline)
+        samples = run_interleaved(runners, queries, rounds, block, warmup, seed=2)
+    finally:
+        for r in runners.values():
+            r.stop()
+    base_lat = np.array([s.latency for s in samples["unsliced onnxruntime"]])
+    result: dict = {"model": f"token_mlp(hidden={hidden}, layers={layers}), length {length}",
+                    "queries_per_config": rounds * block, "warmup": warmup, "rounds": rounds,
+                    "baseline_ms": summary(base_lat, 1e3), "configs": []}
+    for label, n, p in E2E_CONFIGS:
+        ss = samples[label]
+        lat = np.array([s.latency for s in ss])
+        eng = np.array([s.engine for s in ss])
+        cli = np.array([s.client for s in ss])
+        # per round: median difference, robust to drift between rounds
+        per_round = [float(np.median(lat[r * block:(r + 1) * block]) - np.median(base_lat[r * block:(r + 1) * block]))
+                     for r in range(rounds)]
+        added_mean = float(lat.mean() - base_lat.mean()) * 1e3
+        added_p50 = float(np.median(lat) - np.median(base_lat)) * 1e3
+        entry = {
+            "config": label, "stages": n, "pairs": p, "latency_ms": summary(lat, 1e3), "engine_ms": summary(eng, 1e3),
+            "overhead_ms": summary(lat - eng, 1e3), "client_latency_ms": summary(cli, 1e3),
+            "added_mean_ms": added_mean, "added_p50_ms": added_p50,
+            "added_p50_per_round_median_ms": float(np.median(per_round)) * 1e3,
+            "extra_engine_p50_ms": float(np.median(eng) - np.median(base_lat)) * 1e3,
+        }
+        if label == E2E_TARGET_CONFIG:
+            entry["target_ms"] = ADDED_TARGET_MS
+            entry["holds"] = added_mean <= ADDED_TARGET_MS and added_p50 <= ADDED_TARGET_MS
+        result["configs"].append(entry)
+    return result
+
+
+def print_end_to_end(res: dict) -> None:
+    print(f"\n== 2. End to end vs the unsliced model at batch size 1: {res['model']},")
+    print(f"      closed loop (concurrency 1), {res['queries_per_config']} queries per config after "
+          f"{res['warmup']} warm-up, {res['rounds']} interleaved rounds; times in ms")
+    b = res["baseline_ms"]
+    print(f"{'config':<22} | {'mean':>6} {'p50':>6} {'p90':>6} | {'added mean':>10} {'added p50':>9} | "
+          f"{'engines p50':>11} {'runtime p50':>11} | {'client p50':>10}")
+    print(f"{'unsliced onnxruntime':<22} | {b['mean']:>6.3f} {b['p50']:>6.3f} {b['p90']:>6.3f} | {'':>10} {'':>9} | "
+          f"{b['p50']:>11.3f} {'':>11} | {b['p50']:>10.3f}")
+    for c in res["configs"]:
+        lat = c["latency_ms"]
+        print(f"{c['config']:<22} | {lat['mean']:>6.3f} {lat['p50']:>6.3f} {lat['p90']:>6.3f} | "
+              f"{c['added_mean_ms']:>10.3f} {c['added_p50_ms']:>9.3f} | {c['engine_ms']['p50']:>11.3f} "
+              f"{c['overhead_ms']['p50']:>11.3f} | {c['client_latency_ms']['p50']:>10.3f}")
+    for c in res["configs"]:
+        if "holds" in c:
+            print(f"target: {c['config']} adds <= {ADDED_TARGET_MS} ms per query (mean and p50): "
+                  f"{'holds' if c['holds'] else 'MISSED'} (mean {c['added_mean_ms']:.3f}, p50 {c['added_p50_ms']:.3f})")
+    print("engines = time inside the stage engines (the baseline: its whole call); runtime = e2e - engines;")
+    print("client = submit until the submitting thread runs again (adds the Event wake-up to e2e)")
+
+
+# --- part 3: breakdown -----------------------------------------------------------------
+
+
+def _instrumented_scheduler(num_stages: int) -> type[Scheduler]:
+    """A Scheduler subclass that timestamps next_work returns and finish_work calls, per stage."""
+
+    class InstrumentedScheduler(Scheduler):
+        def __init__(self, *args, **kwargs) -> None:
+            self.nw_marks: list[list[float]] = [[] for _ in range(num_stages)]
+            self.fw_marks: list[list[tuple[float, float]]] = [[] for _ in range(num_stages)]
+            self.submit_marks: list[tuple[float, float]] = []
+            super().__init__(*args, **kwargs)
+
+        def submit(self, inputs, reply):
+            t0 = perf()
+            qid = super().submit(inputs, reply)
+            self.submit_marks.append((t0, perf()))
+            return qid
+
+        def next_work(self, ex):
+            work = super().next_work(ex)
+            if work is not None:
+                self.nw_marks[ex.stage].append(perf())
+            return work
+
+        def finish_work(self, ex, work, error, results):
+            t0 = perf()
+            super().finish_work(ex, work, error, results)
+            self.fw_marks[work.stage].append((t0, perf()))
+
+    return InstrumentedScheduler
+
+
+def _sync_drive(model_dir: Path, pairs: int, queries: Sequence[Inputs], n_queries: int) -> dict:
+    """Run queries through next_work / engine / finish_work from this one thread: no thread switches."""
+    manifest = Manifest.load(model_dir / "manifest.json")
+    n = manifest.num_stages
+    engines = [OrtStageEngine(model_dir / s.file, 1) for s in manifest.stages]
+    sched = Scheduler(manifest, engines, PipelinedPolicy(), RuntimeSettings(num_buffer_pairs=pairs))  # never started
+    fake = [SimpleNamespace(stage=k, state=None) for k in range(n)]
+    got: list[Answer] = []
+    submit_t, nw_t, fw_t, gather_t, scatter_t = [], [[] for _ in range(n)], [[] for _ in range(n)], [], []
+    for i in range(n_queries):
+        t0 = perf()
+        sched.submit(queries[i % len(queries)], got.append)
+        submit_t.append(perf() - t0)
+        for k in range(n):
+            t0 = perf()
+            work = sched.next_work(fake[k])
+            t1 = perf()
+            nw_t[k].append(t1 - t0)
+            if k == 0:
+                gather_inputs(work.queries, work.inputs, sched.input_specs)
+                gather_t.append(perf() - t1)
+            engines[k].run(work.inputs, work.outputs)
+            results = None
+            if k == n - 1:
+                t2 = perf()
+                results = scatter_outputs(work.queries, work.outputs, sched.output_specs)
+                scatter_t.append(perf() - t2)
+            t3 = perf()
+            sched.finish_work(fake[k], work, None, results)
+            fw_t[k].append(perf() - t3)
+    if len(got) != n_queries or any(a.error is not None for a in got):
+        raise RuntimeError("synchronous drive: not every query was answered ok")
+    skip = min(200, n_queries // 4)
+    med = lambda xs: us(float(np.median(xs[skip:])))  # noqa: E731
+    nw = [med(x) for x in nw_t]
+    fw = [med(x) for x in fw_t]
+    return {
+        "submit_us": med(submit_t), "gather_us": med(gather_t), "scatter_us": med(scatter_t),
+        "next_work_us": nw, "finish_work_us": fw,
+        # a hand-off between two middle stages: finish_work of the one, next_work of the next
+        "bookkeeping_per_handoff_us": float(np.median([fw[k] + nw[k + 1] for k in range(n - 2)])) if n > 2 else None,
+    }
+
+
+def _threaded_breakdown(model_dir: Path, pairs: int, queries: Sequence[Inputs], n_queries: int, warmup: int) -> dict:
+    manifest = Manifest.load(model_dir / "manifest.json")
+    n = manifest.num_stages
+    runner = ServedRunner(model_dir, pairs, _instrumented_scheduler(n), engine_marks=True)
+    sched = runner.scheduler
+    runner.start()
+    client, reply_t = [], []
+    try:
+        for i in range(warmup + n_queries):
+            s = runner.query(queries[i % len(queries)])
+            client.append(s.client - s.latency)
+            reply_t.append(runner._t_answer)
+    finally:
+        runner.stop()
+    nw = np.array(sched.nw_marks)  # [stage, query]
+    fw = np.array(sched.fw_marks)  # [stage, query, enter/exit]
+    eng = np.array([e.marks for e in runner.engines])  # [stage, query, start/end]
+    sub = np.array(sched.submit_marks)
+    sl = slice(warmup, None)
+    nw, fw, eng, sub = nw[:, sl], fw[:, sl], eng[:, sl], sub[sl]
+    reply = np.array(reply_t)[sl]
+    mid = range(0, n - 1)  # boundaries between stage k and k + 1
+    gap = np.concatenate([eng[k + 1, :, 0] - eng[k, :, 1] for k in mid])
+    to_fw = np.concatenate([fw[k, :, 0] - eng[k, :, 1] for k in mid])
+    in_fw = np.concatenate([fw[k, :, 1] - fw[k, :, 0] for k in mid])
+    wake = np.concatenate([nw[k + 1] - fw[k, :, 1] for k in mid])
+    to_eng = np.concatenate([eng[k + 1, :, 0] - nw[k + 1] for k in mid])
+    med = lambda a: us(float(np.median(a)))  # noqa: E731
+    p90 = lambda a: us(q(a, 90))  # noqa: E731
+    return {
+        "handoff_gap_us": {"p50": med(gap), "p90": p90(gap)},
+        "engine_end_to_finish_work_us": med(to_fw),
+        "finish_work_us": med(in_fw),
+        "finish_work_exit_to_next_work_return_us": {"p50": med(wake), "p90": p90(wake)},
+        "next_work_return_to_engine_us": med(to_eng),
+        "submit_call_us": med(sub[:, 1] - sub[:, 0]),
+        "submit_to_stage0_engine_us": med(eng[0, :, 0] - sub[:, 0]),
+        "submit_return_to_stage0_next_work_us": med(nw[0] - sub[:, 1]),
+        "last_engine_end_to_reply_us": med(reply - eng[n - 1, :, 1]),
+        "reply_to_client_resume_us": med(np.array(client)[sl]),
+    }
+
+
+def _wakeup_pingpong(n: int) -> dict:
+    """One-way latency of a thread hand-off through a Condition over a shared lock, as in the runtime."""
+    lock = threading.Lock()
+    cond_a, cond_b = threading.Condition(lock), threading.Condition(lock)
+    state = SimpleNamespace(turn="a", t_notify=0.0, stop=False)
+    one_way: list[float] = []
+
+    def b_loop() -> None:
+        with lock:
+            while True:
+                while state.turn != "b" and not state.stop:
+                    cond_b.wait()
+                if state.stop:
+                    return
+                one_way.append(perf() - state.t_notify)
+                state.turn = "a"
+                cond_a.notify()
+
+    thread = threading.Thread(target=b_loop, daemon=True)
+    thread.start()
+    with lock:
+        for _ in range(n):
+            state.turn = "b"
+            state.t_notify = perf()
+            cond_b.notify()
+            while state.turn != "a":
+                cond_a.wait()
+        state.stop = True
+        cond_b.notify()
+    thread.join()
+    a = np.array(one_way[min(100, n // 4):])
+    return {"p50_us": us(float(np.median(a))), "p90_us": us(q(a, 90))}
+
+
+def _ort_call_costs(model_dir: Path, n: int) -> dict:
+    """One stage of the 8-stage dense model: the cost of an OrtStageEngine.run and its parts."""
+    import onnxruntime as ort
+
+    manifest = Manifest.load(model_dir / "manifest.json")
+    stage = manifest.stages[1]
+    session = ort.InferenceSession(str(model_dir / stage.file), ort_session_options(1), providers=["CPUExecutionProvider"])
+    inputs = {s.name: np.zeros(s.shape(1, 1), s.np_dtype) for s in stage.inputs}
+    outputs = {s.name: np.zeros(s.shape(1, 1), s.np_dtype) for s in stage.outputs}
+    engine = OrtStageEngine(model_dir / stage.file, 1)
+
+    def bind():
+        binding = session.io_binding()
+        for name, arr in inputs.items():
+            binding.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        for name, arr in outputs.items():
+            binding.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        return binding
+
+    cached = bind()
+    arr = next(iter(inputs.values()))
+    cases: dict[str, Callable[[], object]] = {
+        "OrtStageEngine.run": lambda: engine.run(inputs, outputs),
+        "io_binding() + bind_input/bind_output": bind,
+        "run_with_iobinding (binding reused)": lambda: session.run_with_iobinding(cached),
+        "session.run (numpy in/out)": lambda: session.run(None, inputs),
+        "arr.ctypes.data": lambda: arr.ctypes.data,
+    }
+    out = {}
+    for label, fn in cases.items():
+        for _ in range(200):
+            fn()
+        ts = []
+        for _ in range(n):
+            t0 = perf()
+            fn()
+            ts.append(perf() - t0)
+        out[label] = us(float(np.median(ts)))
+    return out
+
+
+def part_breakdown(tmp: Path, n_queries: int, warmup: int) -> dict:
+    model_dir = tmp / "dense8"
+    if not model_dir.exists():
+        slice_model(toy.dense_mlp(16, 8), [f"h{k}" for k in range(1, 8)] + ["y"], 8, model_dir, "dense_mlp", 4, 1)
+    rng = np.random.default_rng(3)
+    queries = [{"x": rng.standard_normal(16).astype(np.float32)} for _ in range(64)]
+    return {
+        "model": "dense_mlp(features=16, layers=8), 8 stages, 2 pairs",
+        "sync": _sync_drive(model_dir, 2, queries, n_queries),
+        "threaded": _threaded_breakdown(model_dir, 2, queries, n_queries, warmup),
+        "condition_wakeup": _wakeup_pingpong(n_queries),
+        "ort_call": _ort_call_costs(model_dir, n_queries),
+        "switchinterval_s": sys.getswitchinterval(),
+    }
+
+
+def print_breakdown(res: dict) -> None:
+    s, t, w, o = res["sync"], res["threaded"], res["condition_wakeup"], res["ort_call"]
+    print(f"\n== 3. Where a hand-off goes: {res['model']} (medians, us)")
+    print("(a) bookkeeping alone, driven from one thread (no thread switch):")
+    print(f"    submit {s['submit_us']:.1f}, gather_inputs {s['gather_us']:.1f}, scatter_outputs {s['scatter_us']:.1f}")
+    print("    next_work per stage  " + " ".join(f"{x:5.1f}" for x in s["next_work_us"]))
+    print("    finish_work per stage" + " ".join(f"{x:6.1f}" for x in s["finish_work_us"]) + "  (last: + dispatch, reply)")
+    if s["bookkeeping_per_handoff_us"] is not None:
+        print(f"    => finish_work(k) + next_work(k+1), middle stages: {s['bookkeeping_per_handoff_us']:.1f}")
+    print("(b) served by the stage threads (engine end of stage k -> engine start of stage k+1):")
+    gap, wake = t["handoff_gap_us"], t["finish_work_exit_to_next_work_return_us"]
+    print(f"    hand-off gap {gap['p50']:.1f} (p90 {gap['p90']:.1f}) = engine end -> finish_work "
+          f"{t['engine_end_to_finish_work_us']:.1f} + finish_work {t['finish_work_us']:.1f} + "
+          f"exit -> next_work returns in stage k+1 {wake['p50']:.1f} (p90 {wake['p90']:.1f}) + "
+          f"-> engine {t['next_work_return_to_engine_us']:.1f}")
+    print(f"    entry: submit() call {t['submit_call_us']:.1f}, submit -> stage 0 engine {t['submit_to_stage0_engine_us']:.1f}; "
+          f"exit: last engine end -> reply {t['last_engine_end_to_reply_us']:.1f}; "
+          f"reply -> client thread runs {t['reply_to_client_resume_us']:.1f}")
+    print(f"(c) bare CPython thread wake-up, Condition.notify -> waiter runs (shared lock): "
+          f"p50 {w['p50_us']:.1f}, p90 {w['p90_us']:.1f}  (sys.getswitchinterval() = {res['switchinterval_s']})")
+    print("(d) one onnxruntime call, a middle stage (batch 1): " +
+          ", ".join(f"{k} {v:.1f}" for k, v in o.items()))
+
+
+# --- main ------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.overhead", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer queries: about 20 s")
+    parser.add_argument("--json", type=Path, metavar="OUT", help="also write the figures as JSON")
+    parser.add_argument("--no-breakdown", action="store_true", help="skip part 3 (where a hand-off goes)")
+    args = parser.parse_args(argv)
+
+    if args.quick:
+        p1 = dict(rounds=6, block=150, warmup=150)
+        p2 = dict(rounds=6, block=200, warmup=150)
+        p3 = dict(n_queries=600, warmup=100)
+    else:
+        p1 = dict(rounds=20, block=250, warmup=300)
+        p2 = dict(rounds=20, block=250, warmup=300)
+        p3 = dict(n_queries=3000, warmup=300)
+
+    import onnxruntime as ort
+
+    t_start = perf()
+    env = {"python": platform.python_version(), "onnxruntime": ort.__version__, "numpy": np.__version__,
+           "machine": platform.machine(), "cpus": _cpu_count(), "quick": args.quick}
+    print(f"dvabatch runtime overhead benchmark: python {env['python']}, onnxruntime {env['onnxruntime']}, "
+          f"{env['cpus']} CPUs{', --quick' if args.quick else ''}")
+    report: dict = {"env": env}
+    with tempfile.TemporaryDirectory(prefix="dvabatch-overhead-") as tmp_name:
+        tmp = Path(tmp_name)
+        report["handoff"] = part_handoff(tmp, **p1)
+        print_handoff(report["handoff"])
+        report["end_to_end"] = part_end_to_end(tmp, **p2)
+        print_end_to_end(report["end_to_end"])
+        if not args.no_breakdown:
+            try:
+                report["breakdown"] = part_breakdown(tmp, **p3)
+            except Exception as exc:  # instrumentation leans on runtime internals that may change
+                print(f"\n== 3. breakdown failed: {type(exc).__name__}: {exc}")
+            else:
+                print_breakdown(report["breakdown"])
+    report["seconds"] = perf() - t_start
+    handoff_ok = all(h["holds"] for h in report["handoff"]["handoff"])
+    e2e_ok = all(c.get("holds", True) for c in report["end_to_end"]["configs"])
+    report["targets"] = {"handoff": handoff_ok, "end_to_end": e2e_ok}
+    print(f"\n== targets: per hand-off <= {HANDOFF_TARGET_US:.0f} us: {'holds' if handoff_ok else 'MISSED'}; "
+          f"4 stages add <= {ADDED_TARGET_MS} ms: {'holds' if e2e_ok else 'MISSED'}  ({report['seconds']:.0f} s)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _cpu_count() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
