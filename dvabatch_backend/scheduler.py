@@ -193,12 +193,9 @@ class Scheduler:
         return deliveries
 
     def _apply(self, decision: New | Stretch, now: float) -> list[_Delivery]:
+        """Carry out one arrival decision, checked whole before anything changes."""
         ids = decision.query_ids
-        refusal = None
-        if not ids or len(set(ids)) != len(ids) or any(q not in self._waiting for q in ids):
-            refusal = f"{decision} names queries that are not all distinct and waiting"
-        elif len(ids) > self.bs_max:
-            refusal = f"{decision} has more than bs_max={self.bs_max} queries"
+        refusal = self._arrival_refusal(decision)
         if refusal is not None:
             return self._policy_error(refusal, [q for q in ids if q in self._waiting])
         queries = [self._waiting.pop(q) for q in ids]
@@ -209,23 +206,30 @@ class Scheduler:
             if why is None:
                 item = self._table.stretch(decision.batch_id, queries)
                 self.stats.stretch += 1
-                self._push(0, item, now)
                 self._record("stretch", now, None, item)
+                self._push(0, item, now)
                 return []
             self.stats.stretch_refused += 1
             log.debug("stretch refused, new batch instead: %s", why)
             decision = New(ids)
-        longest = max(q.length for q in queries)
-        pad = longest if decision.pad_length is None else decision.pad_length
-        if not longest <= pad <= max(self.manifest.max_length, longest):
-            self._waiting.update({q.id: q for q in queries})
-            self._infos.update({q.id: QueryInfo(q.id, q.length, q.arrival) for q in queries})
-            return self._policy_error(f"{decision}: pad length {pad} outside [{longest}, {self.manifest.max_length}]", ids)
+        pad = max(q.length for q in queries) if decision.pad_length is None else decision.pad_length
         item = self._table.new(queries, pad, pair=-1, now=now, no_stretch=decision.no_stretch)
         self.stats.new += 1
-        self._push(0, item, now)
         self._record("new", now, None, item, f"pad={pad}")
+        self._push(0, item, now)
         return []
+
+    def _arrival_refusal(self, decision: New | Stretch) -> str | None:
+        ids = decision.query_ids
+        if not ids or len(set(ids)) != len(ids) or any(q not in self._waiting for q in ids):
+            return f"{decision} names queries that are not all distinct and waiting"
+        if len(ids) > self.bs_max:
+            return f"{decision} has more than bs_max={self.bs_max} queries"
+        if isinstance(decision, New) and decision.pad_length is not None:
+            longest = max(self._waiting[q].length for q in ids)
+            if not longest <= decision.pad_length <= self.manifest.max_length:
+                return f"{decision}: pad length outside [{longest}, {self.manifest.max_length}]"
+        return None
 
     def _policy_error(self, why: str, query_ids: Sequence[int]) -> list[_Delivery]:
         log.error("policy %s: %s", self._policy.name, why)

@@ -490,8 +490,12 @@ def _threaded_breakdown(model_dir: Path, pairs: int, queries: Sequence[Inputs], 
     }
 
 
-def _wakeup_pingpong(n: int) -> dict:
-    """One-way latency of a thread hand-off through a Condition over a shared lock, as in the runtime."""
+def _wakeup_pingpong(n: int, idle_s: float = 0.0) -> dict:
+    """One-way latency of a thread hand-off through a Condition over a shared lock, as in the runtime.
+
+    With `idle_s`, the notifying thread sleeps that long before each notify, so that both
+    threads have been blocked a while (as a stage executor between queries at low load).
+    """
     lock = threading.Lock()
     cond_a, cond_b = threading.Condition(lock), threading.Condition(lock)
     state = SimpleNamespace(turn="a", t_notify=0.0, stop=False)
@@ -512,6 +516,10 @@ def _wakeup_pingpong(n: int) -> dict:
     thread.start()
     with lock:
         for _ in range(n):
+            if idle_s:
+                lock.release()
+                time.sleep(idle_s)
+                lock.acquire()
             state.turn = "b"
             state.t_notify = perf()
             cond_b.notify()
@@ -576,13 +584,14 @@ def part_breakdown(tmp: Path, n_queries: int, warmup: int) -> dict:
         "sync": _sync_drive(model_dir, 2, queries, n_queries),
         "threaded": _threaded_breakdown(model_dir, 2, queries, n_queries, warmup),
         "condition_wakeup": _wakeup_pingpong(n_queries),
+        "condition_wakeup_after_idle": _wakeup_pingpong(n_queries // 3, idle_s=200e-6),
         "ort_call": _ort_call_costs(model_dir, n_queries),
-        "switchinterval_s": sys.getswitchinterval(),
     }
 
 
 def print_breakdown(res: dict) -> None:
     s, t, w, o = res["sync"], res["threaded"], res["condition_wakeup"], res["ort_call"]
+    wi = res["condition_wakeup_after_idle"]
     print(f"\n== 3. Where a hand-off goes: {res['model']} (medians, us)")
     print("(a) bookkeeping alone, driven from one thread (no thread switch):")
     print(f"    submit {s['submit_us']:.1f}, gather_inputs {s['gather_us']:.1f}, scatter_outputs {s['scatter_us']:.1f}")
@@ -599,8 +608,9 @@ def print_breakdown(res: dict) -> None:
     print(f"    entry: submit() call {t['submit_call_us']:.1f}, submit -> stage 0 engine {t['submit_to_stage0_engine_us']:.1f}; "
           f"exit: last engine end -> reply {t['last_engine_end_to_reply_us']:.1f}; "
           f"reply -> client thread runs {t['reply_to_client_resume_us']:.1f}")
-    print(f"(c) bare CPython thread wake-up, Condition.notify -> waiter runs (shared lock): "
-          f"p50 {w['p50_us']:.1f}, p90 {w['p90_us']:.1f}  (sys.getswitchinterval() = {res['switchinterval_s']})")
+    print(f"(c) bare CPython thread wake-up, Condition.notify -> waiter runs (shared lock): back to back "
+          f"p50 {w['p50_us']:.1f} (p90 {w['p90_us']:.1f}); after 200 us idle p50 {wi['p50_us']:.1f} "
+          f"(p90 {wi['p90_us']:.1f})")
     print("(d) one onnxruntime call, a middle stage (batch 1): " +
           ", ".join(f"{k} {v:.1f}" for k, v in o.items()))
 

@@ -1,0 +1,53 @@
+"""A buggy policy cannot lose queries: bad decisions are answered with errors, stalls are broken."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from dvabatch_backend import ArrivalPlan, New, Policy, PolicyContext
+from dvabatch_backend.decisions import BatchTableView, QueryInfo
+from dvabatch_backend.errors import PolicyError
+
+from .conftest import Collector, assert_matches_reference, make_scheduler
+
+
+class PadTooShort(Policy):
+    name = "pad-too-short"
+
+    def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
+        return ArrivalPlan(tuple(New((q.id,), pad_length=1 if q.length > 1 else None) for q in waiting))
+
+
+class NeverDecides(Policy):
+    name = "never"
+
+    def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
+        return ArrivalPlan()
+
+
+def test_an_impossible_decision_answers_only_its_queries_with_a_policy_error(zoo) -> None:
+    model = zoo.stages("token", 2)
+    rng = np.random.default_rng(5)
+    short, long = model.query(rng, 1), model.query(rng, 6)
+    collector = Collector()
+    with make_scheduler(model, PadTooShort()) as scheduler:
+        ids = scheduler.submit_many([(short, collector), (long, collector)])
+        assert collector.wait_for(ids)
+    assert_matches_reference(model, short, collector.one(ids[0]))
+    error = collector.one(ids[1]).error
+    assert isinstance(error, PolicyError) and "pad-too-short" in str(error) and "pad length" in str(error)
+    assert scheduler.stats.policy_errors == 1
+
+
+def test_a_policy_that_never_decides_does_not_strand_queries(zoo) -> None:
+    model = zoo.stages("dense", 2)
+    rng = np.random.default_rng(6)
+    queries = [model.query(rng) for _ in range(3)]
+    collector = Collector()
+    with make_scheduler(model, NeverDecides()) as scheduler:
+        ids = scheduler.submit_many([(q, collector) for q in queries])
+        assert collector.wait_for(ids)
+    for qid, inputs in zip(ids, queries):
+        assert_matches_reference(model, inputs, collector.one(qid))
+    assert scheduler.stats.policy_errors >= 1
