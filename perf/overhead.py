@@ -25,16 +25,22 @@
    `submit` to the reply callback, the baseline around `np.copy` of the inputs + `session.run`.
    Target: <= 0.3 ms added per query (mean and median) for 4 stages.
 
-Every configuration of a part runs in the same process; blocks of queries alternate between
-them in shuffled order (rounds), so machine noise falls on all of them alike.
-
 3. Breakdown (skip with --no-breakdown): where a hand-off's time goes. The 8-stage pipeline is
    (a) driven synchronously from one thread through `Scheduler.next_work`/`finish_work` (the
    pure CPU cost of the bookkeeping, no thread switch), (b) served normally under a
    `Scheduler` subclass that timestamps those calls (engine end -> finish_work -> wake-up and
-   next_work of the next stage -> engine start), plus (c) a CPython thread-to-thread wake-up
-   through a Condition over a shared lock (the pattern the executors use), and (d) the cost of
-   one onnxruntime call with and without building the IOBinding each time.
+   next_work of the next stage -> engine start) and counts the executors' wake-ups, plus (c) a
+   CPython thread-to-thread wake-up through a Condition over a shared lock (the pattern the
+   executors use), and (d) the cost of one onnxruntime call with and without building the
+   IOBinding each time. (a) and (b) lean on runtime internals (`_executors`, calling
+   next_work/finish_work directly); if those change, part 3 reports that it failed and the
+   rest still runs.
+
+Every configuration of a part runs in the same process; blocks of queries alternate between
+them in shuffled order (rounds), so machine noise falls on all of them alike. The figures are
+wall-clock on a shared machine: on a small VM other processes and vCPU
+wake-up latency move them by tens of percent between runs; compare configurations within one
+run rather than across runs.
 """
 from __future__ import annotations
 
@@ -373,8 +379,20 @@ def print_end_to_end(res: dict) -> None:
 # --- part 3: breakdown -----------------------------------------------------------------
 
 
+class CountingCondition(threading.Condition):
+    """A Condition that counts how often a wait returned (the executor was woken)."""
+
+    wakeups = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        woken = super().wait(timeout)
+        self.wakeups += 1
+        return woken
+
+
 def _instrumented_scheduler(num_stages: int) -> type[Scheduler]:
-    """A Scheduler subclass that timestamps next_work returns and finish_work calls, per stage."""
+    """A Scheduler subclass that timestamps next_work returns and finish_work calls, per stage,
+    and counts the executors' wake-ups."""
 
     class InstrumentedScheduler(Scheduler):
         def __init__(self, *args, **kwargs) -> None:
@@ -382,6 +400,11 @@ def _instrumented_scheduler(num_stages: int) -> type[Scheduler]:
             self.fw_marks: list[list[tuple[float, float]]] = [[] for _ in range(num_stages)]
             self.submit_marks: list[tuple[float, float]] = []
             super().__init__(*args, **kwargs)
+            for ex in self._executors:  # runtime internals: before start, no thread waits yet
+                ex.wakeup = CountingCondition(self.lock)
+
+        def wakeups(self) -> int:
+            return sum(ex.wakeup.wakeups for ex in self._executors)
 
         def submit(self, inputs, reply):
             t0 = perf()
@@ -456,9 +479,12 @@ def _threaded_breakdown(model_dir: Path, pairs: int, queries: Sequence[Inputs], 
     client, reply_t = [], []
     try:
         for i in range(warmup + n_queries):
+            if i == warmup:
+                wakeups0 = sched.wakeups()
             s = runner.query(queries[i % len(queries)])
             client.append(s.client - s.latency)
             reply_t.append(runner._t_answer)
+        wakeups = (sched.wakeups() - wakeups0) / n_queries
     finally:
         runner.stop()
     nw = np.array(sched.nw_marks)  # [stage, query]
@@ -477,6 +503,9 @@ def _threaded_breakdown(model_dir: Path, pairs: int, queries: Sequence[Inputs], 
     med = lambda a: us(float(np.median(a)))  # noqa: E731
     p90 = lambda a: us(q(a, 90))  # noqa: E731
     return {
+        "pairs": pairs,
+        "executor_wakeups_per_query": wakeups,
+        "stage_runs_per_query": n,
         "handoff_gap_us": {"p50": med(gap), "p90": p90(gap)},
         "engine_end_to_finish_work_us": med(to_fw),
         "finish_work_us": med(in_fw),
@@ -580,9 +609,9 @@ def part_breakdown(tmp: Path, n_queries: int, warmup: int) -> dict:
     rng = np.random.default_rng(3)
     queries = [{"x": rng.standard_normal(16).astype(np.float32)} for _ in range(64)]
     return {
-        "model": "dense_mlp(features=16, layers=8), 8 stages, 2 pairs",
+        "model": "dense_mlp(features=16, layers=8), 8 stages",
         "sync": _sync_drive(model_dir, 2, queries, n_queries),
-        "threaded": _threaded_breakdown(model_dir, 2, queries, n_queries, warmup),
+        "threaded": [_threaded_breakdown(model_dir, p, queries, n_queries, warmup) for p in PAIRS],
         "condition_wakeup": _wakeup_pingpong(n_queries),
         "condition_wakeup_after_idle": _wakeup_pingpong(n_queries // 3, idle_s=200e-6),
         "ort_call": _ort_call_costs(model_dir, n_queries),
@@ -590,24 +619,27 @@ def part_breakdown(tmp: Path, n_queries: int, warmup: int) -> dict:
 
 
 def print_breakdown(res: dict) -> None:
-    s, t, w, o = res["sync"], res["threaded"], res["condition_wakeup"], res["ort_call"]
+    s, w, o = res["sync"], res["condition_wakeup"], res["ort_call"]
     wi = res["condition_wakeup_after_idle"]
     print(f"\n== 3. Where a hand-off goes: {res['model']} (medians, us)")
-    print("(a) bookkeeping alone, driven from one thread (no thread switch):")
+    print("(a) bookkeeping alone, driven from one thread (no thread switch), 2 pairs:")
     print(f"    submit {s['submit_us']:.1f}, gather_inputs {s['gather_us']:.1f}, scatter_outputs {s['scatter_us']:.1f}")
     print("    next_work per stage  " + " ".join(f"{x:5.1f}" for x in s["next_work_us"]))
     print("    finish_work per stage" + " ".join(f"{x:6.1f}" for x in s["finish_work_us"]) + "  (last: + dispatch, reply)")
     if s["bookkeeping_per_handoff_us"] is not None:
         print(f"    => finish_work(k) + next_work(k+1), middle stages: {s['bookkeeping_per_handoff_us']:.1f}")
     print("(b) served by the stage threads (engine end of stage k -> engine start of stage k+1):")
-    gap, wake = t["handoff_gap_us"], t["finish_work_exit_to_next_work_return_us"]
-    print(f"    hand-off gap {gap['p50']:.1f} (p90 {gap['p90']:.1f}) = engine end -> finish_work "
-          f"{t['engine_end_to_finish_work_us']:.1f} + finish_work {t['finish_work_us']:.1f} + "
-          f"exit -> next_work returns in stage k+1 {wake['p50']:.1f} (p90 {wake['p90']:.1f}) + "
-          f"-> engine {t['next_work_return_to_engine_us']:.1f}")
-    print(f"    entry: submit() call {t['submit_call_us']:.1f}, submit -> stage 0 engine {t['submit_to_stage0_engine_us']:.1f}; "
-          f"exit: last engine end -> reply {t['last_engine_end_to_reply_us']:.1f}; "
-          f"reply -> client thread runs {t['reply_to_client_resume_us']:.1f}")
+    for t in res["threaded"]:
+        gap, wake = t["handoff_gap_us"], t["finish_work_exit_to_next_work_return_us"]
+        print(f"  {t['pairs']} pair(s): hand-off gap {gap['p50']:.1f} (p90 {gap['p90']:.1f}) = engine end -> finish_work "
+              f"{t['engine_end_to_finish_work_us']:.1f} + finish_work {t['finish_work_us']:.1f} + "
+              f"exit -> next_work returns in stage k+1 {wake['p50']:.1f} (p90 {wake['p90']:.1f}) + "
+              f"-> engine {t['next_work_return_to_engine_us']:.1f}")
+        print(f"    entry: submit() call {t['submit_call_us']:.1f}, submit -> stage 0 engine "
+              f"{t['submit_to_stage0_engine_us']:.1f}; exit: last engine end -> reply "
+              f"{t['last_engine_end_to_reply_us']:.1f}; reply -> client thread runs {t['reply_to_client_resume_us']:.1f}")
+        print(f"    executor wake-ups per query: {t['executor_wakeups_per_query']:.2f} for "
+              f"{t['stage_runs_per_query']} stage runs")
     print(f"(c) bare CPython thread wake-up, Condition.notify -> waiter runs (shared lock): back to back "
           f"p50 {w['p50_us']:.1f} (p90 {w['p90_us']:.1f}); after 200 us idle p50 {wi['p50_us']:.1f} "
           f"(p90 {wi['p90_us']:.1f})")
@@ -630,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
         p2 = dict(rounds=6, block=200, warmup=150)
         p3 = dict(n_queries=600, warmup=100)
     else:
-        p1 = dict(rounds=20, block=250, warmup=300)
+        p1 = dict(rounds=24, block=250, warmup=300)
         p2 = dict(rounds=20, block=250, warmup=300)
         p3 = dict(n_queries=3000, warmup=300)
 
