@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
-import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,28 +52,30 @@ class BufferState(enum.Enum):
 
 
 class HostFence:
-    """Completion fence of a buffer pair on CPU.
+    """Completion fence of a buffer on CPU: recorded by the stage that writes it, checked by the reader.
 
-    CPU engines finish their work before `run` returns, so recording marks completion at once.
-    A GPU fence (an event recorded on the stage's stream) implements the same three methods.
+    CPU engines finish their work before `run` returns, so recording marks completion at once
+    and a reader finds it complete. A GPU fence (an event recorded on the writer's stream and
+    waited on the reader's) implements the same three methods.
     """
 
     def __init__(self) -> None:
-        self._done = threading.Event()
-        self._done.set()
+        self._done = True
 
     def reset(self) -> None:
-        self._done.clear()
+        self._done = False
 
     def record(self) -> None:
-        self._done.set()
+        self._done = True
 
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
+    def wait(self) -> bool:
+        return self._done
 
 
 class StageBuffer:
     """The tensors at one boundary for one buffer pair."""
+
+    _CACHED_VIEWS = 256
 
     def __init__(self, boundary: int, pair: int, specs: tuple[TensorSpec, ...], bs_max: int, max_length: int) -> None:
         self.boundary = boundary
@@ -81,9 +83,10 @@ class StageBuffer:
         self.specs = specs
         self.bs_max = bs_max
         self._flat = {s.name: np.zeros(math.prod(s.shape(bs_max, max(max_length, 1))), s.np_dtype) for s in specs}
+        self._row_views: OrderedDict[tuple[int, int, int], dict[str, np.ndarray]] = OrderedDict()
         self.state = BufferState.AVAILABLE
         self.state_before_write = BufferState.AVAILABLE
-        self.unread = np.zeros(bs_max, dtype=bool)
+        self.unread = 0  # bit r set: row r was written and its reader has not run it yet
         self.unread_batch_group: int | None = None
         self.fence = HostFence()
 
@@ -96,11 +99,26 @@ class StageBuffer:
         return out
 
     def rows(self, length: int, rows: range) -> dict[str, np.ndarray]:
-        """Contiguous views of `rows`, padded to `length`."""
-        return {name: view[rows.start:rows.stop] for name, view in self.views(length).items()}
+        """Contiguous views of `rows`, padded to `length`.
+
+        The same (length, rows) gives the same dict object back, so engines can cache what
+        they bind to it; callers must not modify the dict.
+        """
+        key = (length, rows.start, rows.stop)
+        views = self._row_views.get(key)
+        if views is None:
+            views = {name: view[rows.start:rows.stop] for name, view in self.views(length).items()}
+            self._row_views[key] = views
+            if len(self._row_views) > self._CACHED_VIEWS:
+                self._row_views.popitem(last=False)
+        return views
 
     def __repr__(self) -> str:
         return f"StageBuffer(boundary={self.boundary}, pair={self.pair}, state={self.state.value})"
+
+
+def row_mask(rows: range) -> int:
+    return ((1 << len(rows)) - 1) << rows.start
 
 
 @dataclass(frozen=True)
@@ -153,17 +171,19 @@ class BufferPool:
         inp, out = self.pair(use.stage, use.pair)
         if not self.is_legitimate(use.stage, use.pair):
             self._violate(f"stage {use.stage} started on pair {use.pair} that is not legitimate: {inp}, {out}")
+        mask = row_mask(use.rows)
         if use.stage > 0:
-            if not inp.unread[use.rows.start:use.rows.stop].all() or inp.unread_batch_group != use.group:
+            if inp.unread & mask != mask or inp.unread_batch_group != use.group:
                 self._violate(f"stage {use.stage} would read rows {use.rows} of {inp} that hold no data for it")
+            if not inp.fence.wait():
+                self._violate(f"stage {use.stage} would read {inp} before its writer's fence completed")
         if use.stage < self.num_stages - 1:
-            if out.unread[use.rows.start:use.rows.stop].any():
+            if out.unread & mask:
                 self._violate(f"stage {use.stage} would overwrite unread rows {use.rows} of {out}")
-            if out.unread.any() and out.unread_batch_group != use.group:
+            if out.unread and out.unread_batch_group != use.group:
                 self._violate(f"stage {use.stage} would mix two batches' rows in {out}")
         inp.state = BufferState.INREADING
         out.state_before_write, out.state = out.state, BufferState.INWRITING
-        inp.fence.wait()
         out.fence.reset()
 
     def finish(self, use: PairUse, handed_on: bool) -> None:
@@ -174,12 +194,13 @@ class BufferPool:
         out.fence.record()
         inp.state = BufferState.INVALID if handed_on else BufferState.AVAILABLE
         out.state = out.state_before_write
+        mask = row_mask(use.rows)
         if use.stage > 0:
-            inp.unread[use.rows.start:use.rows.stop] = False
-            if not inp.unread.any():
+            inp.unread &= ~mask
+            if not inp.unread:
                 self._owed[use.stage].add(use.pair)
         if use.stage < self.num_stages - 1:
-            out.unread[use.rows.start:use.rows.stop] = True
+            out.unread |= mask
             out.unread_batch_group = use.group
 
     def legitimate_upstream(self, stage: int) -> list[int]:
@@ -191,7 +212,7 @@ class BufferPool:
         while stage > 0 and self._owed[stage] and self.is_active(stage):
             for j in sorted(self._owed[stage]):
                 upstream, mine = self.buffers[stage - 1][j], self.buffers[stage][j]
-                if mine.unread.any():
+                if mine.unread:
                     self._violate(f"stage {stage} legitimated pair {j} while {mine} still holds unread rows")
                 if upstream.state is BufferState.INVALID:
                     upstream.state = BufferState.AVAILABLE

@@ -85,6 +85,8 @@ class Scheduler:
         self.trace: list[TraceEvent] = []
         self._timer_wakeup = threading.Condition(self.lock)
         self._progress = threading.Condition(self.lock)
+        self._progress_waiters = 0
+        self._policy_splits = type(policy).on_stage_done is not Policy.on_stage_done
         self._executors = [StageExecutor(i, e, self) for i, e in enumerate(engines)]
         self._timer = threading.Thread(target=self._timer_loop, name="dvabatch-batch-window", daemon=True)
         policy.bind(PolicyContext(
@@ -119,7 +121,7 @@ class Scheduler:
             for ex in self._executors:
                 ex.wakeup.notify_all()
             self._timer_wakeup.notify_all()
-            self._progress.notify_all()
+            self._notify_progress()
         _deliver(deliveries)
         if already or not self._started:
             return
@@ -280,7 +282,7 @@ class Scheduler:
                     ex.state = ExecutorState.INACTIVE
                 else:
                     ex.state = ExecutorState.ACTIVE if item is None else ExecutorState.CHECKING
-                self._progress.notify_all()
+                self._notify_progress()
                 ex.wakeup.wait()
             self._queues[stage].pop()
             row = self._table.get(item.batch_id)
@@ -326,11 +328,11 @@ class Scheduler:
                 self._push(stage + 1, out_item, now)
             if stage == self.num_stages - 1 and self._table.retire_if_done(item.batch_id):
                 self._record("exit", now, stage, BatchItem(item.batch_id, 0, 0))
-            for woken in self._buffers.legitimate_upstream(stage):
-                self._executors[woken].wakeup.notify()
+            for upstream in self._buffers.legitimate_upstream(stage):
+                self._legitimated(upstream)
             if stage == self.num_stages - 1:
                 deliveries += self._dispatch(now)
-            self._progress.notify_all()
+            self._notify_progress()
         _deliver(deliveries)
 
     def _hand_on(self, stage: int, item: BatchItem, now: float) -> list[BatchItem]:
@@ -339,7 +341,7 @@ class Scheduler:
         if nxt is None:
             return []
         row = self._table.get(nxt.batch_id)
-        if nxt.start != 0 or nxt.num != row.bs:
+        if not self._policy_splits or nxt.start != 0 or nxt.num != row.bs:
             return [nxt]
         decision = self._policy.on_stage_done(stage, self._table.info(row), self._view, now)
         if not isinstance(decision, Split):
@@ -353,6 +355,18 @@ class Scheduler:
         self.stats.split += 1
         self._record("split", now, stage, nxt, f"into {list(decision.sizes)} -> ids {[c.batch_id for c in children]}")
         return children
+
+    def _legitimated(self, stage: int) -> None:
+        """Executor `stage` got a pair back: wake it only if it has an item to run."""
+        ex = self._executors[stage]
+        if len(self._queues[stage]):
+            ex.wakeup.notify()
+        elif ex.state is ExecutorState.INACTIVE:
+            ex.state = ExecutorState.ACTIVE  # waits for an item either way: no need to wake it
+
+    def _notify_progress(self) -> None:
+        if self._progress_waiters:
+            self._progress.notify_all()
 
     def _push(self, stage: int, item: BatchItem, now: float) -> None:
         self._queues[stage].push(item)
@@ -403,12 +417,16 @@ class Scheduler:
         """Wait until `predicate(self)` holds after some progress; it is evaluated under the lock."""
         deadline = time.monotonic() + timeout
         with self.lock:
-            while not predicate(self):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._stopping:
-                    return predicate(self)
-                self._progress.wait(remaining)
-            return True
+            self._progress_waiters += 1
+            try:
+                while not predicate(self):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or self._stopping:
+                        return predicate(self)
+                    self._progress.wait(remaining)
+                return True
+            finally:
+                self._progress_waiters -= 1
 
     @property
     def pending_count(self) -> int:
