@@ -178,7 +178,14 @@ class Scheduler:
         """Ask the policy what to do with the waiting queries, and do it. Under the lock."""
         if not self._waiting or self._stopping:
             return []
-        plan = self._policy.on_arrival([self._infos[q] for q in self._waiting], self._view, now)
+        try:
+            plan = self._policy.on_arrival([self._infos[q] for q in self._waiting], self._view, now)
+            if not isinstance(plan, ArrivalPlan):
+                raise TypeError(f"on_arrival returned {type(plan).__name__}, not an ArrivalPlan")
+        except Exception:  # a broken policy must not lose queries: treat it as "no decision"
+            log.exception("policy %s failed in on_arrival", self._policy.name)
+            self.stats.policy_errors += 1
+            plan = ArrivalPlan()
         deliveries: list[_Delivery] = []
         for decision in plan.decisions:
             deliveries += self._apply(decision, now)
@@ -343,7 +350,12 @@ class Scheduler:
         row = self._table.get(nxt.batch_id)
         if not self._policy_splits or nxt.start != 0 or nxt.num != row.bs:
             return [nxt]
-        decision = self._policy.on_stage_done(stage, self._table.info(row), self._view, now)
+        try:
+            decision = self._policy.on_stage_done(stage, self._table.info(row), self._view, now)
+        except Exception:  # the batch goes on whole
+            log.exception("policy %s failed in on_stage_done", self._policy.name)
+            self.stats.policy_errors += 1
+            return [nxt]
         if not isinstance(decision, Split):
             return [nxt]
         why = self._table.split_refusal(nxt, stage, decision.sizes)

@@ -51,3 +51,30 @@ def test_a_policy_that_never_decides_does_not_strand_queries(zoo) -> None:
     for qid, inputs in zip(ids, queries):
         assert_matches_reference(model, inputs, collector.one(qid))
     assert scheduler.stats.policy_errors >= 1
+
+
+class Raises(Policy):
+    name = "raises"
+
+    def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
+        if len(waiting) > 1:
+            raise RuntimeError("policy bug")
+        return ArrivalPlan((New(tuple(q.id for q in waiting)),))
+
+    def on_stage_done(self, stage, batch, table, now):
+        raise RuntimeError("policy bug")
+
+
+def test_a_policy_that_raises_loses_no_query_and_no_thread(zoo) -> None:
+    model = zoo.stages("token", 3)
+    rng = np.random.default_rng(7)
+    queries = [model.query(rng) for _ in range(4)]
+    collector = Collector()
+    with make_scheduler(model, Raises()) as scheduler:
+        ids = [scheduler.submit(queries[0], collector)]
+        ids += scheduler.submit_many([(q, collector) for q in queries[1:]])
+        assert collector.wait_for(ids)
+        assert all(t.is_alive() for t in scheduler.threads)
+    for qid, inputs in zip(ids, queries):
+        assert_matches_reference(model, inputs, collector.one(qid))
+    assert scheduler.stats.policy_errors >= 2
