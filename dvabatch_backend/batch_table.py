@@ -162,8 +162,8 @@ class BatchTable:
         Returns the children's items for the next stage's queue. The caller checks
         `split_refusal` first. Children inherit the parent's status and have stretch disabled.
         """
-        parent = self._rows.pop(batch_id)
-        items, offset = [], 0
+        parent = self._rows[batch_id]
+        items, offset, children = [], 0, []
         for size in sizes:
             done = [size if s <= stage else 0 for s in range(self.num_stages)]
             child = BatchRow(
@@ -172,9 +172,11 @@ class BatchTable:
                 queries=parent.queries[offset:offset + size], status_map=done, pushed=list(done),
                 no_stretch=True, parent=parent.id, group=parent.group,
             )
-            self._rows[child.id] = child
+            children.append(child)
             items.append(BatchItem(child.id, 0, size))
             offset += size
+        del self._rows[batch_id]
+        self._rows.update((c.id, c) for c in children)
         return items
 
     # -- progress ---------------------------------------------------------------------

@@ -74,7 +74,10 @@ class StageExecutor:
             except Exception as exc:  # the engine's failure is the queries' answer, not the thread's end
                 log.warning("stage %d failed on %s: %s", self.stage, work.item, exc)
                 error = exc
-            self._scheduler.finish_work(self, work, error, results)
+            try:
+                self._scheduler.finish_work(self, work, error, results)
+            except Exception:  # a runtime bug: keep serving, the rest of the pipeline still needs us
+                log.exception("stage %d: bookkeeping failed after %s", self.stage, work.item)
 
 
 def gather_inputs(queries: list[Query], rows: dict[str, np.ndarray], specs: tuple[TensorSpec, ...]) -> None:

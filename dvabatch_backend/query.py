@@ -42,6 +42,8 @@ def validate_inputs(
 
     NaN and infinities are data, not errors: they pass through.
     """
+    if not isinstance(inputs, Mapping):
+        raise BadInputError(query_id, f"inputs must map input names to tensors, got {type(inputs).__name__}")
     specs = {t.name: t for t in manifest.inputs}
     missing = sorted(set(specs) - set(inputs))
     unknown = sorted(set(inputs) - set(specs))

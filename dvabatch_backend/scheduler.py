@@ -36,6 +36,7 @@ from .stats import RuntimeStats, StageStats, TraceEvent
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+MIN_WAKE_DELAY = 1e-4  # seconds
 _Delivery = tuple[Reply, Answer]
 
 
@@ -81,6 +82,7 @@ class Scheduler:
         self._wake_at: float | None = None
         self._stopping = False
         self._started = False
+        self._stopped = threading.Event()
         self.stats = RuntimeStats(stages=[StageStats() for _ in range(self.num_stages)])
         self.trace: list[TraceEvent] = []
         self._timer_wakeup = threading.Condition(self.lock)
@@ -123,12 +125,18 @@ class Scheduler:
             self._timer_wakeup.notify_all()
             self._notify_progress()
         _deliver(deliveries)
-        if already or not self._started:
+        ours = threading.current_thread() in self.threads  # stop() called from a reply callback
+        if already:
+            if not ours:
+                self._stopped.wait(timeout)
             return
-        for thread in [ex.thread for ex in self._executors] + [self._timer]:
-            thread.join(timeout)
-            if thread.is_alive():
-                log.error("thread %s did not stop within %.1fs", thread.name, timeout)
+        if self._started:
+            for thread in self.threads:
+                if thread is not threading.current_thread():
+                    thread.join(timeout)
+                    if thread.is_alive():
+                        log.error("thread %s did not stop within %.1fs", thread.name, timeout)
+        self._stopped.set()
 
     def __enter__(self) -> "Scheduler":
         return self.start()
@@ -159,6 +167,9 @@ class Scheduler:
             except BadInputError as exc:
                 deliveries.append((reply, Answer(qid, None, exc)))
                 continue
+            except Exception as exc:  # not even tensors: still this query's answer, not the caller's crash
+                deliveries.append((reply, Answer(qid, None, BadInputError(qid, f"malformed input: {exc}"))))
+                continue
             accepted.append(Query(qid, arrays, length, now, reply))
         with self.lock:
             self.stats.submitted += len(requests)
@@ -180,8 +191,7 @@ class Scheduler:
             return []
         try:
             plan = self._policy.on_arrival([self._infos[q] for q in self._waiting], self._view, now)
-            if not isinstance(plan, ArrivalPlan):
-                raise TypeError(f"on_arrival returned {type(plan).__name__}, not an ArrivalPlan")
+            _check_plan(plan)
         except Exception:  # a broken policy must not lose queries: treat it as "no decision"
             log.exception("policy %s failed in on_arrival", self._policy.name)
             self.stats.policy_errors += 1
@@ -189,7 +199,9 @@ class Scheduler:
         deliveries: list[_Delivery] = []
         for decision in plan.decisions:
             deliveries += self._apply(decision, now)
-        self._wake_at = plan.wake_at
+        # a wake-up in the past would have the timer call the policy again without ever
+        # releasing the lock: the earliest wake-up is a little after now
+        self._wake_at = None if plan.wake_at is None else max(float(plan.wake_at), now + MIN_WAKE_DELAY)
         if self._wake_at is not None:
             self._timer_wakeup.notify()
         elif self._waiting and len(self._table) == 0:
@@ -314,33 +326,41 @@ class Scheduler:
     def finish_work(
         self, ex: StageExecutor, work: Work, error: BaseException | None, results: list[dict[str, np.ndarray]] | None
     ) -> None:
-        stage, item = work.stage, work.item
+        """Executor `ex` ran `work`: answer exits, carry out `Schedule()`, hand on, legitimate."""
         now = self._clock()
         deliveries: list[_Delivery] = []
-        with self.lock:
-            if self._stopping:
-                return
-            stats = self.stats.stages[stage]
-            stats.batches += 1
-            stats.rows += item.num
-            stats.busy_seconds += now - work.started
-            self._record("run", work.started, stage, item, t1=now)
-            if error is not None:
-                deliveries += self._answer_errors(work, error)
-            elif results is not None:
-                deliveries += self._answer_results(work.queries, results)
-            handed_on = self._hand_on(stage, item, now)
-            self._buffers.finish(work.use, handed_on=bool(handed_on))
-            for out_item in handed_on:
-                self._push(stage + 1, out_item, now)
-            if stage == self.num_stages - 1 and self._table.retire_if_done(item.batch_id):
-                self._record("exit", now, stage, BatchItem(item.batch_id, 0, 0))
-            for upstream in self._buffers.legitimate_upstream(stage):
-                self._legitimated(upstream)
-            if stage == self.num_stages - 1:
-                deliveries += self._dispatch(now)
-            self._notify_progress()
-        _deliver(deliveries)
+        try:
+            with self.lock:
+                if not self._stopping:
+                    self._finish_locked(work, error, results, now, deliveries)
+        finally:  # answers already taken from `pending` are delivered whatever happens
+            _deliver(deliveries)
+
+    def _finish_locked(
+        self, work: Work, error: BaseException | None, results: list[dict[str, np.ndarray]] | None,
+        now: float, deliveries: list[_Delivery],
+    ) -> None:
+        stage, item = work.stage, work.item
+        stats = self.stats.stages[stage]
+        stats.batches += 1
+        stats.rows += item.num
+        stats.busy_seconds += now - work.started
+        self._record("run", work.started, stage, item, t1=now)
+        if error is not None:
+            deliveries += self._answer_errors(work, error)
+        elif results is not None:
+            deliveries += self._answer_results(work.queries, results)
+        handed_on = self._hand_on(stage, item, now)
+        self._buffers.finish(work.use, handed_on=bool(handed_on))
+        for out_item in handed_on:
+            self._push(stage + 1, out_item, now)
+        if stage == self.num_stages - 1 and self._table.retire_if_done(item.batch_id):
+            self._record("exit", now, stage, BatchItem(item.batch_id, 0, 0))
+        for upstream in self._buffers.legitimate_upstream(stage):
+            self._legitimated(upstream)
+        if stage == self.num_stages - 1:
+            deliveries += self._dispatch(now)
+        self._notify_progress()
 
     def _hand_on(self, stage: int, item: BatchItem, now: float) -> list[BatchItem]:
         """Items for the next stage after `stage` ran `item`: the policy's `Schedule()`."""
@@ -358,14 +378,19 @@ class Scheduler:
             return [nxt]
         if not isinstance(decision, Split):
             return [nxt]
-        why = self._table.split_refusal(nxt, stage, decision.sizes)
+        sizes = decision.sizes
+        if not isinstance(sizes, (tuple, list)) or not all(_is_int(n) for n in sizes):
+            self.stats.policy_errors += 1
+            log.error("policy %s: %s has sizes that are not ints; batch goes on whole", self._policy.name, decision)
+            return [nxt]
+        why = self._table.split_refusal(nxt, stage, [int(n) for n in sizes])
         if why is not None:
             self.stats.split_refused += 1
             log.debug("split refused: %s", why)
             return [nxt]
-        children = self._table.split(nxt.batch_id, stage, decision.sizes)
+        children = self._table.split(nxt.batch_id, stage, [int(n) for n in sizes])
         self.stats.split += 1
-        self._record("split", now, stage, nxt, f"into {list(decision.sizes)} -> ids {[c.batch_id for c in children]}")
+        self._record("split", now, stage, nxt, f"into {list(sizes)} -> ids {[c.batch_id for c in children]}")
         return children
 
     def _legitimated(self, stage: int) -> None:
@@ -373,7 +398,7 @@ class Scheduler:
         ex = self._executors[stage]
         if len(self._queues[stage]):
             ex.wakeup.notify()
-        elif ex.state is ExecutorState.INACTIVE:
+        elif ex.state is ExecutorState.INACTIVE and self._buffers.is_active(stage):
             ex.state = ExecutorState.ACTIVE  # waits for an item either way: no need to wake it
 
     def _notify_progress(self) -> None:
@@ -462,6 +487,29 @@ def _stage_times(manifest: Manifest) -> tuple[dict[int, float], ...]:
     if not isinstance(profile, list) or len(profile) != manifest.num_stages:
         return ()
     return tuple({int(bs): float(t) for bs, t in stage.items()} for stage in profile)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_plan(plan: object) -> None:
+    """Raise TypeError unless `plan` is an ArrivalPlan of well-typed decisions."""
+    if not isinstance(plan, ArrivalPlan):
+        raise TypeError(f"on_arrival returned {type(plan).__name__}, not an ArrivalPlan")
+    if not isinstance(plan.decisions, (tuple, list)):
+        raise TypeError(f"ArrivalPlan.decisions must be a tuple of New/Stretch, got {type(plan.decisions).__name__}")
+    if plan.wake_at is not None and not isinstance(plan.wake_at, (int, float)):
+        raise TypeError(f"ArrivalPlan.wake_at must be a number or None, got {plan.wake_at!r}")
+    for d in plan.decisions:
+        if not isinstance(d, (New, Stretch)):
+            raise TypeError(f"{d!r} is not a New or Stretch decision")
+        if not isinstance(d.query_ids, (tuple, list)) or not all(_is_int(q) for q in d.query_ids):
+            raise TypeError(f"{d}: query_ids must be a tuple of ints")
+        if isinstance(d, New) and d.pad_length is not None and not _is_int(d.pad_length):
+            raise TypeError(f"{d}: pad_length must be an int or None")
+        if isinstance(d, Stretch) and not _is_int(d.batch_id):
+            raise TypeError(f"{d}: batch_id must be an int")
 
 
 def _deliver(deliveries: list[_Delivery]) -> None:

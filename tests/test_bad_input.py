@@ -26,6 +26,8 @@ BAD_INPUTS = {
     "unknown input": (lambda g: {**g, "y": g["x"]}, "unknown input(s) ['y']"),
     "wrong fixed dim": (lambda g: {**g, "x": np.zeros((4, 9), np.float32)}, "dim 1 is 9, expected 8"),
     "lengths disagree": (lambda g: {**g, "mask": np.ones(3, np.float32)}, "disagree on the sequence length"),
+    "ragged nested list": (lambda g: {**g, "x": [[1.0, 2.0], [3.0]]}, "malformed input"),
+    "not a mapping": (lambda g: None, "inputs must map input names to tensors"),
 }
 
 

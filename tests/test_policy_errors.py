@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+import pytest
 
 from dvabatch_backend import ArrivalPlan, New, Policy, PolicyContext
 from dvabatch_backend.decisions import BatchTableView, QueryInfo
@@ -78,3 +79,68 @@ def test_a_policy_that_raises_loses_no_query_and_no_thread(zoo) -> None:
     for qid, inputs in zip(ids, queries):
         assert_matches_reference(model, inputs, collector.one(qid))
     assert scheduler.stats.policy_errors >= 2
+
+
+class HoldsIntoThePast(Policy):
+    """A batch window whose deadline passes while the pipeline is busy."""
+
+    name = "window-in-the-past"
+
+    def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
+        if len(table) == 0:
+            return ArrivalPlan((New(tuple(q.id for q in waiting[: self.context.bs_max])),))
+        return ArrivalPlan((), wake_at=min(q.arrival for q in waiting) + 0.001)
+
+
+def test_a_wake_up_in_the_past_does_not_starve_the_pipeline(zoo) -> None:
+    from .conftest import SlowEngine
+
+    model = zoo.stages("token", 2)
+    rng = np.random.default_rng(8)
+    queries = [model.query(rng) for _ in range(3)]
+    collector = Collector()
+    engines = [SlowEngine(e, 0.02) for e in model.engines()]
+    with make_scheduler(model, HoldsIntoThePast(), engines) as scheduler:
+        ids = [scheduler.submit(q, collector) for q in queries]
+        assert collector.wait_for(ids, timeout=10)
+    for qid, inputs in zip(ids, queries):
+        assert_matches_reference(model, inputs, collector.one(qid))
+
+
+class IllTyped(Policy):
+    """Mistakes a policy author makes: a bare id, a bare decision, float pad and split sizes."""
+
+    name = "ill-typed"
+
+    def __init__(self, mistake: str) -> None:
+        self.mistake = mistake
+
+    def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
+        ids = tuple(q.id for q in waiting)
+        if self.mistake == "bare id":
+            return ArrivalPlan(tuple(New(q) for q in ids))  # type: ignore[arg-type]
+        if self.mistake == "bare decision":
+            return ArrivalPlan(New(ids))  # type: ignore[arg-type]
+        if self.mistake == "float pad":
+            return ArrivalPlan((New(ids, pad_length=12.0),))  # type: ignore[arg-type]
+        return ArrivalPlan((New(ids),))
+
+    def on_stage_done(self, stage, batch, table, now):
+        from dvabatch_backend import Split
+
+        return Split((batch.bs / 2, batch.bs / 2)) if self.mistake == "float split" and batch.bs % 2 == 0 else None
+
+
+@pytest.mark.parametrize("mistake", ["bare id", "bare decision", "float pad", "float split"])
+def test_ill_typed_decisions_are_policy_errors_not_crashes(zoo, mistake: str) -> None:
+    model = zoo.stages("token", 3)
+    rng = np.random.default_rng(9)
+    queries = [model.query(rng) for _ in range(4)]
+    collector = Collector()
+    with make_scheduler(model, IllTyped(mistake)) as scheduler:
+        ids = scheduler.submit_many([(q, collector) for q in queries])
+        assert collector.wait_for(ids)
+        assert all(t.is_alive() for t in scheduler.threads)
+    for qid, inputs in zip(ids, queries):
+        assert_matches_reference(model, inputs, collector.one(qid))
+    assert scheduler.stats.policy_errors >= 1

@@ -70,3 +70,24 @@ def test_stop_while_a_stage_is_mid_run_does_not_answer_twice(zoo) -> None:
     stopper.join(10)
     assert not stopper.is_alive() and not any(t.is_alive() for t in scheduler.threads)
     assert isinstance(collector.one(qid).error, ShuttingDownError)
+
+
+def test_stop_from_a_reply_callback_and_concurrent_stops(zoo) -> None:
+    model = zoo.stages("dense", 3)
+    scheduler = make_scheduler(model, PipelinedPolicy())
+    collector = Collector()
+    rng = np.random.default_rng(5)
+
+    def stop_on_first_answer(answer) -> None:
+        collector(answer)
+        scheduler.stop()  # runs on the last stage's thread: must not try to join itself
+
+    scheduler.start()
+    first = scheduler.submit(model.query(rng), stop_on_first_answer)
+    assert collector.wait_for([first])
+    others = threading.Thread(target=scheduler.stop)
+    others.start()
+    scheduler.stop()  # a concurrent stop returns only once everything is stopped
+    others.join(10)
+    assert not any(t.is_alive() for t in scheduler.threads)
+    assert collector.one(first).ok
