@@ -38,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from policies import create_policy
     from slicer import cut, toy
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -43,7 +43,6 @@ class Work:
     stage: int
     item: BatchItem
     use: PairUse
-    length: int
     inputs: dict[str, np.ndarray]
     outputs: dict[str, np.ndarray]
     queries: list[Query]

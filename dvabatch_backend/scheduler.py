@@ -27,7 +27,7 @@ from .batch_table import BatchItem, BatchQueue, BatchTable, TableSnapshot
 from .buffers import BufferPool, BufferState, PairUse
 from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo, Split, Stretch
 from .engine import OrtStageEngine, StageEngine
-from .errors import BadInputError, PolicyError, QueryError, ShuttingDownError, StageFailedError
+from .errors import BadInputError, PolicyError, ShuttingDownError, StageFailedError
 from .executor import ExecutorState, StageExecutor, Work
 from .manifest import Manifest
 from .query import Answer, Query, Reply, validate_inputs
@@ -312,7 +312,7 @@ class Scheduler:
             length = row.pad_length
             inp, out = self._buffers.pair(stage, pair)
             return Work(
-                stage, item, use, length, inp.rows(length, use.rows), out.rows(length, use.rows),
+                stage, item, use, inp.rows(length, use.rows), out.rows(length, use.rows),
                 row.queries[item.start:item.start + item.num], self._clock(),
             )
 

@@ -6,7 +6,7 @@ from typing import Sequence
 import numpy as np
 import pytest
 
-from dvabatch_backend import ArrivalPlan, New, Policy, PolicyContext
+from dvabatch_backend import ArrivalPlan, New, Policy
 from dvabatch_backend.decisions import BatchTableView, QueryInfo
 from dvabatch_backend.errors import PolicyError
 
