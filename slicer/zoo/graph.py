@@ -52,10 +52,13 @@ class GraphBuilder:
         return self.const((self.rng.standard_normal(shape) * std).astype(np.float32), hint)
 
     def op(self, op_type: str, inputs: Sequence[str], hint: str | None = None, outputs: int = 1,
-           **attrs: object) -> str | list[str]:
-        """Add a node; returns its output name (or names when `outputs` > 1)."""
+           out: str | None = None, **attrs: object) -> str | list[str]:
+        """Add a node; returns its output name (or names when `outputs` > 1).
+
+        `out` names the (single) output explicitly, e.g. a graph output.
+        """
         base = self.fresh(hint or op_type.lower())
-        outs = [base] if outputs == 1 else [f"{base}_out{i}" for i in range(outputs)]
+        outs = [out or base] if outputs == 1 else [f"{base}_out{i}" for i in range(outputs)]
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=base, **attrs))
         return outs[0] if outputs == 1 else outs
 
