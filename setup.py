@@ -8,6 +8,7 @@ setup(
     packages=find_packages(include=["dvabatch_backend*", "slicer*", "policies*", "perf*"]),
     install_requires=[
         "numpy>=1.24",
+        "tqdm>=4.60",
         "onnx>=1.16",
         "onnxruntime>=1.18",
     ],

@@ -30,11 +30,81 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--bs-max", type=int, default=16)
     demo.add_argument("--threads", type=int, default=1, help="onnxruntime threads per stage")
     demo.add_argument("--out", type=Path, help="model directory to write (default: a temporary one)")
+    slice_ = sub.add_parser("slice", help="cut an ONNX model into time-balanced, verified stages")
+    slice_.add_argument("model", type=Path, help="the ONNX model")
+    slice_.add_argument("--stages", default="auto", help="number of stages, or 'auto' to choose by measurement")
+    slice_.add_argument("--candidates", default="2,3,4", help="stage counts tried by --stages auto")
+    slice_.add_argument("--out", type=Path, required=True, help="model directory to write (NAME/, for a model repository)")
+    slice_.add_argument("--name", help="model name (default: the --out folder's name)")
+    slice_.add_argument("--bs-max", type=int, default=64)
+    slice_.add_argument("--max-length", type=int, default=128, help="longest input, for models with a 'seq' dim")
+    slice_.add_argument("--threads", type=int, default=1, help="onnxruntime threads per stage")
+    slice_.add_argument("--repeats", type=int, default=10, help="timed runs per measurement")
+    slice_.add_argument("--operator-diversity-cuts", action="store_true",
+                        help="move cuts to where the preferred batch size changes")
+    slice_.add_argument("--force", action="store_true", help="replace an existing output directory")
+    zoo = sub.add_parser("zoo", help="build a model of the zoo as ONNX")
+    zoo.add_argument("name", help="model name; 'list' lists them")
+    zoo.add_argument("--out", type=Path, help="the .onnx file to write")
+    zoo.add_argument("--size", default="test", help="a preset: test (small, for tests) or real (benchmarks)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo":
         return run_demo(args)
+    if args.command == "slice":
+        return run_slice(args)
+    if args.command == "zoo":
+        return run_zoo(args)
     return 2
+
+
+def run_slice(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from slicer.slice_model import SliceError, SliceOptions, slice_model
+
+    stages = None if args.stages == "auto" else int(args.stages)
+    options = SliceOptions(
+        stages=stages, candidates=tuple(int(n) for n in args.candidates.split(",")), name=args.name,
+        max_batch_size=args.bs_max, max_length=args.max_length, threads=args.threads, repeats=args.repeats,
+        operator_diversity_cuts=args.operator_diversity_cuts, force=args.force,
+    )
+    with tqdm(desc="slicing", unit="step", bar_format="{desc}: {n} steps [{elapsed}]") as bar:
+        def progress(message: str) -> None:
+            bar.set_description(message)
+            bar.update()
+
+        try:
+            report = slice_model(args.model, args.out, options, progress)
+        except (SliceError, ValueError) as exc:
+            bar.close()
+            print(f"dvabatch slice: {exc}", file=sys.stderr)
+            return 1
+    print(report.summary())
+    return 0
+
+
+def run_zoo(args: argparse.Namespace) -> int:
+    from slicer.zoo import ZOO, build
+
+    if args.name == "list":
+        for name, entry in ZOO.items():
+            print(f"{name:<10} {entry.description}")
+        return 0
+    if args.out is None:
+        print("dvabatch zoo: --out FILE.onnx is required", file=sys.stderr)
+        return 2
+    try:
+        model = build(args.name, args.size)
+    except ValueError as exc:
+        print(f"dvabatch zoo: {exc}", file=sys.stderr)
+        return 1
+    import onnx
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(args.out))
+    print(f"wrote {args.name} ({args.size}) to {args.out}: {len(model.graph.node)} nodes")
+    return 0
 
 
 def run_demo(args: argparse.Namespace) -> int:

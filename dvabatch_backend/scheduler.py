@@ -475,8 +475,13 @@ class Scheduler:
 
 
 def load_scheduler(model_dir: str | Path, policy: Policy, settings: RuntimeSettings = RuntimeSettings()) -> Scheduler:
-    """A scheduler over a sliced model directory, one onnxruntime engine per stage."""
+    """A scheduler over a sliced model directory, one onnxruntime engine per stage.
+
+    `model_dir` holds manifest.json, or is a Triton model folder whose version folder `1/` does.
+    """
     model_dir = Path(model_dir)
+    if not (model_dir / "manifest.json").exists() and (model_dir / "1" / "manifest.json").exists():
+        model_dir = model_dir / "1"
     manifest = Manifest.load(model_dir / "manifest.json")
     engines = [OrtStageEngine(model_dir / s.file, settings.threads_per_stage) for s in manifest.stages]
     return Scheduler(manifest, engines, policy, settings)

@@ -259,17 +259,36 @@ def _probe_feed(spec: TensorSpec, batch: int, seq: int, rng: np.random.Generator
 
 def _tensor_specs(model: onnx.ModelProto, bounds: list[list[str]]) -> dict[str, TensorSpec]:
     """Specs of every boundary tensor under its original name: inputs declared, the rest probed."""
-    graph = model.graph
-    inits = _initializer_names(graph)
-    specs = {vi.name: _input_spec(vi) for vi in graph.input if vi.name not in inits}
-    has_seq = any(s.has_seq for s in specs.values())
-    wanted = [t for t in dict.fromkeys(t for bound in bounds for t in bound) if t not in specs]
-    if not wanted:
-        return specs
+    wanted = list(dict.fromkeys(t for bound in bounds for t in bound))
+    inits = _initializer_names(model.graph)
     for t in wanted:
         if t in inits:
             raise ValueError(f"boundary tensor {t!r} is an initializer; a model output must be computed by a node")
+    specs: dict[str, TensorSpec] = {}
+    for t, spec in probe_specs(model, wanted).items():
+        if isinstance(spec, str):
+            raise ValueError(spec)
+        specs[t] = spec
+    return specs
 
+
+def input_specs(model: onnx.ModelProto) -> dict[str, TensorSpec]:
+    """The model inputs' specs, from their declared types."""
+    inits = _initializer_names(model.graph)
+    return {vi.name: _input_spec(vi) for vi in model.graph.input if vi.name not in inits}
+
+
+def probe_specs(model: onnx.ModelProto, tensors: Sequence[str]) -> dict[str, TensorSpec | str]:
+    """Specs of `tensors` (and the model inputs), found by running the model at two shapes.
+
+    A tensor that cannot sit in a stage boundary (no leading batch dim, a dim that is neither
+    batch, seq nor constant, an unsupported dtype) maps to a string saying why.
+    """
+    specs: dict[str, TensorSpec | str] = dict(input_specs(model))
+    has_seq = any(s.has_seq for s in specs.values() if isinstance(s, TensorSpec))
+    wanted = [t for t in dict.fromkeys(tensors) if t not in specs]
+    if not wanted:
+        return specs
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     declared = {o.name for o in probe.graph.output}
@@ -278,39 +297,39 @@ def _tensor_specs(model: onnx.ModelProto, bounds: list[list[str]]) -> dict[str, 
     options.log_severity_level = 3
     session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
-    runs = []
-    for batch, seq in PROBE_SETTINGS:
-        feeds = {name: _probe_feed(spec, batch, seq, rng) for name, spec in specs.items()}
-        runs.append(session.run(wanted, feeds))
-
-    (b1, s1), (b2, s2) = PROBE_SETTINGS
+    inputs = [s for s in specs.values() if isinstance(s, TensorSpec)]
+    runs = [session.run(wanted, {s.name: _probe_feed(s, b, q, rng) for s in inputs}) for b, q in PROBE_SETTINGS]
     for j, t in enumerate(wanted):
-        a1, a2 = np.asarray(runs[0][j]), np.asarray(runs[1][j])
-        dtype = a1.dtype.name
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"boundary tensor {t!r} has dtype {dtype}, not one of {SUPPORTED_DTYPES}")
-        if a1.ndim != a2.ndim:
-            raise ValueError(f"boundary tensor {t!r} changes rank with the input shape: {a1.shape} vs {a2.shape}")
-        dims: list[int | str] = []
-        for i, (d1, d2) in enumerate(zip(a1.shape, a2.shape)):
-            if (d1, d2) == (b1, b2):
-                dims.append(BATCH)
-            elif has_seq and (d1, d2) == (s1, s2):
-                dims.append(SEQ)
-            elif d1 == d2 and d1 > 0:
-                dims.append(int(d1))
-            else:
-                raise ValueError(
-                    f"boundary tensor {t!r} dim {i} is {d1} at (batch={b1}, seq={s1}) and {d2} at "
-                    f"(batch={b2}, seq={s2}): neither {BATCH!r}, {SEQ!r} nor a positive constant"
-                )
-        if not dims or dims[0] != BATCH or BATCH in dims[1:]:
-            raise ValueError(
-                f"boundary tensor {t!r} has shape {a1.shape} at batch={b1}: its first and only its first dim "
-                f"must be {BATCH!r}, got {dims}"
-            )
-        specs[t] = TensorSpec(t, dtype, tuple(dims))
+        specs[t] = _probed_spec(t, np.asarray(runs[0][j]), np.asarray(runs[1][j]), has_seq)
     return specs
+
+
+def _probed_spec(t: str, a1: np.ndarray, a2: np.ndarray, has_seq: bool) -> TensorSpec | str:
+    (b1, s1), (b2, s2) = PROBE_SETTINGS
+    dtype = a1.dtype.name
+    if dtype not in SUPPORTED_DTYPES:
+        return f"boundary tensor {t!r} has dtype {dtype}, not one of {SUPPORTED_DTYPES}"
+    if a1.ndim != a2.ndim:
+        return f"boundary tensor {t!r} changes rank with the input shape: {a1.shape} vs {a2.shape}"
+    dims: list[int | str] = []
+    for i, (d1, d2) in enumerate(zip(a1.shape, a2.shape)):
+        if (d1, d2) == (b1, b2):
+            dims.append(BATCH)
+        elif has_seq and (d1, d2) == (s1, s2):
+            dims.append(SEQ)
+        elif d1 == d2 and d1 > 0:
+            dims.append(int(d1))
+        else:
+            return (
+                f"boundary tensor {t!r} dim {i} is {d1} at (batch={b1}, seq={s1}) and {d2} at "
+                f"(batch={b2}, seq={s2}): neither {BATCH!r}, {SEQ!r} nor a positive constant"
+            )
+    if not dims or dims[0] != BATCH or BATCH in dims[1:]:
+        return (
+            f"boundary tensor {t!r} has shape {a1.shape} at batch={b1}: its first and only its first dim "
+            f"must be {BATCH!r}, got {dims}"
+        )
+    return TensorSpec(t, dtype, tuple(dims))
 
 
 # --- stages ----------------------------------------------------------------------------

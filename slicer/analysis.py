@@ -1,0 +1,107 @@
+"""Where a graph may be cut: the tensors crossing each position, and which positions are legal.
+
+A cut at position p splits the node list (topological order) into nodes[:p] and nodes[p:].
+The tensors crossing it are those made before p (or model inputs) and used at or after p (or
+model outputs): activations, skip connections and pass-through inputs such as a mask. Each
+becomes a stage-boundary tensor. A position is legal when every crossing tensor can live in a
+runtime buffer (a leading batch dim; other dims constant or the sequence length) and there
+are at most `max_tensors` of them. Nodes with subgraphs (If, Loop, Scan) are atomic, and
+tensors their subgraphs read from outside count as used by them, so no cut passes through
+control flow.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import onnx
+
+from dvabatch_backend.manifest import TensorSpec
+
+from .cut import _initializer_names, input_specs, probe_specs
+
+
+@dataclass(frozen=True)
+class CutPoint:
+    position: int  # the cut falls before nodes[position]
+    tensors: tuple[str, ...]
+    bytes_per_row: int  # bytes crossing per query, at the reference length
+
+
+def node_inputs(node: onnx.NodeProto) -> Iterator[str]:
+    """Every tensor a node reads, including those its subgraphs read from the outer scope."""
+    yield from (i for i in node.input if i)
+    for attr in node.attribute:
+        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+        for g in graphs:
+            local = {i.name for i in g.input} | _initializer_names(g)
+            for sub in g.node:
+                local.update(o for o in sub.output if o)
+            for sub in g.node:
+                yield from (i for i in node_inputs(sub) if i not in local)
+
+
+def crossing_tensors(model: onnx.ModelProto) -> list[tuple[str, ...]]:
+    """For each position p in 0..len(nodes), the tensors crossing a cut there (in birth order)."""
+    graph = model.graph
+    n = len(graph.node)
+    inits = _initializer_names(graph)
+    born: dict[str, int] = {i.name: 0 for i in graph.input if i.name not in inits}
+    last_use: dict[str, int] = {}
+    for idx, node in enumerate(graph.node):
+        for t in node_inputs(node):
+            if t not in inits:
+                last_use[t] = idx
+        for o in node.output:
+            if o:
+                born.setdefault(o, idx + 1)
+    for o in graph.output:
+        last_use[o.name] = n
+    births: dict[int, list[str]] = {}
+    for t, b in born.items():
+        if last_use.get(t, -1) >= b:
+            births.setdefault(b, []).append(t)
+    alive: dict[str, int] = {}  # insertion order = birth order
+    crossing: list[tuple[str, ...]] = []
+    for p in range(n + 1):
+        for t in births.get(p, ()):
+            alive[t] = last_use[t]
+        for t in [t for t, last in alive.items() if last < p]:
+            del alive[t]
+        crossing.append(tuple(alive))
+    return crossing
+
+
+def legal_cut_points(model: onnx.ModelProto, reference_length: int, max_tensors: int = 8) -> list[CutPoint]:
+    """Every legal internal cut position, with its crossing tensors and their bytes per query."""
+    live = crossing_tensors(model)
+    n = len(model.graph.node)
+    candidates = {p: ts for p, ts in enumerate(live) if 0 < p < n and 0 < len(ts) <= max_tensors}
+    specs = probe_specs(model, sorted({t for ts in candidates.values() for t in ts}))
+    points = []
+    for p, tensors in sorted(candidates.items()):
+        found = [specs[t] for t in tensors]
+        if all(isinstance(s, TensorSpec) for s in found):
+            points.append(CutPoint(p, tensors, sum(_row_bytes(s, reference_length) for s in found)))  # type: ignore[arg-type]
+    return points
+
+
+def _row_bytes(spec: TensorSpec, length: int) -> int:
+    return math.prod(spec.sample_shape(max(length, 1))) * spec.np_dtype.itemsize
+
+
+def has_sequence_input(model: onnx.ModelProto) -> bool:
+    return any(s.has_seq for s in input_specs(model).values())
+
+
+def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Give every node a unique name (profiles map costs back by name); returns the model."""
+    seen: set[str] = set()
+    for idx, node in enumerate(model.graph.node):
+        if not node.name or node.name in seen:
+            node.name = f"{node.op_type.lower()}_{idx}"
+        seen.add(node.name)
+    return model
+
+

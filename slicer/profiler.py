@@ -1,0 +1,125 @@
+"""Measure costs: per node (onnxruntime's profiler) and per stage (timed runs).
+
+Node costs come from `SessionOptions.enable_profiling` with graph optimizations off, so
+every profiled kernel maps back to a node of the graph by name; thread settings are fixed
+so that costs compare across nodes. Stage times are measured on the stage engines as the
+runtime builds them (same session options), median of repeated runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from dvabatch_backend.engine import ort_session_options
+from dvabatch_backend.manifest import TensorSpec
+
+Progress = Callable[[str], None]
+
+INT_HIGH_KEY = "dvabatch.int_high."  # model metadata: exclusive upper bound of an int input's values
+
+
+@dataclass(frozen=True)
+class Setting:
+    batch: int
+    length: int
+
+
+def random_inputs(specs: Sequence[TensorSpec], batch: int, length: int, rng: np.random.Generator,
+                  int_high: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+    """Inputs for measuring and verifying: floats normal; ints below their bound; masks with padding.
+
+    An int input named like a mask gets ones with a zero tail on random rows, so padding is
+    exercised; other ints are uniform in [0, int_high) (default 2).
+    """
+    feeds: dict[str, np.ndarray] = {}
+    lengths = rng.integers(1, length + 1, size=batch) if length > 1 else np.ones(batch, dtype=int)
+    lengths[0] = max(length, 1)
+    for spec in specs:
+        shape = spec.shape(batch, length)
+        if np.issubdtype(spec.np_dtype, np.floating) and "mask" not in spec.name:
+            feeds[spec.name] = rng.standard_normal(shape).astype(spec.np_dtype)
+        elif "mask" in spec.name and spec.has_seq:
+            mask = np.zeros(shape, dtype=spec.np_dtype)
+            for r, n in enumerate(lengths):
+                mask[r, :n] = 1
+            feeds[spec.name] = mask
+        else:
+            high = (int_high or {}).get(spec.name, 2)
+            feeds[spec.name] = rng.integers(0, high, size=shape).astype(spec.np_dtype)
+    return feeds
+
+
+def int_bounds(model: onnx.ModelProto) -> dict[str, int]:
+    return {p.key[len(INT_HIGH_KEY):]: int(p.value) for p in model.metadata_props if p.key.startswith(INT_HIGH_KEY)}
+
+
+def node_costs(model: onnx.ModelProto, inputs: Sequence[TensorSpec], settings: Sequence[Setting],
+               threads: int = 1, repeats: int = 5, progress: Progress | None = None) -> dict[Setting, np.ndarray]:
+    """Seconds per run of every node (in graph order) at each setting, from onnxruntime's profiler."""
+    index = {node.name: i for i, node in enumerate(model.graph.node)}
+    if len(index) != len(model.graph.node):
+        raise ValueError("node names must be unique to map profiles back to nodes (see analysis.name_nodes)")
+    serialized = model.SerializeToString()
+    bounds = int_bounds(model)
+    rng = np.random.default_rng(0)
+    costs: dict[Setting, np.ndarray] = {}
+    for setting in settings:
+        if progress:
+            progress(f"profiling nodes at batch {setting.batch}, length {setting.length}")
+        feeds = random_inputs(inputs, setting.batch, setting.length, rng, bounds)
+        costs[setting] = _profile_once(serialized, feeds, index, threads, repeats)
+    return costs
+
+
+def _profile_once(serialized: bytes, feeds: dict[str, np.ndarray], index: dict[str, int], threads: int,
+                  repeats: int) -> np.ndarray:
+    """Median kernel time of each node over `repeats` runs (a warm-up run makes the first sample)."""
+    options = ort_session_options(threads)
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    with tempfile.TemporaryDirectory() as tmp:
+        options.enable_profiling = True
+        options.profile_file_prefix = os.path.join(tmp, "profile")
+        session = ort.InferenceSession(serialized, options, providers=["CPUExecutionProvider"])
+        for _ in range(repeats + 1):
+            session.run(None, feeds)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    samples: dict[int, list[float]] = {}
+    for ev in events:
+        name = ev.get("name", "")
+        if ev.get("cat") == "Node" and name.endswith("_kernel_time") and name[: -len("_kernel_time")] in index:
+            samples.setdefault(index[name[: -len("_kernel_time")]], []).append(ev["dur"] * 1e-6)
+    costs = np.zeros(len(index))
+    for i, durations in samples.items():
+        costs[i] = statistics.median(durations[1:] or durations)
+    return costs
+
+
+def time_stage(path: Path, inputs: Sequence[TensorSpec], setting: Setting, threads: int = 1, repeats: int = 20,
+               int_high: Mapping[str, int] | None = None, min_seconds: float = 0.05) -> float:
+    """Median seconds of one run of the stage at `setting`, with the runtime's session options."""
+    options = ort_session_options(threads)
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    feeds = random_inputs(inputs, setting.batch, setting.length, np.random.default_rng(1), int_high)
+    return time_session(session, feeds, repeats, min_seconds)
+
+
+def time_session(session: ort.InferenceSession, feeds: dict[str, np.ndarray], repeats: int,
+                 min_seconds: float = 0.05) -> float:
+    session.run(None, feeds)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < repeats or (time.perf_counter() - start < min_seconds and len(times) < 50 * repeats):
+        t0 = time.perf_counter()
+        session.run(None, feeds)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

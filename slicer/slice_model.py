@@ -1,0 +1,309 @@
+"""Slice an ONNX model into time-balanced, verified stages and write a model directory.
+
+Steps (paper §7.1): load and check the model; find legal cut points; profile node costs;
+choose time-balanced cuts; cut; measure the stages and re-balance with the measured costs;
+verify that the stages run in order equal the original; profile each stage over batch sizes
+and length buckets; write the directory. With `stages=None` the number of stages is chosen
+among candidates by measuring each candidate pipeline. Everything is built in a temporary
+folder beside the output and moved into place at the end: a failure leaves nothing behind.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from dvabatch_backend.manifest import Manifest, TensorSpec
+
+from .analysis import CutPoint, legal_cut_points, name_nodes
+from .cut import cut_model, input_specs
+from .partition import NoLegalCut, Partition, balanced_partition
+from .profiler import Setting, int_bounds, node_costs, random_inputs, time_stage
+from .stage_profile import default_batch_sizes, default_lengths, profile_stages, stage_times_at
+from .triton_files import VERSION_DIR, write_triton_files
+
+Progress = Callable[[str], None]
+
+
+class SliceError(ValueError):
+    """The model cannot be sliced as asked; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class SliceOptions:
+    stages: int | None = None  # None: choose among `candidates` by measurement
+    candidates: tuple[int, ...] = (2, 3, 4)
+    name: str | None = None  # default: the output folder's name
+    max_batch_size: int = 64
+    max_length: int = 128  # for models with a sequence dimension
+    threads: int = 1
+    batch_sizes: tuple[int, ...] | None = None  # stage profile; default 1, 2, 4, ... up to max_batch_size (<= 64)
+    lengths: tuple[int, ...] | None = None  # stage profile length buckets
+    reference_batch: int = 8  # node costs and balance are measured at this batch size
+    reference_length: int | None = None  # default: the middle length bucket
+    repeats: int = 10
+    atol: float = 1e-4
+    operator_diversity_cuts: bool = False  # move cuts to where the preferred batch size changes
+    max_boundary_tensors: int = 8
+    calibration_rounds: int = 2
+    balance_goal: float = 1.10  # stop re-balancing once the slowest stage is within 10% of the mean
+    force: bool = False  # replace an existing output directory
+
+
+@dataclass
+class Candidate:
+    stages: int
+    dir: Path  # the version folder
+    manifest: Manifest
+    partition: Partition
+    stage_seconds: list[float]
+    verify_error: float = 0.0
+    throughput: float | None = None
+
+    @property
+    def balance(self) -> float:
+        return max(self.stage_seconds) / (sum(self.stage_seconds) / len(self.stage_seconds))
+
+
+@dataclass
+class SliceReport:
+    out_dir: Path
+    manifest: Manifest
+    chosen: Candidate
+    reference: Setting
+    profile: dict[str, Any]
+    candidates: list[Candidate] = field(default_factory=list)
+
+    def summary(self) -> str:
+        c = self.chosen
+        lines = [
+            f"sliced {self.manifest.name} into {c.stages} stages -> {self.out_dir}",
+            f"  cuts after nodes {list(c.partition.positions)}; crossing tensors "
+            f"{[list(p.tensors) for p in c.partition.cuts]}",
+            f"  stage times at batch {self.reference.batch}, length {self.reference.length}: "
+            + ", ".join(f"{t * 1e3:.3f} ms" for t in c.stage_seconds)
+            + f"  (slowest / mean = {c.balance:.2f})",
+            f"  verified against the original: max |error| {c.verify_error:.2e}",
+        ]
+        for stage in self.profile["stages"]:
+            lines.append(f"  {stage['file']}: preferred batch size {stage['preferred_bs']}")
+        div = self.profile["diversity"]
+        lines.append(f"  diversity: input {'yes' if div['input'] else 'no'}, operator "
+                     f"{'yes' if div['operator'] else 'no'}, load yes")
+        if len(self.candidates) > 1:
+            lines.append("  stage-count candidates (queries/s through the pipeline): "
+                         + ", ".join(f"{x.stages}: {x.throughput:.0f}" for x in self.candidates))
+        return "\n".join(lines)
+
+
+def load_model(source: str | Path | onnx.ModelProto) -> onnx.ModelProto:
+    """Load and check a model; a file that is not a whole, valid ONNX model is a SliceError."""
+    if isinstance(source, onnx.ModelProto):
+        model = onnx.ModelProto()
+        model.CopyFrom(source)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise SliceError(f"{path}: no such file")
+        try:
+            model = onnx.load(str(path))
+        except Exception as exc:  # protobuf's DecodeError and friends
+            raise SliceError(f"{path} is not an ONNX model (or is truncated): {exc}") from exc
+        if not model.graph.node:
+            raise SliceError(f"{path} is not an ONNX model: it has no graph nodes")
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        raise SliceError(f"the model does not pass the ONNX checker: {exc}") from exc
+    return name_nodes(model)
+
+
+def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, options: SliceOptions = SliceOptions(),
+                progress: Progress | None = None) -> SliceReport:
+    out_dir = Path(out_dir)
+    say = progress or (lambda message: None)
+    if out_dir.exists() and any(out_dir.iterdir()) and not options.force:
+        raise SliceError(f"{out_dir} exists and is not empty (use force to replace it)")
+    model = load_model(source)
+    name = options.name or out_dir.name
+    try:
+        inputs = list(input_specs(model).values())
+    except ValueError as exc:
+        raise SliceError(str(exc)) from exc
+    has_seq = any(s.has_seq for s in inputs)
+    max_length = options.max_length if has_seq else 0
+    lengths = list(options.lengths or default_lengths(max_length))
+    batch_sizes = list(options.batch_sizes or default_batch_sizes(options.max_batch_size))
+    ref = Setting(min(options.reference_batch, options.max_batch_size),
+                  options.reference_length or (lengths[len(lengths) // 2] if has_seq else 0))
+    say("finding legal cut points")
+    points = legal_cut_points(model, ref.length, options.max_boundary_tensors)
+    wanted = [options.stages] if options.stages is not None else [n for n in options.candidates if n - 1 <= len(points)]
+    for n in wanted:
+        _check_stage_count(n, len(model.graph.node), points)
+    settings = [ref] + ([Setting(1, ref.length), Setting(max(batch_sizes), ref.length)] if options.operator_diversity_cuts else [])
+    costs_at = node_costs(model, inputs, settings, options.threads, options.repeats, say)
+    preferred = _diversity_points(costs_at, settings, points) if options.operator_diversity_cuts else set()
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.", dir=out_dir.parent) as tmp:
+        candidates = [
+            _build_candidate(model, inputs, name, n, costs_at[ref], points, preferred, ref, lengths, max_length,
+                             Path(tmp) / f"n{n}", options, say)
+            for n in wanted
+        ]
+        if len(candidates) > 1:
+            for cand in candidates:
+                say(f"measuring the {cand.stages}-stage pipeline")
+                cand.throughput = measure_pipeline(cand.dir, cand.manifest, ref.length, options.threads, int_bounds(model))
+        chosen = max(candidates, key=lambda c: c.throughput or 0.0)
+        profile = profile_stages(chosen.dir, chosen.manifest, batch_sizes, lengths, options.threads,
+                                 max(3, options.repeats // 2), int_bounds(model), say)
+        manifest = _final_manifest(chosen, profile, ref, options)
+        _write_profile(chosen.dir, manifest, profile)
+        write_triton_files(chosen.dir.parent, manifest, threads_per_stage=options.threads)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        chosen.dir.parent.rename(out_dir)
+    chosen.dir = out_dir / VERSION_DIR
+    return SliceReport(out_dir, manifest, chosen, ref, profile, candidates)
+
+
+def _check_stage_count(n: int, node_count: int, points: list[CutPoint]) -> None:
+    try:
+        balanced_partition(np.ones(node_count), points, n)
+    except NoLegalCut as exc:
+        raise SliceError(str(exc)) from exc
+    except ValueError as exc:
+        raise SliceError(str(exc)) from exc
+
+
+def _build_candidate(model: onnx.ModelProto, inputs: list[TensorSpec], name: str, n: int, costs: np.ndarray,
+                     points: list[CutPoint], preferred: set[int], ref: Setting, lengths: list[int], max_length: int,
+                     work: Path, options: SliceOptions, say: Progress) -> Candidate:
+    """Cut into `n` stages; re-balance with measured stage times; verify the best cut."""
+    best: Candidate | None = None
+    tried: set[tuple[int, ...]] = set()
+    for round_ in range(options.calibration_rounds + 1):
+        part = balanced_partition(costs, points, n, preferred=preferred)
+        if part.positions in tried:
+            break
+        tried.add(part.positions)
+        say(f"cutting into {n} stages at {list(part.positions)}")
+        folder = work / f"round{round_}" / VERSION_DIR
+        manifest = cut_model(model, part.positions, folder, name, options.max_batch_size, max_length)
+        seconds = [time_stage(folder / s.file, s.inputs, ref, options.threads, options.repeats, int_bounds(model))
+                   for s in manifest.stages]
+        cand = Candidate(n, folder, manifest, part, seconds)
+        if best is None or cand.balance < best.balance:
+            best = cand
+        if cand.balance <= options.balance_goal:
+            break
+        costs = _calibrated(costs, part, seconds)
+    assert best is not None
+    say(f"verifying the {n}-stage cut against the original")
+    best.verify_error = verify_stages(model, best.dir, best.manifest, lengths, options.atol)
+    return best
+
+
+def _calibrated(costs: np.ndarray, part: Partition, measured: list[float]) -> np.ndarray:
+    """Scale each stage's node costs so they add up to the stage's measured time."""
+    bounds = [0, *part.positions, len(costs)]
+    scaled = costs.copy()
+    for (a, b), seconds, estimate in zip(zip(bounds, bounds[1:]), measured, part.stage_costs):
+        if estimate > 0:
+            scaled[a:b] *= seconds / estimate
+        else:
+            scaled[a:b] = seconds / max(b - a, 1)
+    return scaled
+
+
+def _diversity_points(costs_at: dict[Setting, np.ndarray], settings: list[Setting], points: list[CutPoint]) -> set[int]:
+    """Cut points where batching pays off on one side and not on the other."""
+    small, large = settings[1], settings[2]
+    per_query_small = costs_at[small] / small.batch
+    per_query_large = costs_at[large] / large.batch
+    window = max(1, len(per_query_small) // 8)
+    found = set()
+    for p in points:
+        a, b = max(0, p.position - window), min(len(per_query_small), p.position + window)
+        before = per_query_large[a:p.position].sum() / max(per_query_small[a:p.position].sum(), 1e-12)
+        after = per_query_large[p.position:b].sum() / max(per_query_small[p.position:b].sum(), 1e-12)
+        if (before < 0.8) != (after < 0.8):
+            found.add(p.position)
+    return found
+
+
+def verify_stages(model: onnx.ModelProto, folder: Path, manifest: Manifest, lengths: list[int], atol: float) -> float:
+    """Run the stages in order and the original on the same random inputs; the max |difference|."""
+    full = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    stages = [ort.InferenceSession(str(folder / s.file), providers=["CPUExecutionProvider"]) for s in manifest.stages]
+    rng = np.random.default_rng(2)
+    worst = 0.0
+    for length in sorted(set(lengths[:1] + lengths[-1:])):
+        feeds = random_inputs(manifest.inputs, 3, length, rng, int_bounds(model))
+        expected = dict(zip([o.name for o in full.get_outputs()], full.run(None, feeds)))
+        values = dict(feeds)
+        for session, spec in zip(stages, manifest.stages):
+            outs = session.run([t.name for t in spec.outputs], {t.name: values[t.name] for t in spec.inputs})
+            values = dict(zip([t.name for t in spec.outputs], outs))
+        for name, ref in expected.items():
+            diff = float(np.max(np.abs(values[name].astype(np.float64) - ref.astype(np.float64)))) if ref.size else 0.0
+            if not diff <= atol:
+                raise SliceError(f"verification failed: output {name!r} of the stages differs from the original "
+                                 f"by {diff:.3g} (> {atol}) at length {length}")
+            worst = max(worst, diff)
+    return worst
+
+
+def measure_pipeline(folder: Path, manifest: Manifest, length: int, threads: int, int_high: dict[str, int],
+                     seconds: float = 0.6, concurrency: int = 8) -> float:
+    """Queries per second through the runtime, closed loop at `concurrency` queries in flight."""
+    from dvabatch_backend.scheduler import RuntimeSettings, load_scheduler
+    from policies import create_policy
+
+    scheduler = load_scheduler(folder, create_policy("pipelined"), RuntimeSettings(threads_per_stage=threads))
+    rng = np.random.default_rng(3)
+    pool = [{k: v[0] for k, v in random_inputs(manifest.inputs, 1, length, rng, int_high).items()} for _ in range(16)]
+    done = threading.Semaphore(0)
+    count = 0
+    with scheduler:
+        for i in range(concurrency):
+            scheduler.submit(pool[i % len(pool)], lambda a: done.release())
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            if not done.acquire(timeout=10):
+                raise SliceError(f"the pipeline in {folder} stopped answering while being measured")
+            count += 1
+            scheduler.submit(pool[count % len(pool)], lambda a: done.release())
+        elapsed = time.perf_counter() - start
+    return count / elapsed
+
+
+def _final_manifest(chosen: Candidate, profile: dict[str, Any], ref: Setting, options: SliceOptions) -> Manifest:
+    doc = chosen.manifest.to_json()
+    doc["stage_times"] = stage_times_at(profile, ref.length)
+    doc["slicing"] = {
+        "reference": {"batch": ref.batch, "length": ref.length},
+        "stage_seconds": chosen.stage_seconds,
+        "balance": chosen.balance,
+        "cuts": [{"position": c.position, "tensors": list(c.tensors)} for c in chosen.partition.cuts],
+        "verify_max_error": chosen.verify_error,
+        "threads": options.threads,
+    }
+    manifest = Manifest.from_json(doc)
+    manifest.dump(chosen.dir / "manifest.json")
+    return manifest
+
+
+def _write_profile(folder: Path, manifest: Manifest, profile: dict[str, Any]) -> None:
+    (folder / "profile.json").write_text(json.dumps(profile, indent=2) + "\n")
