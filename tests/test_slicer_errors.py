@@ -1,0 +1,88 @@
+"""Bad input to the slicer: a clear error naming the problem, and nothing left in the output."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from slicer import toy
+from slicer.slice_model import SliceError, SliceOptions, slice_model
+
+QUICK = SliceOptions(max_batch_size=4, max_length=8, repeats=2, calibration_rounds=0, batch_sizes=(1, 2))
+
+
+def _no_leftovers(parent: Path, out: Path) -> None:
+    assert not out.exists()
+    assert [p.name for p in parent.iterdir()] == [], "a temporary folder was left behind"
+
+
+def test_not_an_onnx_file(tmp_path) -> None:
+    (tmp_path / "notes.onnx").write_text("this is not a model")
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    with pytest.raises(SliceError, match="is not an ONNX model"):
+        slice_model(tmp_path / "notes.onnx", out_parent / "m", QUICK)
+    _no_leftovers(out_parent, out_parent / "m")
+
+
+def test_truncated_file(tmp_path) -> None:
+    whole = toy.token_mlp(8, 4).SerializeToString()
+    (tmp_path / "cut.onnx").write_bytes(whole[: len(whole) // 2])
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    with pytest.raises(SliceError, match="not an ONNX model|truncated|checker"):
+        slice_model(tmp_path / "cut.onnx", out_parent / "m", QUICK)
+    _no_leftovers(out_parent, out_parent / "m")
+
+
+def test_more_stages_than_nodes(tmp_path) -> None:
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    model = toy.dense_mlp(8, 2)  # 5 nodes
+    with pytest.raises(SliceError, match="only 5 nodes"):
+        slice_model(model, out_parent / "m", SliceOptions(**{**QUICK.__dict__, "stages": 9}))
+    _no_leftovers(out_parent, out_parent / "m")
+
+
+def test_no_legal_cut_for_the_stages_asked(tmp_path) -> None:
+    # x -> Shape-dependent reshapes: the only crossing tensors between nodes have no batch dim
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"], name="shape"),
+        helper.make_node("Cast", ["s"], ["sf"], to=TensorProto.FLOAT, name="cast"),
+        helper.make_node("ReduceSum", ["sf"], ["total"], keepdims=1, name="sum"),
+        helper.make_node("Add", ["x", "total"], ["y"], name="add"),
+    ]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    with pytest.raises(SliceError, match="legal cut point"):
+        slice_model(model, out_parent / "m", SliceOptions(**{**QUICK.__dict__, "stages": 3}))
+    _no_leftovers(out_parent, out_parent / "m")
+
+
+def test_existing_output_is_not_overwritten_without_force(tmp_path) -> None:
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(SliceError, match="exists and is not empty"):
+        slice_model(toy.dense_mlp(8, 3), out, SliceOptions(**{**QUICK.__dict__, "stages": 2}))
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_input_without_batch_dim_is_refused_with_its_name(tmp_path) -> None:
+    x = helper.make_tensor_value_info("pixels", TensorProto.FLOAT, [3, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])
+    model = helper.make_model(
+        helper.make_graph([helper.make_node("Relu", ["pixels"], ["y"], name="r")], "g", [x], [y]),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    model.ir_version = 10
+    with pytest.raises(SliceError, match="pixels"):
+        slice_model(model, tmp_path / "m", SliceOptions(**{**QUICK.__dict__, "stages": 1}))
+    assert not (tmp_path / "m").exists()
+    assert isinstance(onnx.load_model_from_string(model.SerializeToString()), onnx.ModelProto)
