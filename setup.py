@@ -26,7 +26,6 @@ setup(
             "hypothesis>=6.100",
             "pytest-timeout>=2.3",
             "mypy>=1.10",
-            "tensorrt-stubs>=10.0",
             "torch==2.13.0",  # the CPU build on this machine's disk: reference for MiniLM
             "transformers>=4.40",
         ],

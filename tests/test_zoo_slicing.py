@@ -1,0 +1,66 @@
+"""Every zoo model at test size, sliced into 2, 3 and 4 stages: the stages run in order equal the
+original (checked here, independently of the slicer's own verification), the slowest stage is
+within 25% of the mean, and the profile and directory are complete."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from dvabatch_backend import Manifest
+from slicer.profiler import int_bounds, random_inputs
+from slicer.slice_model import SliceOptions, slice_model
+from slicer.zoo import ZOO, build
+
+BALANCE_LIMIT = 1.25
+_models: dict[str, object] = {}
+
+
+def _model(name: str):
+    if name not in _models:
+        _models[name] = build(name, "test")
+    return _models[name]
+
+
+def _run_stages(folder, manifest: Manifest, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    values = dict(feeds)
+    for spec in manifest.stages:
+        session = ort.InferenceSession(str(folder / spec.file), providers=["CPUExecutionProvider"])
+        names = [t.name for t in spec.outputs]
+        values = dict(zip(names, session.run(names, {t.name: values[t.name] for t in spec.inputs})))
+    return values
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_model_slices_into_equal_balanced_stages(tmp_path, name: str, stages: int) -> None:
+    model = _model(name)
+    max_length = ZOO[name].max_length.get("test", 0)
+    options = SliceOptions(stages=stages, max_batch_size=8, max_length=max_length or 128, repeats=7,
+                           batch_sizes=(1, 2, 4, 8), lengths=(max_length,) if max_length else None)
+    report = slice_model(model, tmp_path / name, options)
+    folder = tmp_path / name / "1"
+    manifest = Manifest.load(folder / "manifest.json")
+    assert manifest.num_stages == stages
+
+    full = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(stages)
+    for length in ([max_length // 2, max_length] if max_length else [0]):
+        feeds = random_inputs(manifest.inputs, 3, length, rng, int_bounds(model))
+        expected = dict(zip([o.name for o in full.get_outputs()], full.run(None, feeds)))
+        got = _run_stages(folder, manifest, feeds)
+        for out, ref in expected.items():
+            np.testing.assert_allclose(got[out], ref, atol=1e-4, rtol=0, err_msg=f"{name} output {out}")
+
+    balance = report.chosen.balance
+    print(f"\nBALANCE {name} {stages} stages: slowest/mean {balance:.3f}, stage ms "
+          f"{[round(t * 1e3, 3) for t in report.chosen.stage_seconds]}")
+    assert balance <= BALANCE_LIMIT, report.summary()
+
+    profile = json.loads((folder / "profile.json").read_text())
+    assert len(profile["stages"]) == stages and set(profile["diversity"]) >= {"input", "operator", "load", "notes"}
+    assert profile["diversity"]["input"] == bool(max_length)
+    assert (tmp_path / name / "config.pbtxt").is_file() and (folder / "model.py").is_file()
+    assert len(manifest.extra["stage_times"]) == stages
