@@ -103,10 +103,10 @@ class _Net:
         if op == "Gemm":
             rms = np.sqrt(max(float(np.mean(np.square(x.value, dtype=np.float64))), 1e-12))
             std = gamma * np.sqrt((2.0 if relu else 1.0) / fan_in) / rms
-            w = (self.b.rng.standard_normal(w_shape) * std).astype(np.float32)
+            w = self.b.rng.standard_normal(w_shape, dtype=np.float32) * np.float32(std)
             bias = beta.astype(np.float32)
             return self._emit(op, x, w, bias, x.value @ w.T + bias, hint, relu, out, **attrs)
-        w = (self.b.rng.standard_normal(w_shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)
+        w = self.b.rng.standard_normal(w_shape, dtype=np.float32) * np.float32(np.sqrt(2.0 / fan_in))
         z = _run_node(op, [x.value, w], **attrs)
         stat_axes = tuple(i for i in range(z.ndim) if i != 1)
         n = z.size / ch
