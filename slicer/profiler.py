@@ -113,6 +113,26 @@ def time_stage(path: Path, inputs: Sequence[TensorSpec], setting: Setting, threa
     return time_session(session, feeds, repeats, min_seconds)
 
 
+def time_stages(paths: Sequence[Path], inputs: Sequence[Sequence[TensorSpec]], setting: Setting, threads: int = 1,
+                repeats: int = 20, int_high: Mapping[str, int] | None = None, min_seconds: float = 0.1) -> list[float]:
+    """Median seconds per run of each stage, the stages timed in turns so that machine noise
+    falls on all of them alike (their balance is what these times are for)."""
+    rng = np.random.default_rng(1)
+    sessions = [ort.InferenceSession(str(p), ort_session_options(threads), providers=["CPUExecutionProvider"])
+                for p in paths]
+    feeds = [random_inputs(specs, setting.batch, setting.length, rng, int_high) for specs in inputs]
+    for session, feed in zip(sessions, feeds):
+        session.run(None, feed)
+    samples: list[list[float]] = [[] for _ in sessions]
+    start = time.perf_counter()
+    while len(samples[0]) < repeats or (time.perf_counter() - start < min_seconds and len(samples[0]) < 50 * repeats):
+        for session, feed, times in zip(sessions, feeds, samples):
+            t0 = time.perf_counter()
+            session.run(None, feed)
+            times.append(time.perf_counter() - t0)
+    return [statistics.median(times) for times in samples]
+
+
 def time_session(session: ort.InferenceSession, feeds: dict[str, np.ndarray], repeats: int,
                  min_seconds: float = 0.05) -> float:
     session.run(None, feeds)

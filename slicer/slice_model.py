@@ -27,7 +27,7 @@ from dvabatch_backend.manifest import Manifest, TensorSpec
 from .analysis import CutPoint, legal_cut_points, name_nodes
 from .cut import cut_model, input_specs
 from .partition import NoLegalCut, Partition, balanced_partition
-from .profiler import Setting, int_bounds, node_costs, random_inputs, time_stage
+from .profiler import Setting, int_bounds, node_costs, random_inputs, time_stages
 from .stage_profile import default_batch_sizes, default_lengths, profile_stages, stage_times_at
 from .triton_files import VERSION_DIR, write_triton_files
 
@@ -201,8 +201,8 @@ def _build_candidate(model: onnx.ModelProto, inputs: list[TensorSpec], name: str
         say(f"cutting into {n} stages at {list(part.positions)}")
         folder = work / f"round{round_}" / VERSION_DIR
         manifest = cut_model(model, part.positions, folder, name, options.max_batch_size, max_length)
-        seconds = [time_stage(folder / s.file, s.inputs, ref, options.threads, options.repeats, int_bounds(model))
-                   for s in manifest.stages]
+        seconds = time_stages([folder / s.file for s in manifest.stages], [s.inputs for s in manifest.stages], ref,
+                              options.threads, options.repeats, int_bounds(model))
         cand = Candidate(n, folder, manifest, part, seconds)
         if best is None or cand.balance < best.balance:
             best = cand

@@ -1,7 +1,8 @@
 """The model zoo: ONNX models built by the project from seeded weights (MiniLM: its real ones).
 
-`build(name, size)` makes one at a preset size: "test" is small enough for the test suite,
-"real" is the size benchmarks use on this machine. Nothing is downloaded.
+`build(name, size)` makes one at a preset size: "test" is small enough for the test suite
+(yet not so narrow that one layer dominates a stage), "real" is the size benchmarks use on
+this machine. Nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -62,15 +63,15 @@ ZOO: dict[str, ZooEntry] = {
     ),
     "vgg19": ZooEntry(
         "VGG-19", _vision("vgg19"),
-        {"test": dict(width=4, size=32, classes=10), "real": dict(width=16, size=64, classes=100)},
+        {"test": dict(width=8, size=32, classes=10), "real": dict(width=16, size=64, classes=100)},
     ),
     "unet": ZooEntry(
         "UNet (depth 4, concatenated skips)", _vision("unet"),
-        {"test": dict(width=4, size=32, classes=2), "real": dict(width=16, size=128, classes=2)},
+        {"test": dict(width=8, size=32, classes=2), "real": dict(width=16, size=128, classes=2)},
     ),
     "linknet": ZooEntry(
         "LinkNet (ResNet-18-like encoder, additive skips)", _vision("linknet"),
-        {"test": dict(width=4, size=64, classes=2), "real": dict(width=16, size=128, classes=2)},
+        {"test": dict(width=8, size=32, classes=2), "real": dict(width=16, size=128, classes=2)},
     ),
 }
 
