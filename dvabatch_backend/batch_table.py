@@ -143,14 +143,16 @@ class BatchTable:
         row.queries.extend(queries)
         return item
 
-    def split_refusal(self, handed_on: BatchItem, stage: int, sizes: Sequence[int]) -> str | None:
-        """Why the batch being handed on from `stage` as `handed_on` cannot be split, or None."""
+    def split_refusal(self, handed_on: BatchItem, stage: int, sizes: Sequence[int], min_parts: int = 2) -> str | None:
+        """Why the batch being handed on from `stage` as `handed_on` cannot be split, or None.
+
+        `min_parts` is 1 for an early exit of the whole batch."""
         row = self._rows.get(handed_on.batch_id)
         if row is None:
             return f"batch {handed_on.batch_id} is not in the batch table"
         if stage >= self.num_stages - 1:
             return "cannot split after the last stage"
-        if len(sizes) < 2 or any(s < 1 for s in sizes) or sum(sizes) != row.bs:
+        if len(sizes) < min_parts or any(s < 1 for s in sizes) or sum(sizes) != row.bs:
             return f"sizes {list(sizes)} do not partition batch {row.id} of {row.bs} queries"
         if handed_on.start != 0 or handed_on.num != row.bs:
             return f"batch {row.id} is not wholly at stage {stage}"
@@ -203,6 +205,10 @@ class BatchTable:
             return False
         del self._rows[batch_id]
         return True
+
+    def drop(self, batch_id: int) -> None:
+        """Remove a batch whose queries have all been answered early."""
+        del self._rows[batch_id]
 
     def clear(self) -> list[BatchRow]:
         rows = list(self._rows.values())

@@ -203,6 +203,11 @@ class BufferPool:
             out.unread |= mask
             out.unread_batch_group = use.group
 
+    def discard(self, boundary: int, pair: int, rows: range) -> None:
+        """Rows written at `boundary` that will never be read (their queries exited early)."""
+        buf = self.buffers[boundary][pair]
+        buf.unread &= ~row_mask(rows)
+
     def legitimate_upstream(self, stage: int) -> list[int]:
         """Hand back pairs to the executors before `stage` while they re-enter active.
 

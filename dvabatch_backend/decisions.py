@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from types import MappingProxyType
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
 
 from .batch_table import BatchInfo, BatchTable
 
@@ -53,9 +56,16 @@ class Stretch:
 
 @dataclass(frozen=True)
 class Split:
-    """Cut the batch just finished into consecutive sub-batches of these sizes."""
+    """Cut the batch just finished into consecutive sub-batches of these sizes.
+
+    Early exit: parts whose `exit` flag is set are answered at once instead of going on, each
+    model output taken from the tensor of this stage's output that `exit_outputs` names for it
+    (model output name -> tensor name); `exit_outputs` must cover every model output.
+    """
 
     sizes: tuple[int, ...]
+    exit: tuple[bool, ...] = ()
+    exit_outputs: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,7 @@ class PolicyContext:
     num_buffer_pairs: int
     # profiled seconds per stage, keyed by batch size; empty when the model has no profile
     stage_times: tuple[dict[int, float], ...] = field(default_factory=tuple)
+    output_names: tuple[str, ...] = ()  # the model's outputs, which an early exit must answer
 
 
 class BatchTableView:
@@ -81,6 +92,22 @@ class BatchTableView:
 
     def __init__(self, table: BatchTable) -> None:
         self._table = table
+        self._stage_outputs: Mapping[str, np.ndarray] = MappingProxyType({})
+
+    def stage_outputs(self) -> Mapping[str, np.ndarray]:
+        """In `on_stage_done`: the finished stage's output tensors for the batch's rows (read-only).
+
+        Empty at any other time; the arrays are only valid during the call.
+        """
+        return self._stage_outputs
+
+    def _show_stage_outputs(self, outputs: Mapping[str, np.ndarray]) -> None:
+        readonly = {}
+        for name, arr in outputs.items():
+            view = arr.view()
+            view.flags.writeable = False
+            readonly[name] = view
+        self._stage_outputs = MappingProxyType(readonly)
 
     def __iter__(self) -> Iterator[BatchInfo]:
         return (self._table.info(r) for r in self._table)

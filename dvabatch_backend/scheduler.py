@@ -13,6 +13,7 @@ waits on its own condition over that lock; the batch-window timer and `wait_unti
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import threading
@@ -28,7 +29,7 @@ from .buffers import BufferPool, BufferState, PairUse
 from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo, Split, Stretch
 from .engine import OrtStageEngine, StageEngine
 from .errors import BadInputError, PolicyError, ShuttingDownError, StageFailedError
-from .executor import ExecutorState, StageExecutor, Work
+from .executor import ExecutorState, StageExecutor, Work, scatter_outputs
 from .manifest import Manifest
 from .query import Answer, Query, Reply, validate_inputs
 from .stats import RuntimeStats, StageStats, TraceEvent
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 MIN_WAKE_DELAY = 1e-4  # seconds
 _Delivery = tuple[Reply, Answer]
+_Exits = tuple[list[BatchItem], dict[str, str]]  # sub-batches leaving early, model output -> stage tensor
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class Scheduler:
         policy.bind(PolicyContext(
             num_stages=self.num_stages, bs_max=bs_max, max_length=manifest.max_length,
             num_buffer_pairs=settings.num_buffer_pairs, stage_times=_stage_times(manifest),
+            output_names=tuple(t.name for t in manifest.outputs),
         ))
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -350,48 +353,91 @@ class Scheduler:
             deliveries += self._answer_errors(work, error)
         elif results is not None:
             deliveries += self._answer_results(work.queries, results)
-        handed_on = self._hand_on(stage, item, now)
+        handed_on, exiting = self._hand_on(stage, item, now)
         self._buffers.finish(work.use, handed_on=bool(handed_on))
         for out_item in handed_on:
             self._push(stage + 1, out_item, now)
+        if exiting is not None:
+            deliveries += self._exit_early(stage, work.use.pair, *exiting, now)
         if stage == self.num_stages - 1 and self._table.retire_if_done(item.batch_id):
             self._record("exit", now, stage, BatchItem(item.batch_id, 0, 0))
         for upstream in self._buffers.legitimate_upstream(stage):
             self._legitimated(upstream)
-        if stage == self.num_stages - 1:
+        if stage == self.num_stages - 1 or exiting is not None:
             deliveries += self._dispatch(now)
         self._notify_progress()
 
-    def _hand_on(self, stage: int, item: BatchItem, now: float) -> list[BatchItem]:
-        """Items for the next stage after `stage` ran `item`: the policy's `Schedule()`."""
+    def _hand_on(self, stage: int, item: BatchItem, now: float) -> tuple[list[BatchItem], _Exits | None]:
+        """After `stage` ran `item`: the items for the next stage, and the sub-batches that exit
+        early with the outputs to answer from. This is the policy's `Schedule()`."""
         nxt = self._table.complete(item, stage)
         if nxt is None:
-            return []
+            return [], None
         row = self._table.get(nxt.batch_id)
         if not self._policy_splits or nxt.start != 0 or nxt.num != row.bs:
-            return [nxt]
+            return [nxt], None
+        out = self._buffers.pair(stage, row.pair)[1]
+        self._view._show_stage_outputs(out.rows(row.pad_length, row.rows(nxt)))
         try:
             decision = self._policy.on_stage_done(stage, self._table.info(row), self._view, now)
         except Exception:  # the batch goes on whole
             log.exception("policy %s failed in on_stage_done", self._policy.name)
             self.stats.policy_errors += 1
-            return [nxt]
+            return [nxt], None
+        finally:
+            self._view._show_stage_outputs({})
         if not isinstance(decision, Split):
-            return [nxt]
+            return [nxt], None
+        why = self._split_problem(decision, stage, nxt)
+        if why is not None:
+            self.stats.split_refused += 1
+            log.log(logging.ERROR if why.startswith("policy") else logging.DEBUG, "split refused: %s", why)
+            return [nxt], None
+        children = self._table.split(nxt.batch_id, stage, [int(n) for n in decision.sizes])
+        self.stats.split += 1
+        self._record("split", now, stage, nxt, f"into {list(decision.sizes)} -> ids {[c.batch_id for c in children]}")
+        flags = decision.exit or (False,) * len(children)
+        going = [c for c, leaves in zip(children, flags) if not leaves]
+        leaving = [c for c, leaves in zip(children, flags) if leaves]
+        return going, ((leaving, dict(decision.exit_outputs)) if leaving else None)
+
+    def _split_problem(self, decision: Split, stage: int, nxt: BatchItem) -> str | None:
+        """Why a Split cannot be carried out, or None. Reasons that are a policy's bug start with "policy"."""
         sizes = decision.sizes
         if not isinstance(sizes, (tuple, list)) or not all(_is_int(n) for n in sizes):
             self.stats.policy_errors += 1
-            log.error("policy %s: %s has sizes that are not ints; batch goes on whole", self._policy.name, decision)
-            return [nxt]
-        why = self._table.split_refusal(nxt, stage, [int(n) for n in sizes])
-        if why is not None:
-            self.stats.split_refused += 1
-            log.debug("split refused: %s", why)
-            return [nxt]
-        children = self._table.split(nxt.batch_id, stage, [int(n) for n in sizes])
-        self.stats.split += 1
-        self._record("split", now, stage, nxt, f"into {list(sizes)} -> ids {[c.batch_id for c in children]}")
-        return children
+            return f"policy {self._policy.name}: {decision} has sizes that are not ints"
+        if decision.exit:
+            if len(decision.exit) != len(sizes):
+                self.stats.policy_errors += 1
+                return f"policy {self._policy.name}: {decision} has {len(decision.exit)} exit flags for {len(sizes)} parts"
+            at_stage = {t.name: t for t in self.manifest.boundary(stage + 1)}
+            for spec in self.output_specs:
+                source = at_stage.get(decision.exit_outputs.get(spec.name, ""))
+                if source is None or source.dtype != spec.dtype or source.dims != spec.dims:
+                    self.stats.policy_errors += 1
+                    return (f"policy {self._policy.name}: exit output {spec.name!r} must come from a tensor of stage "
+                            f"{stage}'s output with dims {list(spec.dims)}; got {decision.exit_outputs.get(spec.name)!r}")
+        whole_exit = len(sizes) == 1 and bool(decision.exit) and decision.exit[0]
+        return self._table.split_refusal(nxt, stage, [int(n) for n in sizes], min_parts=1 if whole_exit else 2)
+
+    def _exit_early(self, stage: int, pair: int, leaving: list[BatchItem], sources: dict[str, str],
+                    now: float) -> list[_Delivery]:
+        """Answer the sub-batches that leave after `stage` from its output, and free their rows."""
+        out = self._buffers.pair(stage, pair)[1]
+        deliveries = []
+        for child in leaving:
+            row = self._table.get(child.batch_id)
+            rows = row.rows(child)
+            views = out.rows(row.pad_length, rows)
+            results = scatter_outputs(row.queries, {name: views[src] for name, src in sources.items()},
+                                      self.output_specs)
+            deliveries += self._answer_results(row.queries, results)
+            self._buffers.discard(stage + 1, pair, rows)
+            self._table.drop(child.batch_id)
+            self.stats.early_exits += child.num
+            self._record("exit", now, stage, child, "early")
+        return deliveries
 
     def _legitimated(self, stage: int) -> None:
         """Executor `stage` got a pair back: wake it only if it has an item to run."""
@@ -437,6 +483,11 @@ class Scheduler:
     @property
     def buffer_violations(self) -> list[str]:
         return list(self._buffers.violations)
+
+    def observe(self) -> tuple[RuntimeStats, list[int]]:
+        """A consistent copy of the stats and the current length of each batch queue."""
+        with self.lock:
+            return copy.deepcopy(self.stats), [len(q) for q in self._queues]
 
     def executor_states(self) -> list[ExecutorState]:
         """Each executor's state; read without the lock (usable inside `wait_until` predicates)."""

@@ -21,6 +21,7 @@ class RuntimeStats:
     split: int = 0
     stretch_refused: int = 0
     split_refused: int = 0
+    early_exits: int = 0
     policy_errors: int = 0
     handoffs: int = 0
     stages: list[StageStats] = field(default_factory=list)

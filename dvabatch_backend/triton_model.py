@@ -26,6 +26,7 @@ from .errors import QueryError
 from .manifest import Manifest
 from .query import Answer
 from .scheduler import RuntimeSettings, Scheduler, load_scheduler
+from .triton_metrics import StageMetrics
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class TritonPythonModel:
         self._manifest = manifest
         self._scheduler: Scheduler = load_scheduler(settings.manifest.parent, policy, settings.runtime).start()
         self._output_names = [t.name for t in manifest.outputs]
+        self._metrics = StageMetrics(self._scheduler, args["model_name"])
         pb_utils.Logger.log_info(
             f"dvabatch: {manifest.name} with {manifest.num_stages} stages, policy {settings.policy}, "
             f"{settings.runtime.num_buffer_pairs} buffer pairs"
@@ -152,4 +154,6 @@ class TritonPythonModel:
         return [{name: np.array(arr[i], copy=True) for name, arr in arrays.items()} for i in range(k)]
 
     def finalize(self) -> None:
+        """Answer what is in flight ("shutting down") and join every thread the model started."""
         self._scheduler.stop()
+        self._metrics.close()

@@ -12,12 +12,17 @@ from typing import Any, Callable, Mapping
 
 from dvabatch_backend.decisions import Policy
 
+from .hybrid import HybridPolicy
+from .input_diversity import InputDiversityPolicy
+from .load_diversity import LoadDiversityPolicy
+from .operator_diversity import OperatorDiversityPolicy
 from .pipelined import PipelinedPolicy
 from .random_legal import RandomLegalPolicy
 
 BUILTIN: dict[str, Callable[..., Policy]] = {
-    PipelinedPolicy.name: PipelinedPolicy,
-    RandomLegalPolicy.name: RandomLegalPolicy,
+    policy.name: policy
+    for policy in (PipelinedPolicy, InputDiversityPolicy, OperatorDiversityPolicy, LoadDiversityPolicy,
+                   HybridPolicy, RandomLegalPolicy)
 }
 
 
@@ -64,4 +69,7 @@ def _number(value: str) -> Any:
     return value
 
 
-__all__ = ["BUILTIN", "PipelinedPolicy", "RandomLegalPolicy", "create_policy", "load_policy"]
+__all__ = [
+    "BUILTIN", "HybridPolicy", "InputDiversityPolicy", "LoadDiversityPolicy", "OperatorDiversityPolicy",
+    "PipelinedPolicy", "RandomLegalPolicy", "create_policy", "load_policy",
+]

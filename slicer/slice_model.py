@@ -54,7 +54,7 @@ class SliceOptions:
     atol: float = 1e-4
     operator_diversity_cuts: bool = False  # move cuts to where the preferred batch size changes
     max_boundary_tensors: int = 8
-    calibration_rounds: int = 2
+    calibration_rounds: int = 4
     balance_goal: float = 1.10  # stop re-balancing once the slowest stage is within 10% of the mean
     force: bool = False  # replace an existing output directory
 
@@ -216,12 +216,15 @@ def _build_candidate(model: onnx.ModelProto, inputs: list[TensorSpec], name: str
 
 
 def _calibrated(costs: np.ndarray, part: Partition, measured: list[float]) -> np.ndarray:
-    """Scale each stage's node costs so they add up to the stage's measured time."""
+    """Scale each stage's node costs towards the stage's measured time.
+
+    Damped (square root of the ratio): measurements are noisy, and a full correction makes the
+    cuts jump back and forth between rounds."""
     bounds = [0, *part.positions, len(costs)]
     scaled = costs.copy()
     for (a, b), seconds, estimate in zip(zip(bounds, bounds[1:]), measured, part.stage_costs):
         if estimate > 0:
-            scaled[a:b] *= seconds / estimate
+            scaled[a:b] *= (seconds / estimate) ** 0.5
         else:
             scaled[a:b] = seconds / max(b - a, 1)
     return scaled

@@ -115,3 +115,42 @@ def save(model: onnx.ModelProto, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(path))
     return path
+
+
+def cascade_mlp(features: int = 16, classes: int = 4, layers: int = 4, seed: int = 0) -> onnx.ModelProto:
+    """An MLP with an early-exit head: ``x`` [batch, features] -> ``early_logits`` and ``logits`` [batch, classes].
+
+    ``h1 = Relu(x @ W1 + b1)`` feeds both the exit head (``early_logits = h1 @ We + be``) and the
+    rest of the network (hidden ``h2..h{layers}``, then ``logits``). Cut after ``early_logits``
+    and a policy can answer confident queries from the head without running the rest.
+    """
+    if features < 1 or classes < 1 or layers < 2:
+        raise ValueError(f"need features, classes >= 1 and layers >= 2, got {features}, {classes}, {layers}")
+    rng = np.random.default_rng(seed)
+    inits: list[onnx.TensorProto] = []
+    nodes = _linear(rng, 1, "x", "lin1", features, inits)
+    nodes.append(helper.make_node("Relu", ["lin1"], ["h1"], name="relu1"))
+    head_w = (rng.standard_normal((features, classes)) * 2 / np.sqrt(features)).astype(np.float32)
+    inits += [numpy_helper.from_array(head_w, "We"), numpy_helper.from_array(np.zeros(classes, np.float32), "be")]
+    nodes += [
+        helper.make_node("MatMul", ["h1", "We"], ["early_mm"], name="exit_matmul"),
+        helper.make_node("Add", ["early_mm", "be"], ["early_logits"], name="exit_add"),
+    ]
+    prev = "h1"
+    for k in range(2, layers + 1):
+        nodes += _linear(rng, k, prev, f"lin{k}", features, inits)
+        nodes.append(helper.make_node("Relu", [f"lin{k}"], [f"h{k}"], name=f"relu{k}"))
+        prev = f"h{k}"
+    inits += [numpy_helper.from_array(head_w[::-1].copy(), "Wc"), numpy_helper.from_array(np.zeros(classes, np.float32), "bc")]
+    nodes += [
+        helper.make_node("MatMul", [prev, "Wc"], ["final_mm"], name="final_matmul"),
+        helper.make_node("Add", ["final_mm", "bc"], ["logits"], name="final_add"),
+    ]
+    graph = helper.make_graph(
+        nodes, "cascade_mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", features])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes]),
+         helper.make_tensor_value_info("early_logits", TensorProto.FLOAT, ["batch", classes])],
+        initializer=inits,
+    )
+    return _model(graph)

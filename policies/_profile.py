@@ -1,0 +1,49 @@
+"""Profiled stage times as the diversity policies read them (paper §7.1-§7.2).
+
+The slicer's profile gives, per stage, seconds keyed by batch size (`PolicyContext.stage_times`).
+`StageProfile` answers the time of a stage at any batch size:
+
+- a profiled batch size: its time;
+- between two profiled sizes: linear interpolation;
+- beyond the largest profiled size: proportional extrapolation, t(bs) = t(largest) * bs / largest;
+- below the smallest profiled size: the smallest size's time (flat). The hardware is not busier
+  at a smaller batch, so nothing below the profile is taken to get cheaper: splitting never
+  looks profitable there.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Mapping, Sequence
+
+
+class StageProfile:
+    """Per-stage times by batch size; `available` is False unless every stage has a profile."""
+
+    def __init__(self, stage_times: Sequence[Mapping[int, float]], num_stages: int) -> None:
+        self._points: list[tuple[list[int], list[float]]] = []
+        for stage in stage_times:
+            sizes = sorted(int(bs) for bs in stage if int(bs) >= 1)
+            self._points.append((sizes, [float(stage[bs]) for bs in sizes]))
+        self.available = len(self._points) == num_stages > 0 and all(s for s, _ in self._points)
+        self.num_stages = num_stages
+
+    def profiled(self, stage: int) -> dict[int, float]:
+        sizes, times = self._points[stage]
+        return dict(zip(sizes, times))
+
+    def time(self, stage: int, bs: int) -> float:
+        """Seconds `stage` takes for a batch of `bs` queries (see the module docstring)."""
+        sizes, times = self._points[stage]
+        if bs <= sizes[0]:
+            return times[0]
+        if bs >= sizes[-1]:
+            return times[-1] * bs / sizes[-1]
+        i = bisect.bisect_left(sizes, bs)
+        if sizes[i] == bs:
+            return times[i]
+        lo, hi = sizes[i - 1], sizes[i]
+        return times[i - 1] + (times[i] - times[i - 1]) * (bs - lo) / (hi - lo)
+
+    def remaining(self, stage: int, bs: int) -> float:
+        """T_remain(bs) after `stage`: the summed times of the stages after it."""
+        return sum(self.time(s, bs) for s in range(stage + 1, self.num_stages))

@@ -1,0 +1,1 @@
+"""Worked examples of custom policies (see the README, "Writing a policy")."""

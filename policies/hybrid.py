@@ -1,0 +1,45 @@
+"""Hybrid: Policy II (operator diversity) and Policy III (load diversity) together (paper §7.2).
+
+"For operator diversity, Policy III and Policy II work together due to the co-existence of
+stretch and split" (§7.2). Arrivals stretch the latest batch as Policy III does (while it has
+run less than T_comp_wait, stays <= bs_max and is padded long enough) and the rest start new
+batches; finished stages split batches as Policy II does (T_remain(bs) >= 2 x T_remain(bs/2),
+recursively).
+
+Stretch and split co-exist as §5.2.2 says: a split that can be foreseen when a batch is made
+by new or stretch disables further stretch of that batch. So a new batch whose size already
+foresees a split is created with `no_stretch`; a batch marked `no_stretch` is never
+stretched; and a batch that a stretch has grown to a size that foresees a split is not
+stretched again (the policy cannot set the flag on an existing batch, so it checks the size).
+
+Params: `t_comp_wait` (seconds; default the profiled time of stage 0 at bs 1, or 0.002 s) and
+`factor` (the 2 of the split rule).
+"""
+from __future__ import annotations
+
+from dvabatch_backend.batch_table import BatchInfo
+from dvabatch_backend.decisions import BatchTableView, New, PolicyContext, Split
+
+from .load_diversity import LoadDiversityPolicy
+from .operator_diversity import OperatorDiversityPolicy
+
+
+class HybridPolicy(LoadDiversityPolicy):
+    name = "hybrid"
+
+    def __init__(self, t_comp_wait: float | None = None, factor: float = 2.0) -> None:
+        super().__init__(t_comp_wait)
+        self.splitter = OperatorDiversityPolicy(factor)
+
+    def bind(self, context: PolicyContext) -> None:
+        super().bind(context)
+        self.splitter.bind(context)
+
+    def can_stretch(self, batch: BatchInfo, now: float) -> bool:
+        return super().can_stretch(batch, now) and not self.splitter.split_foreseeable(batch.bs)
+
+    def new_batch(self, query_ids: tuple[int, ...]) -> New:
+        return New(query_ids, no_stretch=self.splitter.split_foreseeable(len(query_ids)))
+
+    def on_stage_done(self, stage: int, batch: BatchInfo, table: BatchTableView, now: float) -> Split | None:
+        return self.splitter.on_stage_done(stage, batch, table, now)

@@ -1,0 +1,86 @@
+"""Policy I, input diversity (paper §7.2): small batches of similar lengths, run in parallel.
+
+While accepting queries, DVAScheduler clusters them by input size; queries of similar sizes
+are batched and padded to the same size, and the batches run in parallel in the pipeline. As
+the batches run in parallel, a small batch time window is preferred to batches as large as
+possible: the window is the duration of the first stage at the largest allowed batch size
+bs_max. The number of active queries in the pipeline does not exceed bs_max.
+
+Here:
+
+- Clusters: the waiting queries sorted by length; a new cluster starts when the next query is
+  longer than (1 + pad_tolerance) x the cluster's shortest, or the cluster has bs_max queries.
+  Each cluster is one `New`, padded to its longest, so no query is padded by more than
+  pad_tolerance of its length (queries of length 0, models without a sequence axis, cluster
+  together).
+- Window: the profiled time of stage 0 at bs_max (interpolated if bs_max lies between profiled
+  sizes; the largest profiled size's time if bs_max is beyond them); `window` (seconds, default
+  0: batch at once) without a profile. Queries are batched once the oldest waiting query has
+  waited the window; until then only full clusters (bs_max queries) go, and the policy asks to
+  be woken when the window of the oldest query left ends.
+- Cap: queries in flight plus queries in new batches <= bs_max. Clusters go oldest-first (by
+  their oldest query); one that does not fit whole gives its oldest queries up to the room
+  left. The rest wait and are offered again when queries leave the pipeline.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from dvabatch_backend.decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo
+
+from ._profile import StageProfile
+
+
+class InputDiversityPolicy(Policy):
+    name = "input"
+
+    def __init__(self, pad_tolerance: float = 0.25, window: float = 0.0) -> None:
+        if pad_tolerance < 0:
+            raise ValueError(f"pad_tolerance must be >= 0, got {pad_tolerance}")
+        if window < 0:
+            raise ValueError(f"window must be >= 0 seconds, got {window}")
+        self.pad_tolerance = float(pad_tolerance)
+        self._window_param = float(window)
+
+    def bind(self, context: PolicyContext) -> None:
+        super().bind(context)
+        profile = StageProfile(context.stage_times, context.num_stages)
+        self.window = self._window_param
+        if profile.available:
+            largest = max(profile.profiled(0))
+            self.window = profile.time(0, min(context.bs_max, largest))
+
+    def clusters(self, waiting: Sequence[QueryInfo]) -> list[list[QueryInfo]]:
+        """Waiting queries clustered by length, each sorted by length; oldest cluster first."""
+        bs_max = self.context.bs_max
+        out: list[list[QueryInfo]] = []
+        for q in sorted(waiting, key=lambda q: (q.length, q.arrival, q.id)):
+            if out and len(out[-1]) < bs_max and q.length <= (1 + self.pad_tolerance) * out[-1][0].length:
+                out[-1].append(q)
+            else:
+                out.append([q])
+        out.sort(key=lambda c: min((q.arrival, q.id) for q in c))
+        return out
+
+    def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
+        bs_max = self.context.bs_max
+        room = bs_max - table.queries_in_flight()
+        if not waiting or room <= 0:
+            return ArrivalPlan()  # offered again when queries leave the pipeline
+        clusters = self.clusters(waiting)
+        window_open = now < min(q.arrival for q in waiting) + self.window
+        ready = [c for c in clusters if len(c) >= bs_max] if window_open else clusters
+        decisions: list[New] = []
+        taken: set[int] = set()
+        for cluster in ready:
+            if room <= 0:
+                break
+            group = cluster if len(cluster) <= room else sorted(cluster, key=lambda q: (q.arrival, q.id))[:room]
+            decisions.append(New(tuple(q.id for q in group), pad_length=max(q.length for q in group)))
+            taken.update(q.id for q in group)
+            room -= len(group)
+        wake_at = None
+        left = [q for q in waiting if q.id not in taken]
+        if window_open and left and room > 0:
+            wake_at = min(q.arrival for q in left) + self.window  # > now: the window is still open
+        return ArrivalPlan(tuple(decisions), wake_at)

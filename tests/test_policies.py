@@ -1,0 +1,482 @@
+"""The built-in diversity policies (paper §7.2): input (I), operator (II), load (III), hybrid.
+
+Unit tests feed hand-made waiting queries, a real batch table and a synthetic profile; the
+end-to-end tests run each policy in a real Scheduler over a sliced toy model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import pytest
+
+from dvabatch_backend.batch_table import BatchTable
+from dvabatch_backend.decisions import (
+    ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo, Split, Stretch,
+)
+from dvabatch_backend.query import Query
+from policies import load_policy
+from policies._profile import StageProfile
+from policies.hybrid import HybridPolicy
+from policies.input_diversity import InputDiversityPolicy
+from policies.load_diversity import DEFAULT_T_COMP_WAIT, LoadDiversityPolicy
+from policies.operator_diversity import OperatorDiversityPolicy
+
+from .conftest import Collector, SlicedModel, SlowEngine, assert_matches_reference, make_scheduler
+
+MS = 1e-3
+# Saturates at bs 2: T(1) = T(2), then per-query time is flat (T linear in bs). Splitting pays
+# down to 2: T(8) = 2 T(4), T(4) = 2 T(2), but T(2) < 2 T(1).
+SPLITS = {1: 1 * MS, 2: 1 * MS, 4: 2 * MS, 8: 4 * MS}
+# A large fixed cost per batch: T(bs) < 2 T(bs/2) everywhere, never worth splitting.
+NO_SPLIT = {1: 1 * MS, 2: 1.1 * MS, 4: 1.3 * MS, 8: 1.7 * MS}
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+def context(num_stages: int = 4, bs_max: int = 8, max_length: int = 12,
+            stage_times: Sequence[Mapping[int, float]] = ()) -> PolicyContext:
+    return PolicyContext(num_stages, bs_max, max_length, 2, tuple(dict(s) for s in stage_times))
+
+
+def bound(policy: Policy, **ctx: object) -> Policy:
+    policy.bind(context(**ctx))  # type: ignore[arg-type]
+    return policy
+
+
+def queries(lengths: Sequence[int], arrival: float = 0.0, first_id: int = 100, gap: float = 0.0) -> list[QueryInfo]:
+    return [QueryInfo(first_id + i, n, arrival + i * gap) for i, n in enumerate(lengths)]
+
+
+class Table:
+    """A real batch table, grown by hand, seen through the policies' read-only view."""
+
+    def __init__(self, num_stages: int = 4, bs_max: int = 8) -> None:
+        self.table = BatchTable(num_stages, bs_max)
+        self.view = BatchTableView(self.table)
+        self._qids = itertools.count(10_000)
+
+    def new(self, bs: int, pad: int = 12, created: float = 0.0, no_stretch: bool = False, exited: int = 0) -> int:
+        qs = [Query(next(self._qids), {}, pad, created, lambda a: None) for _ in range(bs)]
+        item = self.table.new(qs, pad, pair=0, now=created, no_stretch=no_stretch)
+        self.table.get(item.batch_id).status_map[-1] = exited
+        return item.batch_id
+
+
+def news(plan: ArrivalPlan) -> list[New]:
+    return [d for d in plan.decisions if isinstance(d, New)]
+
+
+def stretches(plan: ArrivalPlan) -> list[Stretch]:
+    return [d for d in plan.decisions if isinstance(d, Stretch)]
+
+
+def covered(plan: ArrivalPlan) -> list[int]:
+    return sorted(q for d in plan.decisions for q in d.query_ids)
+
+
+# -- the profile --------------------------------------------------------------------------
+
+def test_profile_interpolates_extrapolates_and_is_flat_below() -> None:
+    p = StageProfile([{2: 1.0, 4: 3.0}, {1: 1.0}], 2)
+    assert p.available
+    assert p.time(0, 2) == 1.0 and p.time(0, 4) == 3.0
+    assert p.time(0, 3) == pytest.approx(2.0)  # linear between profiled sizes
+    assert p.time(0, 8) == pytest.approx(6.0)  # proportional beyond the largest
+    assert p.time(0, 1) == 1.0  # flat below the smallest
+    assert p.remaining(0, 5) == pytest.approx(5.0)  # only the stages after 0
+    assert p.remaining(1, 5) == 0.0
+    assert not StageProfile([], 2).available
+    assert not StageProfile([{1: 1.0}, {}], 2).available
+    assert not StageProfile([{1: 1.0}], 2).available
+
+
+# -- Policy I: input diversity --------------------------------------------------------------
+
+def test_input_clusters_by_length_within_the_padding_bound() -> None:
+    policy = bound(InputDiversityPolicy(pad_tolerance=0.25))
+    waiting = queries([3, 12, 4, 10, 5, 11, 3])
+    plan = policy.on_arrival(waiting, Table().view, now=0.0)
+    length = {q.id: q.length for q in waiting}
+    groups = [sorted(length[q] for q in d.query_ids) for d in news(plan)]
+    assert sorted(groups) == [[3, 3], [4, 5], [10, 11, 12]]
+    for d in news(plan):
+        lengths = [length[q] for q in d.query_ids]
+        assert d.pad_length == max(lengths)
+        assert d.pad_length <= 1.25 * min(lengths)
+    assert covered(plan) == sorted(length) and plan.wake_at is None
+
+
+@pytest.mark.parametrize("tolerance", [0.0, 0.1, 0.5, 1.0])
+def test_input_padding_bound_holds_for_random_lengths(tolerance: float) -> None:
+    rng = random.Random(int(tolerance * 10))
+    policy = bound(InputDiversityPolicy(pad_tolerance=tolerance), bs_max=64, max_length=200)
+    for _ in range(50):
+        waiting = queries([rng.randint(1, 200) for _ in range(rng.randint(1, 64))])
+        plan = policy.on_arrival(waiting, Table(bs_max=64).view, now=0.0)
+        length = {q.id: q.length for q in waiting}
+        assert covered(plan) == sorted(length)
+        for d in news(plan):
+            lengths = [length[q] for q in d.query_ids]
+            assert len(lengths) <= 64 and d.pad_length == max(lengths) <= (1 + tolerance) * min(lengths)
+
+
+def test_input_cluster_is_cut_at_bs_max_and_lengths_zero_cluster_together() -> None:
+    policy = bound(InputDiversityPolicy(), bs_max=4)
+    assert [len(c) for c in policy.clusters(queries([5] * 6))] == [4, 2]  # type: ignore[attr-defined]
+    assert [len(c) for c in policy.clusters(queries([0] * 3))] == [3]  # type: ignore[attr-defined]
+    clusters = policy.clusters(queries([0, 0, 1, 1]))  # type: ignore[attr-defined]
+    assert sorted([q.length for q in c] for c in clusters) == [[0, 0], [1, 1]]
+
+
+def test_input_clusters_go_oldest_first() -> None:
+    policy = bound(InputDiversityPolicy())
+    waiting = [QueryInfo(1, 10, 0.3), QueryInfo(2, 2, 0.2), QueryInfo(3, 10, 0.1), QueryInfo(4, 2, 0.4)]
+    plan = policy.on_arrival(waiting, Table().view, now=1.0)
+    assert [sorted(d.query_ids) for d in news(plan)] == [[1, 3], [2, 4]]
+
+
+def test_input_window_is_stage0_time_at_bs_max_from_the_oldest_arrival() -> None:
+    profile = [{1: 1 * MS, 8: 4 * MS}] * 4
+    policy = bound(InputDiversityPolicy(), stage_times=profile)
+    assert policy.window == pytest.approx(4 * MS)  # type: ignore[attr-defined]
+    waiting = queries([3, 4], arrival=10.0, gap=1 * MS)
+    early = policy.on_arrival(waiting, Table().view, now=10.002)
+    assert early.decisions == () and early.wake_at == pytest.approx(10.004)
+    due = policy.on_arrival(waiting, Table().view, now=10.004)
+    assert covered(due) == [100, 101] and due.wake_at is None
+
+
+def test_input_window_when_bs_max_is_not_profiled() -> None:
+    between = bound(InputDiversityPolicy(), stage_times=[{1: 1 * MS, 4: 2 * MS, 16: 8 * MS}] * 4)
+    assert between.window == pytest.approx(4 * MS)  # type: ignore[attr-defined]  # interpolated at 8
+    beyond = bound(InputDiversityPolicy(), stage_times=[{1: 1 * MS, 4: 3 * MS}] * 4)
+    assert beyond.window == pytest.approx(3 * MS)  # type: ignore[attr-defined]  # the largest profiled
+    unprofiled = bound(InputDiversityPolicy(window=0.01))
+    assert unprofiled.window == 0.01  # type: ignore[attr-defined]
+    plan = unprofiled.on_arrival(queries([3], arrival=5.0), Table().view, now=5.0)
+    assert plan.decisions == () and plan.wake_at == pytest.approx(5.01)
+    assert bound(InputDiversityPolicy()).window == 0.0  # type: ignore[attr-defined]
+
+
+def test_input_full_cluster_goes_at_once_inside_the_window() -> None:
+    policy = bound(InputDiversityPolicy(window=1.0), bs_max=4)
+    waiting = queries([5, 5, 5, 5, 12], arrival=0.0)
+    plan = policy.on_arrival(waiting, Table(bs_max=4).view, now=0.0)
+    assert [sorted(d.query_ids) for d in news(plan)] == [[100, 101, 102, 103]]
+    assert plan.wake_at is None  # the pipeline is full: the last query waits for an exit
+    # a full cluster with less room than bs_max: its oldest queries fill the room
+    table = Table(bs_max=4)
+    table.new(2)
+    plan = policy.on_arrival(queries([5, 5, 5, 5], gap=0.01), table.view, now=0.05)
+    assert [d.query_ids for d in news(plan)] == [(100, 101)] and plan.wake_at is None
+    # a cluster short of bs_max waits for the window
+    plan = policy.on_arrival(queries([5, 5, 5]), Table(bs_max=4).view, now=0.0)
+    assert plan.decisions == () and plan.wake_at == 1.0
+
+
+def test_input_keeps_queries_in_flight_at_most_bs_max() -> None:
+    policy = bound(InputDiversityPolicy())
+    table = Table()
+    table.new(6)
+    waiting = queries([3, 3, 3, 3, 3], gap=0.1)
+    plan = policy.on_arrival(waiting, table.view, now=1.0)
+    assert [d.query_ids for d in news(plan)] == [(100, 101)]  # the two oldest fit
+    assert plan.wake_at is None  # the rest are offered again when queries exit
+    table.new(8, exited=8)  # exited queries no longer count
+    assert covered(policy.on_arrival(waiting, table.view, now=1.0)) == [100, 101]
+    full = Table()
+    full.new(8, exited=3)
+    full.new(3)
+    assert policy.on_arrival(waiting, full.view, now=1.0) == ArrivalPlan()
+
+
+def test_input_never_asks_for_a_wake_up_in_the_past() -> None:
+    rng = random.Random(3)
+    policy = bound(InputDiversityPolicy(), stage_times=[{1: 1 * MS, 8: 5 * MS}] * 4)
+    for _ in range(500):
+        table = Table()
+        if rng.random() < 0.5:
+            table.new(rng.randint(1, 8), exited=0)
+        waiting = [QueryInfo(i, rng.randint(1, 12), rng.uniform(0, 0.01)) for i in range(rng.randint(1, 12))]
+        now = max(q.arrival for q in waiting) + rng.uniform(0, 0.01)
+        plan = policy.on_arrival(waiting, table.view, now)
+        assert plan.wake_at is None or plan.wake_at > now
+        assert table.view.queries_in_flight() + len(covered(plan)) <= 8
+        assert plan.decisions or plan.wake_at is not None or len(table.view) > 0  # nobody waits forever
+
+
+# -- Policy II: operator diversity ------------------------------------------------------------
+
+def test_operator_splits_recursively_while_it_pays() -> None:
+    policy = bound(OperatorDiversityPolicy(), stage_times=[SPLITS] * 4)
+    view = Table().view
+
+    def done(stage: int, bs: int) -> Split | None:
+        t = Table()
+        bid = t.new(bs)
+        return policy.on_stage_done(stage, t.table.info(t.table.get(bid)), view, 0.0)
+
+    assert done(0, 8) == Split((2, 2, 2, 2))
+    assert done(2, 8) == Split((2, 2, 2, 2))
+    assert done(0, 4) == Split((2, 2))
+    assert done(0, 6) == Split((3, 3))  # T(6) = 3 ms = T(3) + T(3); 3 -> 2 + 1 does not pay
+    assert done(0, 2) is None and done(0, 1) is None
+    assert done(3, 8) is None  # nothing after the last stage
+
+
+def test_operator_splits_to_ones_when_per_query_time_is_flat_from_bs_1() -> None:
+    linear = {1: 1 * MS, 2: 2 * MS, 4: 4 * MS, 8: 8 * MS}
+    policy = bound(OperatorDiversityPolicy(), stage_times=[linear] * 4)
+    assert policy.split_sizes(0, 8) == (1,) * 8  # type: ignore[attr-defined]
+    assert policy.split_sizes(0, 5) == (1,) * 5  # type: ignore[attr-defined]
+
+
+def test_operator_extrapolates_proportionally_beyond_the_profile() -> None:
+    policy = bound(OperatorDiversityPolicy(), bs_max=64, stage_times=[{1: 1 * MS, 2: 1 * MS}] * 4)
+    assert policy.split_sizes(0, 64) == (2,) * 32  # type: ignore[attr-defined]
+
+
+def test_operator_does_not_split_when_it_does_not_pay_or_without_a_profile() -> None:
+    for times in ([NO_SPLIT] * 4, [], [SPLITS, SPLITS, {}, SPLITS]):
+        policy = bound(OperatorDiversityPolicy(), stage_times=times)
+        assert all(policy.split_sizes(s, bs) == (bs,) for s in range(4) for bs in range(1, 9))  # type: ignore[attr-defined]
+    zero = bound(OperatorDiversityPolicy(), stage_times=[{1: 0.0, 8: 0.0}] * 4)
+    assert zero.split_sizes(0, 8) == (8,)  # type: ignore[attr-defined]
+
+
+def test_operator_t_remain_counts_only_the_stages_after() -> None:
+    flat = {1: 1 * MS, 8: 1 * MS}
+    linear = {1: 1 * MS, 8: 8 * MS}
+    policy = bound(OperatorDiversityPolicy(), stage_times=[flat, flat, flat, linear])
+    assert policy.split_sizes(2, 8) == (1,) * 8  # type: ignore[attr-defined]  # only the linear stage remains
+    assert policy.split_sizes(0, 8) == (8,)  # type: ignore[attr-defined]  # 1+1+8 < 2 * (1+1+4)
+
+
+def test_operator_arrivals_are_new_batches_marked_when_a_split_is_foreseen() -> None:
+    policy = bound(OperatorDiversityPolicy(), stage_times=[SPLITS] * 4)
+    plan = policy.on_arrival(queries([3] * 10), Table().view, now=0.0)
+    assert [(len(d.query_ids), d.no_stretch, d.pad_length) for d in news(plan)] == [(8, True, None), (2, False, None)]
+    plain = bound(OperatorDiversityPolicy())
+    assert [d.no_stretch for d in news(plain.on_arrival(queries([3] * 8), Table().view, 0.0))] == [False]
+
+
+# -- Policy III: load diversity ---------------------------------------------------------------
+
+def test_load_stretches_the_latest_batch_with_the_queries_that_fit() -> None:
+    policy = bound(LoadDiversityPolicy(t_comp_wait=0.01))
+    table = Table()
+    bid = table.new(2, pad=10, created=0.0)
+    plan = policy.on_arrival(queries([3, 11, 5]), table.view, now=0.005)
+    assert stretches(plan) == [Stretch(bid, (100, 102))]  # the 11 is longer than the pad
+    assert [d.query_ids for d in news(plan)] == [(101,)]
+    assert plan.decisions[0] == stretches(plan)[0]  # stretch first: a new batch becomes the latest
+
+
+def test_load_stretch_is_bounded_by_bs_max() -> None:
+    policy = bound(LoadDiversityPolicy(t_comp_wait=1.0))
+    table = Table()
+    bid = table.new(7)
+    plan = policy.on_arrival(queries([3] * 10), table.view, now=0.0)
+    assert stretches(plan) == [Stretch(bid, (100,))]
+    assert [len(d.query_ids) for d in news(plan)] == [8, 1]
+    table.new(8)
+    plan = policy.on_arrival(queries([3]), table.view, now=0.0)
+    assert stretches(plan) == [] and covered(plan) == [100]
+
+
+def test_load_no_stretch_after_t_comp_wait_or_when_marked() -> None:
+    policy = bound(LoadDiversityPolicy(t_comp_wait=0.01))
+    table = Table()
+    table.new(2, created=1.0)
+    assert stretches(policy.on_arrival(queries([3]), table.view, now=1.0099))
+    assert not stretches(policy.on_arrival(queries([3]), table.view, now=1.01))  # has run T_comp_wait
+    assert not stretches(policy.on_arrival(queries([3]), table.view, now=2.0))
+    marked = Table()
+    marked.new(2, created=1.0, no_stretch=True)
+    plan = policy.on_arrival(queries([3]), marked.view, now=1.0)
+    assert not stretches(plan) and covered(plan) == [100]
+
+
+def test_load_without_a_batch_starts_new_ones() -> None:
+    policy = bound(LoadDiversityPolicy())
+    plan = policy.on_arrival(queries([3] * 9), Table().view, now=0.0)
+    assert [len(d.query_ids) for d in news(plan)] == [8, 1] and not stretches(plan)
+
+
+def test_load_t_comp_wait_defaults() -> None:
+    assert bound(LoadDiversityPolicy()).t_comp_wait == DEFAULT_T_COMP_WAIT  # type: ignore[attr-defined]
+    profiled = bound(LoadDiversityPolicy(), stage_times=[{1: 3 * MS, 8: 9 * MS}] + [SPLITS] * 3)
+    assert profiled.t_comp_wait == 3 * MS  # type: ignore[attr-defined]
+    assert bound(LoadDiversityPolicy(t_comp_wait=0.5), stage_times=[SPLITS] * 4).t_comp_wait == 0.5  # type: ignore[attr-defined]
+
+
+# -- hybrid ---------------------------------------------------------------------------------
+
+def test_hybrid_stretches_and_splits() -> None:
+    policy = bound(HybridPolicy(t_comp_wait=1.0), stage_times=[SPLITS] * 4)
+    table = Table()
+    bid = table.new(2, pad=12)  # 2 foresees no split: it may be stretched
+    plan = policy.on_arrival(queries([3, 4, 5, 6]), table.view, now=0.0)
+    assert stretches(plan) == [Stretch(bid, (100, 101, 102, 103))]
+    grown = Table()
+    grown.new(4, pad=12)  # a stretch grew it to a size that foresees a split: no further stretch
+    plan = policy.on_arrival(queries([3]), grown.view, now=0.0)
+    assert not stretches(plan) and covered(plan) == [100]
+    marked = Table()
+    marked.new(1, pad=12, no_stretch=True)
+    assert not stretches(policy.on_arrival(queries([3]), marked.view, now=0.0))
+    plan = policy.on_arrival(queries([3] * 10), Table().view, now=0.0)
+    assert [(len(d.query_ids), d.no_stretch) for d in news(plan)] == [(8, True), (2, False)]
+    t = Table()
+    b = t.new(8)
+    assert policy.on_stage_done(0, t.table.info(t.table.get(b)), t.view, 0.0) == Split((2, 2, 2, 2))
+
+
+def test_hybrid_without_a_profile_is_load_diversity() -> None:
+    policy = bound(HybridPolicy(t_comp_wait=1.0))
+    table = Table()
+    bid = table.new(4)
+    assert stretches(policy.on_arrival(queries([3]), table.view, now=0.0)) == [Stretch(bid, (100,))]
+    assert policy.on_stage_done(0, table.table.info(table.table.get(bid)), table.view, 0.0) is None
+
+
+def test_policies_load_from_config_params(tmp_path: Path) -> None:
+    """config.pbtxt passes string params; they become numbers for these constructors."""
+    cases = {
+        "policies.input_diversity:InputDiversityPolicy": ({"pad_tolerance": "0.5", "window": "0.003"}, "input"),
+        "policies.operator_diversity:OperatorDiversityPolicy": ({"factor": "2"}, "operator"),
+        "policies.load_diversity:LoadDiversityPolicy": ({"t_comp_wait": "0.004"}, "load"),
+        "policies.hybrid:HybridPolicy": ({"t_comp_wait": "0.004", "factor": "2.5"}, "hybrid"),
+    }
+    for spec, (params, name) in cases.items():
+        policy = load_policy(spec, params, tmp_path)
+        assert policy.name == name
+        policy.bind(context())
+
+
+# -- end to end: a real Scheduler ---------------------------------------------------------------
+
+class CheckedInput(InputDiversityPolicy):
+    """Input diversity that records whether each plan kept Policy I's promises."""
+
+    def __init__(self, **params: float) -> None:
+        super().__init__(**params)
+        self.broken: list[str] = []
+
+    def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
+        plan = super().on_arrival(waiting, table, now)
+        length = {q.id: q.length for q in waiting}
+        active = table.queries_in_flight() + len(covered(plan))
+        if active > self.context.bs_max:
+            self.broken.append(f"{active} queries active")
+        if plan.wake_at is not None and plan.wake_at <= now:
+            self.broken.append(f"wake_at {plan.wake_at} <= now {now}")
+        for d in news(plan):
+            lengths = [length[q] for q in d.query_ids]
+            if d.pad_length is None or d.pad_length > (1 + self.pad_tolerance) * min(lengths):
+                self.broken.append(f"{d} pads lengths {lengths}")
+        return plan
+
+
+def with_profile(model: SlicedModel, stage_times: Sequence[Mapping[int, float]]) -> SlicedModel:
+    """The model with a stage-time profile in its manifest, shaped as manifest.json holds it."""
+    profile = [{str(bs): t for bs, t in stage.items()} for stage in stage_times]
+    manifest = dataclasses.replace(model.manifest, extra={**model.manifest.extra, "stage_times": profile})
+    return dataclasses.replace(model, manifest=manifest)
+
+
+def run_queries(model: SlicedModel, policy: Policy, rounds: Sequence[Sequence[int]], delay: float,
+                submitters: int = 1, gap: Callable[[np.random.Generator], float] = lambda r: 0.0, **settings: object):
+    """Submit rounds of queries of these lengths (from `submitters` threads); check every answer."""
+    engines = [SlowEngine(e, delay) for e in model.engines()]
+    scheduler = make_scheduler(model, policy, engines, **settings)
+    collector = Collector()
+    sent: dict[int, dict[str, np.ndarray]] = {}
+    lock = threading.Lock()
+    errors: list[Exception] = []
+
+    def submit(worker: int) -> None:
+        rng = np.random.default_rng(worker)
+        try:
+            for lengths in rounds[worker::submitters]:
+                batch = [model.query(rng, n) for n in lengths]
+                ids = scheduler.submit_many([(q, collector) for q in batch])
+                with lock:
+                    sent.update(zip(ids, batch))
+                time.sleep(gap(rng))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    with scheduler:
+        threads = [threading.Thread(target=submit, args=(w,)) for w in range(submitters)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert collector.wait_for(set(sent), timeout=30), f"unanswered: {set(sent) - set(collector.answers)}"
+    assert set(collector.answers) == set(sent)
+    for qid, inputs in sent.items():
+        assert_matches_reference(model, inputs, collector.one(qid))
+    assert scheduler.buffer_violations == []
+    assert scheduler.stats.policy_errors == 0
+    assert scheduler.stats.answered_ok == len(sent)
+    return scheduler
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "input": lambda: CheckedInput(),
+    "operator": lambda: OperatorDiversityPolicy(),
+    "load": lambda: LoadDiversityPolicy(),
+    "hybrid": lambda: HybridPolicy(),
+}
+
+
+@pytest.mark.parametrize("profiled", [False, True], ids=["no-profile", "profile"])
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_policy_answers_concurrent_mixed_lengths_like_the_unsliced_model(zoo, name: str, profiled: bool) -> None:
+    model = zoo.stages("token", 4)
+    if profiled:
+        model = with_profile(model, [SPLITS] * 4)
+    rng = np.random.default_rng(11)
+    rounds = [[int(n) for n in rng.integers(1, 13, size=int(rng.integers(1, 5)))] for _ in range(24)]
+    policy = POLICIES[name]()
+    scheduler = run_queries(model, policy, rounds, delay=0.0005, submitters=4,
+                            gap=lambda r: float(r.choice([0.0, 0.0005, 0.002])), num_buffer_pairs=2)
+    assert scheduler.stats.new > 0
+    if isinstance(policy, CheckedInput):
+        assert policy.broken == []
+
+
+def test_operator_policy_splits_with_a_profile_that_pays(zoo) -> None:
+    model = with_profile(zoo.stages("token", 4), [SPLITS] * 4)
+    scheduler = run_queries(model, OperatorDiversityPolicy(), [[12, 3, 5, 7, 1, 9, 2, 11]], delay=0.001)
+    assert scheduler.stats.split > 0 and scheduler.stats.split_refused == 0
+    splits = [e.detail for e in scheduler.trace if e.kind == "split"]
+    assert splits and splits[0].startswith("into [2, 2, 2, 2]")
+    quiet = run_queries(with_profile(zoo.stages("token", 4), [NO_SPLIT] * 4), OperatorDiversityPolicy(),
+                        [[12, 3, 5, 7, 1, 9, 2, 11]], delay=0.001)
+    assert quiet.stats.split == 0
+
+
+def test_load_policy_stretches_a_batch_in_flight(zoo) -> None:
+    # T_comp_wait defaults to stage 0's profiled time at bs 1: half a second here
+    model = with_profile(zoo.stages("token", 4), [{1: 0.5, 8: 0.6}] * 4)
+    scheduler = run_queries(model, LoadDiversityPolicy(), [[12, 4], [5, 6, 7], [2]], delay=0.01)
+    assert scheduler.stats.stretch > 0 and scheduler.stats.stretch_refused == 0
+    assert scheduler.stats.new == 1  # every later query joined the first batch
+
+
+def test_hybrid_policy_stretches_then_splits(zoo) -> None:
+    model = with_profile(zoo.stages("token", 4), [SPLITS] * 4)
+    scheduler = run_queries(model, HybridPolicy(t_comp_wait=1.0), [[12, 3], [4, 5, 6, 7]], delay=0.01)
+    assert scheduler.stats.stretch == 1 and scheduler.stats.new == 1
+    assert scheduler.stats.split > 0  # the stretched batch of 6 splits into 3 + 3
+    assert [e.detail.split(" ->")[0] for e in scheduler.trace if e.kind == "split"] == ["into [3, 3]"]
