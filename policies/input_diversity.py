@@ -18,9 +18,11 @@ Here:
   0: batch at once) without a profile. Queries are batched once the oldest waiting query has
   waited the window; until then only full clusters (bs_max queries) go, and the policy asks to
   be woken when the window of the oldest query left ends.
-- Cap: queries in flight plus queries in new batches <= bs_max. Clusters go oldest-first (by
-  their oldest query); one that does not fit whole gives its oldest queries up to the room
-  left. The rest wait and are offered again when queries leave the pipeline.
+- Order and cap: queries in flight plus queries in new batches <= bs_max. When every ready
+  cluster fits, the shortest go first (batch queues are FIFO: a batch never overtakes one
+  ahead of it, so this is what lets short queries exit first). Otherwise clusters go
+  oldest-first (by their oldest query), and one that does not fit whole gives its oldest
+  queries up to the room left; the rest wait and are offered again when queries leave.
 """
 from __future__ import annotations
 
@@ -70,6 +72,10 @@ class InputDiversityPolicy(Policy):
         clusters = self.clusters(waiting)
         window_open = now < min(q.arrival for q in waiting) + self.window
         ready = [c for c in clusters if len(c) >= bs_max] if window_open else clusters
+        if sum(len(c) for c in ready) <= room:
+            # all of them go: shortest first, so short queries leave the pipeline first (queues
+            # are FIFO, a later batch never overtakes); when room is short, oldest first (fair)
+            ready = sorted(ready, key=lambda c: max(q.length for q in c))
         decisions: list[New] = []
         taken: set[int] = set()
         for cluster in ready:

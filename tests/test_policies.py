@@ -135,11 +135,18 @@ def test_input_cluster_is_cut_at_bs_max_and_lengths_zero_cluster_together() -> N
     assert sorted([q.length for q in c] for c in clusters) == [[0, 0], [1, 1]]
 
 
-def test_input_clusters_go_oldest_first() -> None:
+def test_input_clusters_go_shortest_first_when_all_fit() -> None:
     policy = bound(InputDiversityPolicy())
     waiting = [QueryInfo(1, 10, 0.3), QueryInfo(2, 2, 0.2), QueryInfo(3, 10, 0.1), QueryInfo(4, 2, 0.4)]
     plan = policy.on_arrival(waiting, Table().view, now=1.0)
-    assert [sorted(d.query_ids) for d in news(plan)] == [[1, 3], [2, 4]]
+    assert [sorted(d.query_ids) for d in news(plan)] == [[2, 4], [1, 3]]
+
+
+def test_input_clusters_go_oldest_first_when_room_is_short() -> None:
+    policy = bound(InputDiversityPolicy(), bs_max=3)
+    waiting = [QueryInfo(1, 10, 0.3), QueryInfo(2, 2, 0.2), QueryInfo(3, 10, 0.1), QueryInfo(4, 2, 0.4)]
+    plan = policy.on_arrival(waiting, Table(bs_max=3).view, now=1.0)
+    assert [sorted(d.query_ids) for d in news(plan)] == [[1, 3], [2]]
 
 
 def test_input_window_is_stage0_time_at_bs_max_from_the_oldest_arrival() -> None:
