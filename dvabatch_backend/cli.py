@@ -43,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     slice_.add_argument("--operator-diversity-cuts", action="store_true",
                         help="move cuts to where the preferred batch size changes")
     slice_.add_argument("--force", action="store_true", help="replace an existing output directory")
+    serve = sub.add_parser("serve", help="run the real tritonserver over a model repository until interrupted")
+    serve.add_argument("--model-repository", type=Path, required=True)
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--grpc-port", type=int, default=8001)
+    serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument("--explicit", action="store_true", help="model control mode explicit")
+    serve.add_argument("--load", action="append", default=[], help="with --explicit: a model to load at start")
     zoo = sub.add_parser("zoo", help="build a model of the zoo as ONNX")
     zoo.add_argument("name", help="model name; 'list' lists them")
     zoo.add_argument("--out", type=Path, help="the .onnx file to write")
@@ -55,7 +62,35 @@ def main(argv: list[str] | None = None) -> int:
         return run_slice(args)
     if args.command == "zoo":
         return run_zoo(args)
+    if args.command == "serve":
+        return run_serve(args)
     return 2
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import signal
+
+    from .serve import ServerError, TritonServer
+
+    server = TritonServer(args.model_repository, http_port=args.http_port, grpc_port=args.grpc_port,
+                          metrics_port=args.metrics_port, explicit=args.explicit, load=args.load)
+    try:
+        server.start()
+    except ServerError as exc:
+        print(f"dvabatch serve: {exc}", file=sys.stderr)
+        return 1
+    print(f"tritonserver is up: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}; "
+          f"log {server.log_path}. Ctrl-C stops it.", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        if server.exited():
+            print(f"dvabatch serve: tritonserver exited:\n{server.log_tail()}", file=sys.stderr)
+            return 1
+    code = server.stop()
+    print(f"tritonserver stopped (exit code {code})")
+    return 0
 
 
 def run_slice(args: argparse.Namespace) -> int:

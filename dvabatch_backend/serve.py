@@ -130,6 +130,9 @@ class TritonServer:
         self.stop()
         raise ServerError(f"tritonserver did not become live within {timeout:.0f}s:\n{self.log_tail()}")
 
+    def exited(self) -> bool:
+        return self._process is None or self._process.poll() is not None
+
     def model_ready(self, name: str) -> bool:
         return self._get(f"/v2/models/{name}/ready") == 200
 

@@ -7,6 +7,7 @@ Layout (what Triton's Python backend expects):
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Mapping
 
 from dvabatch_backend.manifest import SEQ, Manifest, TensorSpec
 
@@ -36,14 +37,16 @@ def _tensor(spec: TensorSpec) -> str:
 
 
 def config_pbtxt(manifest: Manifest, policy: str = "pipelined", num_buffer_pairs: int = 2,
-                 threads_per_stage: int = 1) -> str:
+                 threads_per_stage: int = 1, name: str | None = None,
+                 policy_params: Mapping[str, object] | None = None) -> str:
     """Requests reach `execute` as they arrive (no Triton batching): dvabatch forms the batches."""
     parameters = {
         "manifest": "manifest.json", "policy": policy,
         "num_buffer_pairs": str(num_buffer_pairs), "threads_per_stage": str(threads_per_stage),
     }
+    parameters.update({f"policy.{k}": str(v) for k, v in (policy_params or {}).items()})
     lines = [
-        f'name: "{manifest.name}"',
+        f'name: "{name or manifest.name}"',
         'backend: "python"',
         f"max_batch_size: {manifest.max_batch_size}",
         "input [\n" + ",\n".join(_tensor(t) for t in manifest.inputs) + "\n]",
@@ -58,3 +61,17 @@ def write_triton_files(model_dir: Path, manifest: Manifest, **settings: object) 
     """`model_dir` is NAME/: writes config.pbtxt there and model.py in the version folder."""
     (model_dir / "config.pbtxt").write_text(config_pbtxt(manifest, **settings))  # type: ignore[arg-type]
     (model_dir / VERSION_DIR / "model.py").write_text(MODEL_PY)
+
+
+def add_model_variant(repository: Path, version_dir: Path, name: str, **settings: object) -> Path:
+    """Another model in `repository` serving the sliced model in `version_dir` with other settings
+    (policy, buffer pairs, ...): its own config.pbtxt, the version folder shared by a link."""
+    manifest = Manifest.load(version_dir / "manifest.json")
+    model_dir = repository / name
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_text(config_pbtxt(manifest, name=name, **settings))  # type: ignore[arg-type]
+    link = model_dir / VERSION_DIR
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(version_dir.resolve(), target_is_directory=True)
+    return model_dir
