@@ -28,6 +28,12 @@ setup(
             "mypy>=1.10",
             "torch==2.13.0",  # the CPU build on this machine's disk: reference for MiniLM
             "transformers>=4.40",
+            # the real Triton server (its wheel), its clients and perf_analyzer (inside tritonclient's
+            # wheel; it needs libcudart.so.12 from nvidia-cuda-runtime-cu12, and Debian's libb64-0d,
+            # which the tests install as root when missing)
+            "nvidia-pytriton==0.7.0",
+            "tritonclient[all]==2.51.0",
+            "nvidia-cuda-runtime-cu12>=12.0,<13",
         ],
         "gpu": ["cuda-python>=12.0"],
     },

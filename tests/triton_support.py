@@ -1,0 +1,131 @@
+"""Helpers for tests against the real tritonserver: a model repository made by the slicer, and
+one-query calls over HTTP and gRPC, sync and async."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+import numpy as np
+import onnxruntime as ort
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from dvabatch_backend.manifest import Manifest
+from slicer.profiler import int_bounds, random_inputs
+from slicer.slice_model import SliceOptions, slice_model
+from slicer.triton_files import add_model_variant
+from slicer.zoo import ZOO, build
+
+TRITON_DTYPES = {"float32": "FP32", "int64": "INT64", "int32": "INT32", "float16": "FP16", "bool": "BOOL"}
+POLICIES = ("pipelined", "input", "operator", "load", "hybrid")
+
+
+@dataclass
+class ServedModel:
+    """A sliced model in the repository, with its unsliced reference and a query maker."""
+
+    name: str
+    version_dir: Path
+    manifest: Manifest
+    int_high: dict[str, int]
+    max_length: int
+
+    def __post_init__(self) -> None:
+        self._full = ort.InferenceSession(str(self.version_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+
+    def query(self, rng: np.random.Generator, length: int | None = None) -> dict[str, np.ndarray]:
+        if length is None:
+            length = int(rng.integers(1, self.max_length + 1)) if self.max_length else 0
+        feeds = random_inputs(self.manifest.inputs, 1, length, rng, self.int_high)
+        if "attention_mask" in feeds:
+            feeds["attention_mask"][:] = 1
+        return {k: v[0] for k, v in feeds.items()}
+
+    def reference(self, query: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        names = [o.name for o in self._full.get_outputs()]
+        return dict(zip(names, (r[0] for r in self._full.run(None, {k: v[None] for k, v in query.items()}))))
+
+
+def slice_zoo_model(repository: Path, zoo_name: str, stages: int = 3) -> ServedModel:
+    entry = ZOO[zoo_name]
+    max_length = entry.max_length.get("test", 0)
+    model = build(zoo_name, "test")
+    options = SliceOptions(stages=stages, max_batch_size=8, max_length=max_length or 128, repeats=3,
+                           batch_sizes=(1, 2, 4, 8), lengths=(max_length,) if max_length else None,
+                           calibration_rounds=1)
+    report = slice_model(model, repository / zoo_name, options)
+    return ServedModel(zoo_name, report.out_dir / "1", report.manifest, int_bounds(model), max_length)
+
+
+def add_variant(repository: Path, base: ServedModel, name: str, **settings: object) -> ServedModel:
+    add_model_variant(repository, base.version_dir, name, **settings)
+    return ServedModel(name, base.version_dir, base.manifest, base.int_high, base.max_length)
+
+
+Call = Callable[[str, Mapping[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+class Clients:
+    """One query per call (a request of one row), over each protocol and mode."""
+
+    def __init__(self, http_url: str, grpc_url: str) -> None:
+        self.http_url, self.grpc_url = http_url, grpc_url
+        self._local = threading.local()  # tritonclient.http clients are not shared across threads
+
+    def _http(self) -> httpclient.InferenceServerClient:
+        if not hasattr(self._local, "http"):
+            self._local.http = httpclient.InferenceServerClient(self.http_url, concurrency=4)
+            self._local.grpc = grpcclient.InferenceServerClient(self.grpc_url)
+        return self._local.http
+
+    def _grpc(self) -> grpcclient.InferenceServerClient:
+        self._http()
+        return self._local.grpc
+
+    @staticmethod
+    def inputs(module, query: Mapping[str, np.ndarray]) -> list:
+        out = []
+        for name, arr in query.items():
+            batch = np.ascontiguousarray(arr[None])
+            tensor = module.InferInput(name, list(batch.shape), TRITON_DTYPES[batch.dtype.name])
+            tensor.set_data_from_numpy(batch)
+            out.append(tensor)
+        return out
+
+    def http_sync(self, model: str, query: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        result = self._http().infer(model, self.inputs(httpclient, query))
+        return _outputs(result)
+
+    def http_async(self, model: str, query: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        result = self._http().async_infer(model, self.inputs(httpclient, query)).get_result(timeout=60)
+        return _outputs(result)
+
+    def grpc_sync(self, model: str, query: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return _outputs(self._grpc().infer(model, self.inputs(grpcclient, query), client_timeout=60))
+
+    def grpc_async(self, model: str, query: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        done = threading.Event()
+        box: list = []
+
+        def callback(result, error) -> None:
+            box.append((result, error))
+            done.set()
+
+        self._grpc().async_infer(model, self.inputs(grpcclient, query), callback, client_timeout=60)
+        assert done.wait(60), "no gRPC answer within 60 s"
+        result, error = box[0]
+        if error is not None:
+            raise error
+        return _outputs(result)
+
+    def modes(self) -> dict[str, Call]:
+        return {"http": self.http_sync, "http-async": self.http_async,
+                "grpc": self.grpc_sync, "grpc-async": self.grpc_async}
+
+
+def _outputs(result) -> dict[str, np.ndarray]:
+    names = [o["name"] for o in result.get_response()["outputs"]] if isinstance(result.get_response(), dict) \
+        else [o.name for o in result.get_response().outputs]
+    return {name: result.as_numpy(name)[0] for name in names}
