@@ -14,8 +14,8 @@ Here:
   pad_tolerance of its length (queries of length 0, models without a sequence axis, cluster
   together).
 - Window: the profiled time of stage 0 at bs_max (interpolated if bs_max lies between profiled
-  sizes; the largest profiled size's time if bs_max is beyond them); `window` (seconds, default
-  0: batch at once) without a profile. Queries are batched once the oldest waiting query has
+  sizes; the largest profiled size's time if bs_max is beyond them); `window` (seconds) when given
+  overrides it; without either, 0 (batch at once). Queries are batched once the oldest waiting query has
   waited the window; until then only full clusters (bs_max queries) go, and the policy asks to
   be woken when the window of the oldest query left ends.
 - Order and cap: queries in flight plus queries in new batches <= bs_max. When every ready
@@ -36,19 +36,19 @@ from ._profile import StageProfile
 class InputDiversityPolicy(Policy):
     name = "input"
 
-    def __init__(self, pad_tolerance: float = 0.25, window: float = 0.0) -> None:
+    def __init__(self, pad_tolerance: float = 0.25, window: float | None = None) -> None:
         if pad_tolerance < 0:
             raise ValueError(f"pad_tolerance must be >= 0, got {pad_tolerance}")
-        if window < 0:
+        if window is not None and window < 0:
             raise ValueError(f"window must be >= 0 seconds, got {window}")
         self.pad_tolerance = float(pad_tolerance)
-        self._window_param = float(window)
+        self._window_param = None if window is None else float(window)
 
     def bind(self, context: PolicyContext) -> None:
         super().bind(context)
         profile = StageProfile(context.stage_times, context.num_stages)
-        self.window = self._window_param
-        if profile.available:
+        self.window = self._window_param or 0.0
+        if self._window_param is None and profile.available:
             largest = max(profile.profiled(0))
             self.window = profile.time(0, min(context.bs_max, largest))
 

@@ -1,0 +1,294 @@
+"""Model lifecycle on the real tritonserver (model control mode explicit): a model loads, serves
+answers equal to the unsliced model, unloads (its backend stub process exits, the server's
+threads go back to what they were), and reloads to serve correctly again, three times over;
+unloading while requests are in flight answers every one of them and nothing hangs."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Mapping
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from dvabatch_backend.serve import TritonServer
+
+from .triton_support import TRITON_DTYPES, ServedModel, add_variant, slice_zoo_model
+
+TIMEOUT = 30.0  # client timeout of every request
+THREAD_SLACK = 8  # threads the server may keep beyond its count before the first load (it has ~35 more per model)
+CYCLE, FLIGHT = "bert_cycle", "minilm_flight"
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+def _proc_status(pid: int) -> dict[str, str]:
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    return fields
+
+
+def server_pid(server: TritonServer) -> int:
+    assert server._process is not None and not server.exited(), server.log_tail()
+    return server._process.pid
+
+
+def server_threads(server: TritonServer) -> int:
+    return int(_proc_status(server_pid(server))["Threads"])
+
+
+def zombie_children(server: TritonServer) -> list[int]:
+    parent = str(server_pid(server))
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                status = _proc_status(int(entry))
+            except OSError:
+                continue
+            if status.get("PPid") == parent and status.get("State", "").startswith("Z"):
+                found.append(int(entry))
+    return found
+
+
+def stub_pids(model_dir: Path) -> list[int]:
+    """Python-backend stub processes serving `model_dir` (their second argument is its model.py)."""
+    prefix = str(model_dir).encode() + b"/"
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) > 1 and argv[0].endswith(b"triton_python_backend_stub") and argv[1].startswith(prefix):
+            pids.append(int(entry))
+    return pids
+
+
+def poll(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def control_client(server: TritonServer, protocol: str):
+    if protocol == "http":
+        return httpclient.InferenceServerClient(server.http_url, connection_timeout=60, network_timeout=60)
+    return grpcclient.InferenceServerClient(server.grpc_url)
+
+
+MODES = ("http", "http-async", "grpc", "grpc-async")
+
+
+def infer(server: TritonServer, mode: str, model: str, query: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One query (one row) in `mode`, with a fresh client closed afterwards and a 30 s timeout."""
+    module = httpclient if mode.startswith("http") else grpcclient
+    inputs = []
+    for name, arr in query.items():
+        batch = np.ascontiguousarray(arr[None])
+        tensor = module.InferInput(name, list(batch.shape), TRITON_DTYPES[batch.dtype.name])
+        tensor.set_data_from_numpy(batch)
+        inputs.append(tensor)
+    if module is httpclient:
+        client = httpclient.InferenceServerClient(server.http_url, connection_timeout=TIMEOUT, network_timeout=TIMEOUT)
+        try:
+            if mode == "http":
+                result = client.infer(model, inputs)
+            else:
+                result = client.async_infer(model, inputs).get_result(timeout=TIMEOUT)
+            names = [o["name"] for o in result.get_response()["outputs"]]
+        finally:
+            client.close()
+    else:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            if mode == "grpc":
+                result = client.infer(model, inputs, client_timeout=TIMEOUT)
+            else:
+                done = threading.Event()
+                box: list = []
+
+                def callback(result, error) -> None:  # tritonclient passes these by keyword
+                    box.append((result, error))
+                    done.set()
+
+                client.async_infer(model, inputs, callback, client_timeout=TIMEOUT)
+                if not done.wait(TIMEOUT + 5):
+                    raise TimeoutError(f"no gRPC answer within {TIMEOUT + 5:.0f} s")
+                result, error = box[0]
+                if error is not None:
+                    raise error
+            names = [o.name for o in result.get_response().outputs]
+        finally:
+            client.close()
+    return {name: result.as_numpy(name)[0] for name in names}
+
+
+def assert_reference(model: ServedModel, query: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray], what: str) -> None:
+    ref = model.reference(query)
+    assert set(got) == set(ref), what
+    for name, value in ref.items():
+        np.testing.assert_allclose(got[name], value, atol=1e-4, rtol=0, err_msg=f"{what} {name}")
+
+
+def check_serves(server: TritonServer, model: ServedModel, rng: np.random.Generator, per_mode: int = 2) -> None:
+    """Concurrent queries over every mode, mixed lengths: each answer equals the unsliced model."""
+    work = [(mode, model.query(rng)) for mode in MODES for _ in range(per_mode)]
+    failures: list[str] = []
+
+    def send(mode: str, query: dict) -> None:
+        try:
+            assert_reference(model, query, infer(server, mode, model.name, query), mode)
+        except Exception as exc:  # collected: every query must succeed
+            failures.append(f"{mode}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=send, args=w) for w in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT + 10)
+    assert not any(t.is_alive() for t in threads), "a query hung"
+    assert failures == []
+
+
+def unload_and_check_gone(server: TritonServer, client, model: str, threads_before_load: int) -> None:
+    client.unload_model(model)
+    assert poll(lambda: not server.model_ready(model)), f"{model} still ready after unload"
+    model_dir = server.model_repository / model
+    assert poll(lambda: not stub_pids(model_dir)), f"stub(s) {stub_pids(model_dir)} of {model} left after unload"
+    # the server itself is fine: alive, live, no zombie children, its threads back to what they were
+    assert not server.exited(), server.log_tail()
+    assert server._get("/v2/health/live") == 200
+    assert poll(lambda: not zombie_children(server), 10), f"zombie children {zombie_children(server)}"
+    assert poll(lambda: server_threads(server) <= threads_before_load + THREAD_SLACK, 10), \
+        f"server threads {server_threads(server)} after unload, {threads_before_load} before the load"
+    # a request to the unloaded model is refused at once, clearly
+    with pytest.raises(InferenceServerException) as refused:
+        infer(server, "grpc", model, {"input_ids": np.ones(4, np.int64), "attention_mask": np.ones(4, np.int64)})
+    assert model in (refused.value.message() or "")
+
+
+# -- the repository and server -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> dict:
+    repo = tmp_path_factory.mktemp("lifecycle_repository")
+    models = {
+        CYCLE: add_variant(repo, slice_zoo_model(repo / ".sliced", "bert"), CYCLE),
+        # MiniLM's real weights: slower per batch, so that requests are still in flight at the unload
+        FLIGHT: add_variant(repo, slice_zoo_model(repo / ".sliced", "minilm"), FLIGHT),
+    }
+    server = TritonServer(repo, explicit=True).start()
+    try:
+        yield {"server": server, "models": models}
+    finally:
+        server.stop()
+
+
+# -- tests ---------------------------------------------------------------------------------------
+
+def test_load_serve_unload_reload_three_times(served) -> None:
+    server: TritonServer = served["server"]
+    model: ServedModel = served["models"][CYCLE]
+    model_dir = server.model_repository / CYCLE
+    rng = np.random.default_rng(1)
+    assert not server.model_ready(CYCLE) and stub_pids(model_dir) == []
+    threads_before_load = server_threads(server)
+    counts = []
+    for cycle, protocol in enumerate(("http", "grpc", "http")):
+        client = control_client(server, protocol)
+        try:
+            client.load_model(CYCLE)
+            server.wait_model_ready(CYCLE, timeout=60)
+            assert len(stub_pids(model_dir)) == 1, f"cycle {cycle}: stubs {stub_pids(model_dir)}"
+            check_serves(server, model, rng)
+            unload_and_check_gone(server, client, CYCLE, threads_before_load)
+            counts.append(server_threads(server))
+        finally:
+            client.close()
+    # no thread leak from cycle to cycle
+    assert max(counts) <= min(counts) + THREAD_SLACK // 2, counts
+
+
+def test_unload_with_requests_in_flight_answers_every_request(served) -> None:
+    server: TritonServer = served["server"]
+    model: ServedModel = served["models"][FLIGHT]
+    model_dir = server.model_repository / FLIGHT
+    rng = np.random.default_rng(2)
+    threads_before_load = server_threads(server)
+    client = control_client(server, "http")
+    try:
+        client.load_model(FLIGHT)
+        server.wait_model_ready(FLIGHT, timeout=60)
+        check_serves(server, model, rng, per_mode=1)
+
+        n = 48
+        queries = [model.query(rng, int(rng.integers(16, model.max_length + 1))) for _ in range(n)]
+        outcomes: list[tuple[str, object, float] | None] = [None] * n
+        answered = threading.Semaphore(0)
+        start = threading.Barrier(n + 1)
+
+        def send(i: int) -> None:
+            mode = MODES[i % len(MODES)]
+            start.wait(30)
+            try:
+                outcomes[i] = ("ok", infer(server, mode, FLIGHT, queries[i]), time.monotonic())
+            except InferenceServerException as exc:
+                outcomes[i] = ("error", exc.message() or str(exc), time.monotonic())
+            except Exception as exc:  # a timeout or anything else: recorded, and fails the test below
+                outcomes[i] = ("broken", f"{type(exc).__name__}: {exc}", time.monotonic())
+            answered.release()
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        start.wait(30)
+        assert answered.acquire(timeout=TIMEOUT), "no answer before the unload"
+        unload_at = time.monotonic()
+        client.unload_model(FLIGHT)  # returns at once: Triton unloads when the model's requests are done
+        for t in threads:
+            t.join(TIMEOUT + 10)
+        assert not any(t.is_alive() for t in threads), "a request hung across the unload"
+        assert all(o is not None for o in outcomes)
+
+        broken = [o[1] for o in outcomes if o[0] == "broken"]
+        assert broken == [], broken
+        unclear = []
+        after_unload = 0
+        for i, (kind, value, at) in enumerate(outcomes):  # type: ignore[misc]
+            if kind == "ok":
+                assert_reference(model, queries[i], value, f"request {i} ({MODES[i % len(MODES)]})")  # type: ignore[arg-type]
+                after_unload += at > unload_at
+            elif "shutting down" in value:  # type: ignore[operator]
+                after_unload += at > unload_at
+            # refused by Triton: sent after the unload had begun, so never in flight
+            elif not ("unknown model" in value or "not ready" in value or "no available versions" in value):  # type: ignore[operator]
+                unclear.append(value)
+        assert unclear == [], unclear
+        assert after_unload > 0, "no request was in flight at the unload"
+        assert sum(o[0] == "ok" for o in outcomes) > 0  # type: ignore[index]
+
+        assert poll(lambda: not server.model_ready(FLIGHT))
+        assert poll(lambda: not stub_pids(model_dir)), f"stub(s) {stub_pids(model_dir)} left after unload"
+        assert not server.exited() and server._get("/v2/health/live") == 200
+        assert poll(lambda: server_threads(server) <= threads_before_load + THREAD_SLACK, 10)
+
+        # it loads again and serves correctly
+        client.load_model(FLIGHT)
+        server.wait_model_ready(FLIGHT, timeout=60)
+        check_serves(server, model, rng, per_mode=2)
+        unload_and_check_gone(server, client, FLIGHT, threads_before_load)
+    finally:
+        client.close()
