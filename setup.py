@@ -2,6 +2,11 @@ from setuptools import find_packages, setup
 
 # numpy < 2 and protobuf < 5: Triton's client and PyTriton (the server wheel) require them, and
 # the slicer's onnx must share one environment with them (onnx 1.18-1.19 accept protobuf 4).
+# the real Triton server (its wheel), its clients and perf_analyzer (inside tritonclient's wheel;
+# it needs libcudart.so.12 from nvidia-cuda-runtime-cu12, and Debian's libb64-0d, which the tests
+# install as root when missing)
+SERVE = ["nvidia-pytriton==0.7.0", "tritonclient[all]==2.51.0", "nvidia-cuda-runtime-cu12>=12.0,<13"]
+
 setup(
     name="dvabatch",
     version="0.1.0",
@@ -28,13 +33,9 @@ setup(
             "mypy>=1.10",
             "torch==2.13.0",  # the CPU build on this machine's disk: reference for MiniLM
             "transformers>=4.40",
-            # the real Triton server (its wheel), its clients and perf_analyzer (inside tritonclient's
-            # wheel; it needs libcudart.so.12 from nvidia-cuda-runtime-cu12, and Debian's libb64-0d,
-            # which the tests install as root when missing)
-            "nvidia-pytriton==0.7.0",
-            "tritonclient[all]==2.51.0",
-            "nvidia-cuda-runtime-cu12>=12.0,<13",
+            *SERVE,
         ],
+        "serve": SERVE,
         "gpu": ["cuda-python>=12.0"],
     },
     entry_points={"console_scripts": ["dvabatch=dvabatch_backend.cli:main"]},

@@ -18,18 +18,22 @@ from .scheduler import RuntimeSettings, load_scheduler
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dvabatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="slice a small model and serve it on a short synthetic load")
-    demo.add_argument("--stages", type=int, default=4)
-    demo.add_argument("--queries", type=int, default=40)
-    demo.add_argument("--rate", type=float, default=400.0, help="Poisson arrival rate, queries per second")
-    demo.add_argument("--policy", action="append", help="policy name (repeatable); default: pipelined and random")
-    demo.add_argument("--pairs", type=int, default=2, help="buffer pairs between stages")
-    demo.add_argument("--hidden", type=int, default=128)
-    demo.add_argument("--layers", type=int, default=8)
-    demo.add_argument("--max-length", type=int, default=64)
-    demo.add_argument("--bs-max", type=int, default=16)
-    demo.add_argument("--threads", type=int, default=1, help="onnxruntime threads per stage")
-    demo.add_argument("--out", type=Path, help="model directory to write (default: a temporary one)")
+    demo = sub.add_parser("demo", help="slice a zoo model, serve it from the real tritonserver, send a burst")
+    from .demo import add_arguments
+
+    add_arguments(demo)
+    runtime = sub.add_parser("demo-runtime", help="the runtime alone (no server) on a small toy model")
+    runtime.add_argument("--stages", type=int, default=4)
+    runtime.add_argument("--queries", type=int, default=40)
+    runtime.add_argument("--rate", type=float, default=400.0, help="Poisson arrival rate, queries per second")
+    runtime.add_argument("--policy", action="append", help="policy name (repeatable); default: pipelined and random")
+    runtime.add_argument("--pairs", type=int, default=2, help="buffer pairs between stages")
+    runtime.add_argument("--hidden", type=int, default=128)
+    runtime.add_argument("--layers", type=int, default=8)
+    runtime.add_argument("--max-length", type=int, default=64)
+    runtime.add_argument("--bs-max", type=int, default=16)
+    runtime.add_argument("--threads", type=int, default=1, help="onnxruntime threads per stage")
+    runtime.add_argument("--out", type=Path, help="model directory to write (default: a temporary one)")
     slice_ = sub.add_parser("slice", help="cut an ONNX model into time-balanced, verified stages")
     slice_.add_argument("model", type=Path, help="the ONNX model")
     slice_.add_argument("--stages", default="auto", help="number of stages, or 'auto' to choose by measurement")
@@ -57,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo":
+        from .demo import run
+
+        return run(args)
+    if args.command == "demo-runtime":
         return run_demo(args)
     if args.command == "slice":
         return run_slice(args)

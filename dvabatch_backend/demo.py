@@ -1,0 +1,152 @@
+"""The main job: slice a zoo model, serve it from the real tritonserver, send a burst of
+mixed-length queries with tritonclient, and show each answer's latency and what the backend did.
+
+With MiniLM (the default) the queries are real sentences, tokenized with the model's own
+tokenizer; every answer is checked against the unsliced model run on the query alone.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+SENTENCES = [
+    "Hi.",
+    "Batching helps.",
+    "Short queries should not wait.",
+    "A serving system batches queries to use the hardware well.",
+    "The cat sat on the mat and looked at the garden for a while.",
+    "Late queries can join a batch that is already running, and catch up stage by stage.",
+    "DVABatch slices a model into stages and runs batches through them like a software pipeline, "
+    "so that batches can enter and leave at any stage instead of waiting for one another.",
+    "When a large batch reaches operators that prefer small batches, it can be split into smaller "
+    "batches that run one after another and leave the pipeline independently, so that the first "
+    "queries are answered before the whole batch has finished its work, which lowers the mean latency.",
+    "Input diversity means queries of very different lengths arrive together: padding every query "
+    "to the longest one wastes computation, so queries of similar length are batched together and the "
+    "batches run in parallel in the pipeline, and short queries leave early while long ones still run "
+    "through the later stages of the model, which is exactly what a multi-exit scheme allows.",
+    "Yes.",
+    "Operators differ.",
+    "Load changes all the time, from a trickle of queries at night to bursts during the day.",
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="minilm", help="zoo model (default: MiniLM with its real weights)")
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--policy", default="input", help="batching policy of the served model")
+    parser.add_argument("--window", type=float, default=0.02, help="input policy: batch window, seconds")
+    parser.add_argument("--rounds", type=int, default=2, help="bursts to send")
+    parser.add_argument("--out", type=Path, help="model repository to write (default: a temporary one)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from slicer.profiler import int_bounds
+    from slicer.slice_model import SliceOptions, slice_model
+    from slicer.triton_files import add_model_variant
+    from slicer.zoo import ZOO, build
+
+    from .serve import TritonServer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = args.out or Path(tmp) / "repository"
+        model = build(args.model, "test")
+        max_length = ZOO[args.model].max_length.get("real", 0)
+        print(f"slicing {args.model} into {args.stages} stages (profiling, balancing, verifying)...", flush=True)
+        report = slice_model(model, repo / ".sliced" / args.model, SliceOptions(
+            stages=args.stages, max_batch_size=16, max_length=max_length or 128, repeats=5,
+            batch_sizes=(1, 2, 4, 8, 16), calibration_rounds=2, force=True))
+        print(report.summary())
+        name = f"{args.model}_{args.policy}"
+        params = {"window": args.window} if args.policy == "input" else {}
+        add_model_variant(repo, report.out_dir / "1", name, policy=args.policy, policy_params=params)
+        queries = _queries(args.model, report.manifest, int_bounds(model), max_length)
+        with TritonServer(repo) as server:
+            print(f"\ntritonserver up (HTTP {server.http_url}, gRPC {server.grpc_url}); loading {name}...", flush=True)
+            server.wait_model_ready(name, timeout=300)
+            failures = 0
+            for round_ in range(args.rounds):
+                failures += _burst(server, name, queries, report.out_dir / "1" / "model.onnx", round_)
+            print("\nmeta operations done by the backend (Triton metrics endpoint):")
+            for line in _meta_operations(server.metrics_url, name):
+                print(f"  {line}")
+    return 1 if failures else 0
+
+
+def _queries(model: str, manifest, int_high: dict[str, int], max_length: int) -> list[dict[str, np.ndarray]]:
+    if model == "minilm":
+        from slicer.zoo.transformer import tokenize
+
+        return tokenize(SENTENCES, max_length=max_length)
+    from slicer.profiler import random_inputs
+
+    rng = np.random.default_rng(0)
+    lengths = [int(n) for n in rng.integers(1, max(max_length, 1) + 1, size=len(SENTENCES))] if max_length else [0] * 12
+    return [{k: v[0] for k, v in random_inputs(manifest.inputs, 1, n, rng, int_high).items()} for n in lengths]
+
+
+def _burst(server, name: str, queries: list[dict[str, np.ndarray]], full_model: Path, round_: int) -> int:
+    import onnxruntime as ort
+    import tritonclient.grpc as grpcclient
+
+    dtypes = {"float32": "FP32", "int64": "INT64", "int32": "INT32"}
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    requests = []
+    for q in queries:
+        tensors = []
+        for key, arr in q.items():
+            batch = np.ascontiguousarray(arr[None])
+            tensor = grpcclient.InferInput(key, list(batch.shape), dtypes[batch.dtype.name])
+            tensor.set_data_from_numpy(batch)
+            tensors.append(tensor)
+        requests.append(tensors)
+    client.infer(name, requests[0])  # a warm channel
+    done = [threading.Event() for _ in queries]
+    answers: list = [None] * len(queries)
+    start = time.perf_counter()
+
+    def callback(i: int):
+        def on_answer(result, error) -> None:
+            answers[i] = (time.perf_counter() - start, result, error)
+            done[i].set()
+        return on_answer
+
+    for i, tensors in enumerate(requests):
+        client.async_infer(name, tensors, callback(i), client_timeout=120)
+    for event in done:
+        event.wait(120)
+    full = ort.InferenceSession(str(full_model), providers=["CPUExecutionProvider"])
+    output = full.get_outputs()[-1].name
+    print(f"\nburst {round_ + 1}: {len(queries)} queries sent at once, in this order")
+    print(f"{'query':>5} {'tokens':>6} {'answered after':>15}  {'|error| vs unsliced':>20}")
+    failures = 0
+    for i, (q, answer) in enumerate(zip(queries, answers)):
+        length = len(next(iter(q.values())))
+        if answer is None or answer[2] is not None:
+            failures += 1
+            print(f"{i:>5} {length:>6} {'-':>15}  {answer[2] if answer else 'no answer'}")
+            continue
+        got = answer[1].as_numpy(output)[0]
+        ref = full.run([output], {k: v[None] for k, v in q.items()})[0][0]
+        err = float(np.max(np.abs(got - ref)))
+        failures += err > 1e-4
+        print(f"{i:>5} {length:>6} {answer[0] * 1e3:>12.1f} ms  {err:>20.1e}")
+    return failures
+
+
+def _meta_operations(metrics_url: str, model: str) -> list[str]:
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    lines = []
+    for line in text.splitlines():
+        found = re.match(r'(dvabatch_\w+)\{(.*)\} ([0-9.e+-]+)$', line)
+        if found and f'model="{model}"' in found.group(2):
+            labels = ", ".join(x for x in found.group(2).split(",") if not x.startswith("model="))
+            lines.append(f"{found.group(1)}[{labels}] = {float(found.group(3)):g}")
+    return sorted(lines)
