@@ -525,15 +525,16 @@ class Scheduler:
         return TableSnapshot([self._table.info(r) for r in self._table], [list(q) for q in self._queues])
 
 
-def load_scheduler(model_dir: str | Path, policy: Policy, settings: RuntimeSettings = RuntimeSettings()) -> Scheduler:
+def load_scheduler(model_dir: str | Path, policy: Policy, settings: RuntimeSettings = RuntimeSettings(),
+                   manifest_file: str = "manifest.json") -> Scheduler:
     """A scheduler over a sliced model directory, one onnxruntime engine per stage.
 
-    `model_dir` holds manifest.json, or is a Triton model folder whose version folder `1/` does.
+    `model_dir` holds the manifest, or is a Triton model folder whose version folder `1/` does.
     """
     model_dir = Path(model_dir)
-    if not (model_dir / "manifest.json").exists() and (model_dir / "1" / "manifest.json").exists():
+    if not (model_dir / manifest_file).exists() and (model_dir / "1" / manifest_file).exists():
         model_dir = model_dir / "1"
-    manifest = Manifest.load(model_dir / "manifest.json")
+    manifest = Manifest.load(model_dir / manifest_file)
     engines = [OrtStageEngine(model_dir / s.file, settings.threads_per_stage) for s in manifest.stages]
     return Scheduler(manifest, engines, policy, settings)
 

@@ -118,7 +118,9 @@ class TritonPythonModel:
         manifest = Manifest.load(settings.manifest)
         policy = load_policy(settings.policy, settings.policy_params, model_dir)
         self._manifest = manifest
-        self._scheduler: Scheduler = load_scheduler(settings.manifest.parent, policy, settings.runtime).start()
+        self._scheduler: Scheduler = load_scheduler(
+            settings.manifest.parent, policy, settings.runtime, manifest_file=settings.manifest.name
+        ).start()
         self._output_names = [t.name for t in manifest.outputs]
         self._metrics = StageMetrics(self._scheduler, args["model_name"])
         pb_utils.Logger.log_info(

@@ -31,7 +31,16 @@ def create_policy(name: str, **params: Any) -> Policy:
         factory = BUILTIN[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; built-in policies are {sorted(BUILTIN)}") from None
-    return factory(**params)
+    return _construct(name, factory, params)
+
+
+def _construct(label: str, factory: Callable[..., Policy], params: Mapping[str, Any]) -> Policy:
+    """Make the policy; a parameter it does not take is named in the error (as policy.NAME)."""
+    try:
+        return factory(**params)
+    except TypeError as exc:
+        given = sorted(f"policy.{k}" for k in params)
+        raise ValueError(f"policy {label!r} does not accept the parameter(s) {given}: {exc}") from None
 
 
 def load_policy(spec: str, params: Mapping[str, str], model_dir: Path) -> Policy:
@@ -57,7 +66,7 @@ def load_policy(spec: str, params: Mapping[str, str], model_dir: Path) -> Policy
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
         raise ValueError(f"policy {spec!r}: {class_name!r} is not a Policy subclass in {where!r}")
-    return cls(**kwargs)
+    return _construct(spec, cls, kwargs)
 
 
 def _number(value: str) -> Any:
