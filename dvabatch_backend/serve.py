@@ -9,6 +9,7 @@ from the same environment.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -70,7 +71,8 @@ def free_port() -> int:
 class TritonServer:
     def __init__(self, model_repository: str | Path, *, http_port: int | None = None, grpc_port: int | None = None,
                  metrics_port: int | None = None, explicit: bool = False, load: Sequence[str] = (),
-                 shm_bytes: int = 64 << 20, extra_args: Sequence[str] = (), log_path: Path | None = None) -> None:
+                 shm_bytes: int = 64 << 20, extra_args: Sequence[str] = (), log_path: Path | None = None,
+                 exit_timeout: int = 2) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
@@ -79,6 +81,9 @@ class TritonServer:
         self._load = list(load)
         self._shm_bytes = shm_bytes
         self._extra = list(extra_args)
+        # Triton waits this long for open client connections before unloading models on SIGTERM;
+        # `stop` waits longer, so models always unload (finalize answers what is in flight)
+        self.exit_timeout = exit_timeout
         self._work = Path(tempfile.mkdtemp(prefix="dvabatch-triton-"))
         self.log_path = log_path or self._work / "tritonserver.log"
         self._process: subprocess.Popen[bytes] | None = None
@@ -103,11 +108,12 @@ class TritonServer:
             f"--model-repository={self.model_repository}", f"--backend-directory={backends}",
             f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true", "--allow-gpu-metrics=false", "--exit-on-error=false", "--strict-readiness=false",
-            f"--backend-config={shm}", "--log-info=true",
+            f"--backend-config={shm}", "--log-info=true", f"--exit-timeout-secs={self.exit_timeout}",
         ]
-        if self._explicit:
-            cmd.append("--model-control-mode=explicit")
-            cmd += [f"--load-model={name}" for name in self._load]
+        # always explicit model control, so that `stop` can unload the models first; without
+        # `explicit`, every model of the repository is loaded at start, as in Triton's default mode
+        cmd.append("--model-control-mode=explicit")
+        cmd += [f"--load-model={name}" for name in self._load] if self._explicit else ["--load-model=*"]
         return cmd + self._extra
 
     def start(self, timeout: float = 120.0) -> "TritonServer":
@@ -146,6 +152,25 @@ class TritonServer:
             time.sleep(0.1)
         raise ServerError(f"model {name!r} did not become ready within {timeout:.0f}s:\n{self.log_tail()}")
 
+    def _unload_all(self, deadline: float) -> None:
+        loaded = [m["name"] for m in self._index() if m.get("state") == "READY"]
+        for name in loaded:
+            self._post(f"/v2/repository/models/{name}/unload")
+        while time.monotonic() < deadline and any(m.get("state") in ("READY", "UNLOADING") for m in self._index()):
+            time.sleep(0.05)
+
+    def _index(self) -> list[dict]:
+        body = self._post("/v2/repository/index")
+        return json.loads(body) if body else []
+
+    def _post(self, path: str) -> bytes | None:
+        request = urllib.request.Request(f"http://{self.http_url}{path}", data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.read()
+        except OSError:
+            return None
+
     def _get(self, path: str) -> int | None:
         try:
             with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=2) as response:
@@ -155,10 +180,17 @@ class TritonServer:
         except OSError:
             return None
 
-    def stop(self, grace: float = 30.0) -> int | None:
-        """SIGTERM (Triton unloads models, whose finalize answers what is in flight), then SIGKILL."""
-        process, self._process = self._process, None
-        code = None
+    def stop(self, grace: float | None = None) -> int | None:
+        """Unload every model (each model's finalize answers what is in flight and joins its
+        threads), then SIGTERM, then SIGKILL after `grace` seconds (default: exit timeout + 30).
+
+        Models are unloaded first because on SIGTERM Triton spends its exit timeout waiting for
+        open client connections, and then exits without unloading anything."""
+        grace = self.exit_timeout + 30.0 if grace is None else grace
+        process, code = self._process, None
+        if process is not None and process.poll() is None:
+            self._unload_all(deadline=time.monotonic() + grace)
+        self._process = None
         if process is not None and process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:

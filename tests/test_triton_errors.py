@@ -173,7 +173,7 @@ def served(tmp_path_factory) -> dict:
     (repo / "no_manifest" / "config.pbtxt").write_text(config_pbtxt(bert.manifest, name="no_manifest"))
     _own_version_dir(repo, bert, "no_stage_file", skip=("stage1.onnx",))
     (repo / "no_stage_file" / "config.pbtxt").write_text(config_pbtxt(bert.manifest, name="no_stage_file"))
-    # a manifest under another name, named by the parameter: this one should load (see the xfail test)
+    # a manifest under another name, named by the parameter: this one loads
     _own_version_dir(repo, bert, "renamed_manifest", rename={"manifest.json": "sliced.json"})
     (repo / "renamed_manifest" / "config.pbtxt").write_text(
         config_pbtxt(bert.manifest, name="renamed_manifest").replace('"manifest.json"', '"sliced.json"'))
@@ -320,20 +320,14 @@ BAD_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {  # model -> (protocol, fr
     "bad_bs_max": ("grpc", ("parameter 'bs_max'", "must be >= 1, got 0")),
     "bad_unknown_parameter": ("grpc", ("unknown parameter(s) ['num_bufer_pairs']",)),
     "bad_policy": ("http", ("unknown policy 'no_such_policy'",)),
-    "bad_policy_parameter": ("http", ("no_such_knob",)),
+    "bad_policy_parameter": ("http", ("policy 'pipelined' does not accept", "'policy.no_such_knob'")),
     "bad_manifest_parameter": ("grpc", ("parameter 'manifest'", "no_such_manifest.json not found")),
     "no_manifest": ("http", ("parameter 'manifest'", "no_manifest/1/manifest.json not found")),
     "no_stage_file": ("grpc", ("'stage1.onnx' not found beside the manifest",)),
 }
-KNOWN_BUGS = {
-    "bad_policy_parameter": pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason="bug: an unknown policy.* parameter of the pipelined policy fails the load with "
-               "'TypeError: PipelinedPolicy() takes no arguments', naming neither the parameter nor its key"),
-}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=KNOWN_BUGS.get(n, ())) for n in BAD_MODELS])
+@pytest.mark.parametrize("name", list(BAD_MODELS))
 def test_bad_model_fails_to_load_and_the_server_keeps_serving(served, name: str) -> None:
     server: TritonServer = served["server"]
     protocol, fragments = BAD_MODELS[name]
@@ -362,14 +356,13 @@ def test_bad_model_fails_to_load_and_the_server_keeps_serving(served, name: str)
         assert name in (refused.value.message() or "")
 
 
-@pytest.mark.xfail(strict=True, raises=InferenceServerException,
-                   reason="bug: TritonPythonModel.initialize passes the manifest's folder to load_scheduler, "
-                          "which reads manifest.json there, not the file the 'manifest' parameter names")
 def test_manifest_parameter_naming_another_file_loads(served) -> None:
+    """The manifest parameter names the file used, also when it is not manifest.json."""
     server: TritonServer = served["server"]
     client = control_client(server, "http")
     try:
         client.load_model("renamed_manifest")
+        assert not (server.model_repository / "renamed_manifest" / "1" / "manifest.json").exists()
         bert: ServedModel = served["models"][BERT]
         feeds = {"input_ids": _ids(2, T), "attention_mask": _ones(2, T)}
         assert_rows_equal(bert, feeds, raw_infer(server, "http", "renamed_manifest", feeds))
