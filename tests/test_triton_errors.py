@@ -5,7 +5,6 @@ and missing manifests make loading fail with the parameter or file named, and th
 the good models keep serving."""
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 import time
@@ -21,7 +20,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 from dvabatch_backend.serve import TritonServer
 from slicer.triton_files import add_model_variant, config_pbtxt
 
-from .triton_support import Clients, ServedModel, add_variant, slice_zoo_model
+from .triton_support import Clients, ServedModel, add_variant, slice_zoo_model, control_client, stub_pids
 
 PROTOCOLS = ("http", "grpc")
 TIMEOUT = 30.0
@@ -55,28 +54,6 @@ def raw_infer(server: TritonServer, protocol: str, model: str, feeds: Mapping[st
         finally:
             client.close()
     return {name: result.as_numpy(name) for name in names}
-
-
-def control_client(server: TritonServer, protocol: str):
-    if protocol == "http":
-        return httpclient.InferenceServerClient(server.http_url, connection_timeout=60, network_timeout=60)
-    return grpcclient.InferenceServerClient(server.grpc_url)
-
-
-def stub_pids(model_dir: Path) -> list[int]:
-    """Python-backend stub processes serving `model_dir` (their second argument is its model.py)."""
-    prefix = str(model_dir).encode() + b"/"
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if len(argv) > 1 and argv[0].endswith(b"triton_python_backend_stub") and argv[1].startswith(prefix):
-            pids.append(int(entry))
-    return pids
 
 
 def wait_no_stub(model_dir: Path, timeout: float = 30.0) -> list[int]:

@@ -20,7 +20,7 @@ from tritonclient.utils import InferenceServerException
 
 from dvabatch_backend.serve import TritonServer
 
-from .triton_support import TRITON_DTYPES, ServedModel, add_variant, slice_zoo_model
+from .triton_support import TRITON_DTYPES, ServedModel, add_variant, slice_zoo_model, control_client, stub_pids
 
 TIMEOUT = 30.0  # client timeout of every request
 THREAD_SLACK = 8  # threads the server may keep beyond its count before the first load (it has ~35 more per model)
@@ -60,22 +60,6 @@ def zombie_children(server: TritonServer) -> list[int]:
     return found
 
 
-def stub_pids(model_dir: Path) -> list[int]:
-    """Python-backend stub processes serving `model_dir` (their second argument is its model.py)."""
-    prefix = str(model_dir).encode() + b"/"
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if len(argv) > 1 and argv[0].endswith(b"triton_python_backend_stub") and argv[1].startswith(prefix):
-            pids.append(int(entry))
-    return pids
-
-
 def poll(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -83,12 +67,6 @@ def poll(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.05)
     return condition()
-
-
-def control_client(server: TritonServer, protocol: str):
-    if protocol == "http":
-        return httpclient.InferenceServerClient(server.http_url, connection_timeout=60, network_timeout=60)
-    return grpcclient.InferenceServerClient(server.grpc_url)
 
 
 MODES = ("http", "http-async", "grpc", "grpc-async")

@@ -99,7 +99,6 @@ def test_short_queries_in_a_burst_with_long_ones_exit_first(server) -> None:
 def test_a_query_arriving_while_a_batch_is_in_flight_joins_it(server) -> None:
     triton, models = server
     model = models["load"]
-    clients = Clients(triton.http_url, triton.grpc_url)
     rng = np.random.default_rng(2)
     first = [model.query(rng, LONG) for _ in range(4)]  # one request of 4 rows: a batch of 4 in flight
     late = model.query(rng, 100)
