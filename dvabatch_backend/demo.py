@@ -96,17 +96,10 @@ def _burst(server, name: str, queries: list[dict[str, np.ndarray]], full_model: 
     import onnxruntime as ort
     import tritonclient.grpc as grpcclient
 
-    dtypes = {"float32": "FP32", "int64": "INT64", "int32": "INT32"}
+    from .serve import infer_inputs
+
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    requests = []
-    for q in queries:
-        tensors = []
-        for key, arr in q.items():
-            batch = np.ascontiguousarray(arr[None])
-            tensor = grpcclient.InferInput(key, list(batch.shape), dtypes[batch.dtype.name])
-            tensor.set_data_from_numpy(batch)
-            tensors.append(tensor)
-        requests.append(tensors)
+    requests = [infer_inputs(grpcclient, q) for q in queries]
     client.infer(name, requests[0])  # a warm channel
     done = [threading.Event() for _ in queries]
     answers: list = [None] * len(queries)

@@ -21,7 +21,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 
 class ServerError(RuntimeError):
@@ -214,3 +216,18 @@ class TritonServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         shutil.rmtree(self._work, ignore_errors=True)
+
+
+TRITON_DTYPES = {"float32": "FP32", "float16": "FP16", "float64": "FP64", "int64": "INT64", "int32": "INT32",
+                 "int8": "INT8", "uint8": "UINT8", "bool": "BOOL"}
+
+
+def infer_inputs(client_module: Any, query: Mapping[str, np.ndarray]) -> list[Any]:
+    """A one-row request's inputs for `tritonclient.http` or `tritonclient.grpc` (`client_module`)."""
+    inputs = []
+    for name, arr in query.items():
+        batch = np.ascontiguousarray(arr[None])
+        tensor = client_module.InferInput(name, list(batch.shape), TRITON_DTYPES[batch.dtype.name])
+        tensor.set_data_from_numpy(batch)
+        inputs.append(tensor)
+    return inputs

@@ -14,13 +14,12 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from dvabatch_backend.manifest import Manifest
-from dvabatch_backend.serve import TritonServer
+from dvabatch_backend.serve import TritonServer, infer_inputs
 from slicer.profiler import int_bounds, random_inputs
 from slicer.slice_model import SliceOptions, slice_model
 from slicer.triton_files import add_model_variant
 from slicer.zoo import ZOO, build
 
-TRITON_DTYPES = {"float32": "FP32", "int64": "INT64", "int32": "INT32", "float16": "FP16", "bool": "BOOL"}
 POLICIES = ("pipelined", "input", "operator", "load", "hybrid")
 
 
@@ -86,15 +85,7 @@ class Clients:
         self._http()
         return self._local.grpc
 
-    @staticmethod
-    def inputs(module, query: Mapping[str, np.ndarray]) -> list:
-        out = []
-        for name, arr in query.items():
-            batch = np.ascontiguousarray(arr[None])
-            tensor = module.InferInput(name, list(batch.shape), TRITON_DTYPES[batch.dtype.name])
-            tensor.set_data_from_numpy(batch)
-            out.append(tensor)
-        return out
+    inputs = staticmethod(infer_inputs)
 
     def http_sync(self, model: str, query: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         result = self._http().infer(model, self.inputs(httpclient, query))
