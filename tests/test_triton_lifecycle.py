@@ -20,7 +20,9 @@ from tritonclient.utils import InferenceServerException
 
 from dvabatch_backend.serve import TritonServer
 
-from .triton_support import TRITON_DTYPES, ServedModel, add_variant, slice_zoo_model, control_client, stub_pids
+from dvabatch_backend.serve import TRITON_DTYPES
+
+from .triton_support import ServedModel, add_variant, slice_zoo_model, control_client, stub_pids
 
 TIMEOUT = 30.0  # client timeout of every request
 THREAD_SLACK = 8  # threads the server may keep beyond its count before the first load (it has ~35 more per model)
