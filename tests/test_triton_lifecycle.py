@@ -18,11 +18,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from dvabatch_backend.serve import TritonServer
+from dvabatch_backend.serve import TRITON_DTYPES, TritonServer
 
-from dvabatch_backend.serve import TRITON_DTYPES
-
-from .triton_support import ServedModel, add_variant, slice_zoo_model, control_client, stub_pids
+from .triton_support import ServedModel, add_variant, control_client, slice_zoo_model, stub_pids
 
 TIMEOUT = 30.0  # client timeout of every request
 THREAD_SLACK = 8  # threads the server may keep beyond its count before the first load (it has ~35 more per model)
