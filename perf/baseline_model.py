@@ -1,0 +1,218 @@
+"""Triton Python-backend model of the ZeroBatch and DelayBatch baselines (`perf.baselines` copies it
+as `model.py` into a baseline's version folder).
+
+The unsliced `model.onnx` runs in one onnxruntime CPU session with the runtime's session options
+(`ort_session_options(threads)`). Triton's dynamic batcher forms the batches: the inputs allow
+ragged batches, so requests of different lengths arrive together in one `execute`, one request
+object each with its own shapes ([k, T, ...]: k rows of length T). `execute` pads every request to
+the longest length in the batch with zeros (masks are zero there), stacks the rows, runs the batch
+once, and answers each request, in order, with its own rows cut back to its own length on every
+output that has a sequence dimension. A bad request is answered with an error and left out of the
+batch; a failed run answers every request of the batch with the error.
+
+Config parameters: `onnx_model` (file in the version folder, default model.onnx), `manifest`
+(default manifest.json: which dims are batch and seq, and the longest length) and `threads`
+(onnxruntime intra-op threads, default 1).
+"""
+from __future__ import annotations
+
+import os
+import site
+import sys
+
+# The backend stub embeds its own interpreter, which reads neither PYTHONPATH nor site-packages:
+# add the serving environment's paths (`dvabatch serve` passes them) so dvabatch imports.
+for _path in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    if _path and _path not in sys.path:
+        site.addsitedir(_path)
+
+import json  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Mapping, Sequence  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from dvabatch_backend.engine import ort_session_options  # noqa: E402
+from dvabatch_backend.manifest import SEQ, Manifest, TensorSpec  # noqa: E402
+
+try:
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # imported outside Triton (tests, tools): the batching functions below still work
+    pb_utils = None
+
+PARAMETERS = {"onnx_model": "model.onnx", "manifest": "manifest.json", "threads": "1"}
+
+
+class BadRequest(ValueError):
+    """A request whose tensors do not fit the model; the message is what the client reads."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    onnx_model: Path
+    manifest: Path
+    threads: int
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request's input arrays ([rows, ...]) and its length (0 for a model without seq)."""
+
+    arrays: dict[str, np.ndarray]
+    rows: int
+    length: int
+
+
+def parse_parameters(params: Mapping[str, str], version_dir: Path) -> Settings:
+    """Read and check the config.pbtxt parameters; a ValueError names the bad one."""
+    unknown = sorted(set(params) - set(PARAMETERS))
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {unknown}; known: {sorted(PARAMETERS)}")
+    values = {**PARAMETERS, **params}
+    files = {}
+    for key in ("onnx_model", "manifest"):
+        files[key] = version_dir / values[key]
+        if not files[key].is_file():
+            raise ValueError(f"parameter {key!r}: {files[key]} not found")
+    try:
+        threads = int(values["threads"])
+    except ValueError:
+        raise ValueError(f"parameter 'threads': {values['threads']!r} is not an integer") from None
+    if threads < 1:
+        raise ValueError(f"parameter 'threads': must be >= 1, got {threads}")
+    return Settings(files["onnx_model"], files["manifest"], threads)
+
+
+def load_manifest(path: Path) -> Manifest:
+    """The manifest without its stage files (a baseline's version folder holds only model.onnx)."""
+    return Manifest.from_json(json.loads(path.read_text()))
+
+
+def parse_request(arrays: Mapping[str, np.ndarray], manifest: Manifest) -> Request:
+    """Check one request's tensors ([k, ...] each) against the manifest's inputs."""
+    specs = {t.name: t for t in manifest.inputs}
+    missing = sorted(set(specs) - set(arrays))
+    unknown = sorted(set(arrays) - set(specs))
+    if missing or unknown:
+        raise BadRequest(f"missing input(s) {missing}, unknown input(s) {unknown}; the model expects {sorted(specs)}")
+    rows: set[int] = set()
+    lengths: set[int] = set()
+    for name, spec in specs.items():
+        arr = arrays[name]
+        if arr.dtype != spec.np_dtype:
+            raise BadRequest(f"input {name!r} has dtype {arr.dtype}, expected {spec.dtype}")
+        if arr.ndim != len(spec.dims):
+            raise BadRequest(f"input {name!r} has shape {list(arr.shape)}, expected dims {list(spec.dims)}")
+        rows.add(arr.shape[0])
+        for axis, (got, want) in enumerate(zip(arr.shape[1:], spec.dims[1:]), start=1):
+            if want == SEQ:
+                lengths.add(got)
+            elif got != want:
+                raise BadRequest(f"input {name!r} dim {axis} is {got}, expected {want}")
+    if len(rows) > 1:
+        raise BadRequest(f"inputs disagree on the number of rows: {sorted(rows)}")
+    if len(lengths) > 1:
+        raise BadRequest(f"inputs disagree on the sequence length: {sorted(lengths)}")
+    k, length = rows.pop(), (lengths.pop() if lengths else 0)
+    if k < 1:
+        raise BadRequest("the request has no rows")
+    if manifest.has_seq and not 1 <= length <= manifest.max_length:
+        raise BadRequest(f"input length {length} is outside 1..{manifest.max_length} (the manifest's max_length)")
+    return Request(dict(arrays), k, length)
+
+
+def pad_batch(requests: Sequence[Request], specs: Sequence[TensorSpec]) -> dict[str, np.ndarray]:
+    """The requests' rows stacked, zero-padded to the longest length among them."""
+    if len(requests) == 1:
+        return requests[0].arrays
+    rows = sum(r.rows for r in requests)
+    longest = max(r.length for r in requests)
+    batch = {}
+    for spec in specs:
+        out = np.zeros(spec.shape(rows, longest), dtype=spec.np_dtype)
+        start = 0
+        for request in requests:
+            arr = request.arrays[spec.name]
+            out[(slice(start, start + request.rows), *(slice(0, n) for n in arr.shape[1:]))] = arr
+            start += request.rows
+        batch[spec.name] = out
+    return batch
+
+
+def split_outputs(outputs: Mapping[str, np.ndarray], specs: Sequence[TensorSpec],
+                  requests: Sequence[Request]) -> list[dict[str, np.ndarray]]:
+    """Each request's rows of the batch outputs, cut back to its own length on seq dims."""
+    answers = []
+    start = 0
+    for request in requests:
+        answer = {}
+        for spec in specs:
+            index = (slice(start, start + request.rows),
+                     *(slice(0, request.length) if d == SEQ else slice(None) for d in spec.dims[1:]))
+            answer[spec.name] = np.ascontiguousarray(outputs[spec.name][index])
+        answers.append(answer)
+        start += request.rows
+    return answers
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        import onnxruntime as ort
+
+        config = json.loads(args["model_config"])
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        settings = parse_parameters(params, version_dir)
+        self._manifest = load_manifest(settings.manifest)
+        # resolved: the file is a link into the sliced model's folder, where its external data would lie
+        self._session = ort.InferenceSession(str(settings.onnx_model.resolve()), ort_session_options(settings.threads),
+                                             providers=["CPUExecutionProvider"])
+        session_inputs = {i.name for i in self._session.get_inputs()}
+        session_outputs = {o.name for o in self._session.get_outputs()}
+        wanted_in = {t.name for t in self._manifest.inputs}
+        wanted_out = {t.name for t in self._manifest.outputs}
+        if session_inputs != wanted_in or not wanted_out <= session_outputs:
+            raise ValueError(f"{settings.onnx_model.name} has inputs {sorted(session_inputs)} and outputs "
+                             f"{sorted(session_outputs)}; the manifest wants {sorted(wanted_in)} and {sorted(wanted_out)}")
+        self._output_names = [t.name for t in self._manifest.outputs]
+        pb_utils.Logger.log_info(f"baseline: {self._manifest.name} unsliced, {settings.threads} thread(s)")
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses: list[Any] = [None] * len(requests)
+        batch: list[tuple[int, Request]] = []
+        for i, request in enumerate(requests):
+            try:
+                batch.append((i, parse_request(self._read(request), self._manifest)))
+            except BadRequest as exc:
+                responses[i] = _error(str(exc), invalid_argument=True)
+        if batch:
+            parsed = [r for _, r in batch]
+            try:
+                results = self._session.run(self._output_names, pad_batch(parsed, self._manifest.inputs))
+            except Exception as exc:  # onnxruntime's failure concerns every request of the batch
+                for i, _ in batch:
+                    responses[i] = _error(f"onnxruntime failed on a batch of {len(batch)} request(s): {exc}")
+            else:
+                answers = split_outputs(dict(zip(self._output_names, results)), self._manifest.outputs, parsed)
+                for (i, _), answer in zip(batch, answers):
+                    responses[i] = pb_utils.InferenceResponse(
+                        output_tensors=[pb_utils.Tensor(name, arr) for name, arr in answer.items()])
+        return responses
+
+    def _read(self, request: Any) -> dict[str, np.ndarray]:
+        arrays = {}
+        for spec in self._manifest.inputs:
+            tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+            if tensor is not None:
+                arrays[spec.name] = tensor.as_numpy()
+        return arrays
+
+    def finalize(self) -> None:
+        self._session = None
+
+
+def _error(message: str, invalid_argument: bool = False) -> Any:
+    """Bad input reads as the client's error (HTTP 400, gRPC INVALID_ARGUMENT), a failed run as internal."""
+    code = pb_utils.TritonError.INVALID_ARG if invalid_argument else pb_utils.TritonError.INTERNAL
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
