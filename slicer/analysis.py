@@ -19,7 +19,7 @@ import onnx
 
 from dvabatch_backend.manifest import TensorSpec
 
-from .cut import _initializer_names, input_specs, probe_specs
+from .cut import _initializer_names, probe_specs
 
 
 @dataclass(frozen=True)
@@ -89,10 +89,6 @@ def legal_cut_points(model: onnx.ModelProto, reference_length: int, max_tensors:
 
 def _row_bytes(spec: TensorSpec, length: int) -> int:
     return math.prod(spec.sample_shape(max(length, 1))) * spec.np_dtype.itemsize
-
-
-def has_sequence_input(model: onnx.ModelProto) -> bool:
-    return any(s.has_seq for s in input_specs(model).values())
 
 
 def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from dvabatch_backend.manifest import Manifest, TensorSpec
+from dvabatch_backend.manifest import Manifest
 
 from .analysis import CutPoint, legal_cut_points, name_nodes
 from .cut import cut_model, input_specs
@@ -157,7 +157,7 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.", dir=out_dir.parent) as tmp:
         candidates = [
-            _build_candidate(model, inputs, name, n, costs_at[ref], points, preferred, ref, lengths, max_length,
+            _build_candidate(model, name, n, costs_at[ref], points, preferred, ref, lengths, max_length,
                              Path(tmp) / f"n{n}", options, say)
             for n in wanted
         ]
@@ -187,7 +187,7 @@ def _check_stage_count(n: int, node_count: int, points: list[CutPoint]) -> None:
         raise SliceError(str(exc)) from exc
 
 
-def _build_candidate(model: onnx.ModelProto, inputs: list[TensorSpec], name: str, n: int, costs: np.ndarray,
+def _build_candidate(model: onnx.ModelProto, name: str, n: int, costs: np.ndarray,
                      points: list[CutPoint], preferred: set[int], ref: Setting, lengths: list[int], max_length: int,
                      work: Path, options: SliceOptions, say: Progress) -> Candidate:
     """Cut into `n` stages; re-balance with measured stage times; verify the best cut."""
