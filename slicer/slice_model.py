@@ -216,15 +216,15 @@ def _build_candidate(model: onnx.ModelProto, name: str, n: int, costs: np.ndarra
 
 
 def _calibrated(costs: np.ndarray, part: Partition, measured: list[float]) -> np.ndarray:
-    """Scale each stage's node costs towards the stage's measured time.
+    """Scale each stage's node costs so they add up to the stage's measured time.
 
-    Damped (square root of the ratio): measurements are noisy, and a full correction makes the
-    cuts jump back and forth between rounds."""
+    Measurements are noisy and a full correction can make the cuts move back and forth between
+    rounds; every round is measured and the best cut is kept, so that costs little."""
     bounds = [0, *part.positions, len(costs)]
     scaled = costs.copy()
     for (a, b), seconds, estimate in zip(zip(bounds, bounds[1:]), measured, part.stage_costs):
         if estimate > 0:
-            scaled[a:b] *= (seconds / estimate) ** 0.5
+            scaled[a:b] *= seconds / estimate
         else:
             scaled[a:b] = seconds / max(b - a, 1)
     return scaled
