@@ -193,8 +193,10 @@ def _build_candidate(model: onnx.ModelProto, name: str, n: int, costs: np.ndarra
     """Cut into `n` stages; re-balance with measured stage times; verify the best cut."""
     best: Candidate | None = None
     tried: set[tuple[int, ...]] = set()
+    evidence: list[tuple[int, int, float]] = []  # (first node, end node, measured seconds) of every stage cut
+    calibrated = costs
     for round_ in range(options.calibration_rounds + 1):
-        part = balanced_partition(costs, points, n, preferred=preferred)
+        part = balanced_partition(calibrated, points, n, preferred=preferred)
         if part.positions in tried:
             break
         tried.add(part.positions)
@@ -208,26 +210,29 @@ def _build_candidate(model: onnx.ModelProto, name: str, n: int, costs: np.ndarra
             best = cand
         if cand.balance <= options.balance_goal:
             break
-        costs = _calibrated(costs, part, seconds)
+        bounds = [0, *part.positions, len(costs)]
+        evidence += [(a, b, t) for (a, b), t in zip(zip(bounds, bounds[1:]), seconds)]
+        calibrated = _calibrated(costs, evidence)
     assert best is not None
     say(f"verifying the {n}-stage cut against the original")
     best.verify_error = verify_stages(model, best.dir, best.manifest, lengths, options.atol)
     return best
 
 
-def _calibrated(costs: np.ndarray, part: Partition, measured: list[float]) -> np.ndarray:
-    """Scale each stage's node costs so they add up to the stage's measured time.
+def _calibrated(costs: np.ndarray, evidence: list[tuple[int, int, float]]) -> np.ndarray:
+    """Profiled node costs corrected by every stage measured so far.
 
-    Measurements are noisy and a full correction can make the cuts move back and forth between
-    rounds; every round is measured and the best cut is kept, so that costs little."""
-    bounds = [0, *part.positions, len(costs)]
-    scaled = costs.copy()
-    for (a, b), seconds, estimate in zip(zip(bounds, bounds[1:]), measured, part.stage_costs):
-        if estimate > 0:
-            scaled[a:b] *= seconds / estimate
-        else:
-            scaled[a:b] = seconds / max(b - a, 1)
-    return scaled
+    Each node's cost is scaled by the geometric mean of measured / estimated over the measured
+    stages that contain it: rounds that cut differently refine each other, instead of the last
+    measurement undoing the one before (profiles are taken without the fusions the engines do)."""
+    log_ratio = np.zeros(len(costs))
+    seen = np.zeros(len(costs))
+    for a, b, seconds in evidence:
+        estimate = float(costs[a:b].sum())
+        if estimate > 0 and seconds > 0:
+            log_ratio[a:b] += np.log(seconds / estimate)
+            seen[a:b] += 1
+    return costs * np.exp(log_ratio / np.maximum(seen, 1))
 
 
 def _diversity_points(costs_at: dict[Setting, np.ndarray], settings: list[Setting], points: list[CutPoint]) -> set[int]:
