@@ -202,7 +202,24 @@ class TritonServer:
                 code = process.wait()
         elif process is not None:
             code = process.returncode
+        self._kill_orphaned_stubs()
         return code
+
+    def _kill_orphaned_stubs(self) -> None:
+        """Backend stubs outlive a server that was killed hard (and ignore SIGTERM): kill ours."""
+        marker = str(self._work / "backends").encode()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[0].endswith(b"triton_python_backend_stub") and any(marker in a for a in argv):
+                try:
+                    os.kill(int(entry), signal.SIGKILL)
+                except OSError:
+                    pass
 
     def log_tail(self, lines: int = 40) -> str:
         try:
