@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -62,6 +62,21 @@ def _link(source: Path, link: Path) -> None:
     if link.is_symlink() or link.exists():
         link.unlink()
     link.symlink_to(source)
+
+
+def stub_processes(match: Callable[[list[bytes]], bool]) -> list[int]:
+    """Pids of Python-backend stub processes whose command line (argv as bytes) `match` accepts."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"triton_python_backend_stub") and match(argv):
+            pids.append(int(entry))
+    return pids
 
 
 def free_port() -> int:
@@ -208,18 +223,11 @@ class TritonServer:
     def _kill_orphaned_stubs(self) -> None:
         """Backend stubs outlive a server that was killed hard (and ignore SIGTERM): kill ours."""
         marker = str(self._work / "backends").encode()
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
+        for pid in stub_processes(lambda argv: any(marker in a for a in argv)):
             try:
-                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+                os.kill(pid, signal.SIGKILL)
             except OSError:
-                continue
-            if argv[0].endswith(b"triton_python_backend_stub") and any(marker in a for a in argv):
-                try:
-                    os.kill(int(entry), signal.SIGKILL)
-                except OSError:
-                    pass
+                pass
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from perf.load import jsonable
+
 __all__ = ["DEFAULT_FRACTIONS", "DEFAULT_POLICIES", "SYSTEMS", "figure14", "main", "ratios", "report_markdown",
            "write_report"]
 
@@ -305,20 +307,12 @@ def write_report(results: Mapping[str, Any], out_dir: Path) -> dict[str, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "results.json", "markdown": out_dir / "report.md"}
-    paths["json"].write_text(json.dumps(results, indent=2, allow_nan=False, default=_jsonable) + "\n")
+    paths["json"].write_text(json.dumps(results, indent=2, allow_nan=False, default=jsonable) + "\n")
     paths["markdown"].write_text(report_markdown(results) + "\n")
     png = _plot(results, out_dir / "fig14.png")
     if png is not None:
         paths["png"] = png
     return paths
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
 def _plot(results: Mapping[str, Any], path: Path) -> Path | None:

@@ -252,7 +252,7 @@ class LoadResult:
         return out
 
     def to_json(self, records: bool = True, latency_target: float | None = None, indent: int | None = None) -> str:
-        return json.dumps(self.to_dict(records, latency_target), indent=indent, allow_nan=False, default=_jsonable)
+        return json.dumps(self.to_dict(records, latency_target), indent=indent, allow_nan=False, default=jsonable)
 
     def save(self, path: str | Path, latency_target: float | None = None) -> Path:
         path = Path(path)
@@ -266,7 +266,8 @@ class LoadResult:
                    [QueryRecord(**r) for r in data.get("records", [])], data.get("params", {}))
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """`json.dumps` default: numpy scalars and arrays as plain numbers and lists."""
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):

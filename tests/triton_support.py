@@ -2,7 +2,6 @@
 one-query calls over HTTP and gRPC, sync and async."""
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from dvabatch_backend.manifest import Manifest
-from dvabatch_backend.serve import TritonServer, infer_inputs
+from dvabatch_backend.serve import TritonServer, infer_inputs, stub_processes
 from slicer.profiler import int_bounds, random_inputs
 from slicer.slice_model import SliceOptions, slice_model
 from slicer.triton_files import add_model_variant
@@ -133,14 +132,4 @@ def control_client(server: TritonServer, protocol: str):
 def stub_pids(model_dir: Path) -> list[int]:
     """Python-backend stub processes serving `model_dir` (their second argument is its model.py)."""
     prefix = str(model_dir).encode() + b"/"
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if len(argv) > 1 and argv[0].endswith(b"triton_python_backend_stub") and argv[1].startswith(prefix):
-            pids.append(int(entry))
-    return pids
+    return stub_processes(lambda argv: len(argv) > 1 and argv[1].startswith(prefix))
