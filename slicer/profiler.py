@@ -115,8 +115,9 @@ def time_stage(path: Path, inputs: Sequence[TensorSpec], setting: Setting, threa
 
 def time_stages(paths: Sequence[Path], inputs: Sequence[Sequence[TensorSpec]], setting: Setting, threads: int = 1,
                 repeats: int = 20, int_high: Mapping[str, int] | None = None, min_seconds: float = 0.1) -> list[float]:
-    """Median seconds per run of each stage, the stages timed in turns so that machine noise
-    falls on all of them alike (their balance is what these times are for)."""
+    """Seconds per run of each stage (20th percentile of its runs), the stages timed in turns so
+    that machine noise falls on all of them alike: their balance is what these times are for,
+    and interference only ever adds time, so a low percentile is the stage's own cost."""
     rng = np.random.default_rng(1)
     sessions = [ort.InferenceSession(str(p), ort_session_options(threads), providers=["CPUExecutionProvider"])
                 for p in paths]
@@ -130,7 +131,7 @@ def time_stages(paths: Sequence[Path], inputs: Sequence[Sequence[TensorSpec]], s
             t0 = time.perf_counter()
             session.run(None, feed)
             times.append(time.perf_counter() - t0)
-    return [statistics.median(times) for times in samples]
+    return [float(np.percentile(times, 20)) for times in samples]
 
 
 def time_session(session: ort.InferenceSession, feeds: dict[str, np.ndarray], repeats: int,

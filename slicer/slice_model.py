@@ -54,7 +54,7 @@ class SliceOptions:
     atol: float = 1e-4
     operator_diversity_cuts: bool = False  # move cuts to where the preferred batch size changes
     max_boundary_tensors: int = 8
-    calibration_rounds: int = 4
+    calibration_rounds: int = 6
     balance_goal: float = 1.10  # stop re-balancing once the slowest stage is within 10% of the mean
     force: bool = False  # replace an existing output directory
 
