@@ -7,6 +7,8 @@ from setuptools import find_packages, setup
 # install as root when missing)
 SERVE = ["nvidia-pytriton==0.7.0", "tritonclient[all]==2.51.0", "nvidia-cuda-runtime-cu12>=12.0,<13"]
 
+PERF = ["matplotlib>=3.7,<3.11"]
+
 setup(
     name="dvabatch",
     version="0.1.0",
@@ -34,8 +36,10 @@ setup(
             "torch==2.13.0",  # the CPU build on this machine's disk: reference for MiniLM
             "transformers>=4.40",
             *SERVE,
+            *PERF,
         ],
         "serve": SERVE,
+        "perf": [*SERVE, *PERF],  # python -m perf.experiments: its PNG plots
         "gpu": ["cuda-python>=12.0"],
     },
     entry_points={"console_scripts": ["dvabatch=dvabatch_backend.cli:main"]},

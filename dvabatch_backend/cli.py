@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     zoo = sub.add_parser("zoo", help="build a model of the zoo as ONNX")
     zoo.add_argument("name", help="model name; 'list' lists them")
     zoo.add_argument("--out", type=Path, help="the .onnx file to write")
-    zoo.add_argument("--size", default="test", help="a preset: test (small, for tests) or real (benchmarks)")
+    zoo.add_argument("--size", default="test",
+                     help="a preset: test (small, for tests), bench (what perf/ runs) or real (full size)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo":

@@ -1,243 +1,405 @@
-"""The paper's Figure 14/16 analogue: mean and p99 latency of ZeroBatch, DelayBatch and DVABatch at
-1/4, 3/5 and 9/10 of ZeroBatch's peak throughput, per zoo model, served side by side by ONE server.
+"""The paper's experiments (§8) reproduced on this machine: DVABatch side by side with the baselines
+every Triton user has (ZeroBatch, DelayBatch), each model's systems served by one tritonserver
+(`perf.bench.Bench`), every figure a ratio of runs made in one invocation.
 
-    python -m perf.experiments figure14 --models bert --size test --out perf/results/fig14 [--queries 200]
+    python -m perf.experiments EXPERIMENT [--models bert,minilm] [--size bench] [--out perf/results]
 
-Per model: build the zoo model, slice it (reused if OUT/sliced/MODEL already holds it), and register
-in OUT/repository the dvabatch variant (policy "input" for bert/minilm, "hybrid" for unet/linknet,
-"load" for resnet152/vgg19 unless overridden), ZeroBatch, and one DelayBatch candidate per delay.
-One tritonserver serves them all. The delay is tuned (`perf.baselines.tune_delay`, closed loop at
-bs_max clients), and the winning candidate is DelayBatch. ZeroBatch's peak throughput is measured
-closed loop at concurrency = bs_max. Then, for each load fraction, one seeded Poisson schedule and
-one seeded list of queries (sequence lengths from the "rte" preset, clipped to the model's max
-length) go open loop to each of the three systems in turn (the order rotates per load level).
+| experiment | measures (paper figure) |
+|---|---|
+| figure14 | mean and p99 latency at 1/4, 3/5, 9/10 of ZeroBatch's peak (Figures 14 and 16); the limit: DVABatch's closed-loop peak against the padding-free compute bound |
+| figure15 | a stepping load: every query's latency, and each system's peak load under the latency target (Figure 15) |
+| figure18 | split only: DVABatch, DVABatch-split (the operator policy alone) and DelayBatch (Figure 18) |
+| figure19 | 1 to 4 buffer pairs at 9/10 of ZeroBatch's peak (Figure 19) |
+| figure20 | 1 to 4 stages: closed-loop peak throughput and its mean latency (Figure 20) |
+| figure21 | closed loop at concurrency 1, no batch window: DVABatch's overhead over ZeroBatch (Figure 21) |
+| all | all of them, one after another |
 
-`figure14(...)` returns the results dict; `write_report(results, out_dir)` writes results.json and
-report.md (and fig14.png when matplotlib is installed).
+Each writes OUT/EXPERIMENT/results.json, report.md (ratios against both baselines) and a PNG plot.
+Open-loop runs send the same seeded Poisson schedule and the same seeded queries (lengths from the
+GLUE-like preset `perf.bench.LENGTH_PRESET`) to every system, the order rotating per load level.
+The default size is the zoo's "bench" preset, chosen so that each experiment takes minutes here.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from perf.bench import LENGTH_PRESET, Bench, System
 from perf.load import jsonable
 
-__all__ = ["DEFAULT_FRACTIONS", "DEFAULT_POLICIES", "SYSTEMS", "figure14", "main", "ratios", "report_markdown",
-           "write_report"]
+__all__ = ["DEFAULT_FRACTIONS", "DEFAULT_MODELS", "DEFAULT_POLICIES", "EXPERIMENTS", "DVA", "SYSTEMS",
+           "ExperimentSettings", "compute_bound", "figure14", "figure15", "figure18", "figure19", "figure20",
+           "figure21", "main", "ratios", "report_markdown", "write_report"]
 
-SYSTEMS = ("zerobatch", "delaybatch", "dvabatch")
-LABELS = {"zerobatch": "ZeroBatch", "delaybatch": "DelayBatch", "dvabatch": "DVABatch"}
+ZERO, DELAY, DVA = "ZeroBatch", "DelayBatch", "DVABatch"
+SYSTEMS = (ZERO, DELAY, DVA)
 DEFAULT_FRACTIONS = (0.25, 0.6, 0.9)
 DEFAULT_POLICIES = {"bert": "input", "minilm": "input", "unet": "hybrid", "linknet": "hybrid",
                     "resnet152": "load", "vgg19": "load"}
-DEFAULT_DELAYS_US = (0, 1000, 2000, 5000)
-LENGTH_PRESET = "rte"
+DEFAULT_MODELS = {"figure14": tuple(DEFAULT_POLICIES), "figure15": ("bert", "minilm"),
+                  "figure18": ("unet", "linknet"), "figure19": ("minilm", "resnet152"),
+                  "figure20": ("minilm", "resnet152"), "figure21": tuple(DEFAULT_POLICIES)}
+
+
+@dataclass(frozen=True)
+class ExperimentSettings:
+    size: str = "bench"
+    queries: int = 200  # per open-loop run
+    peak_seconds: float = 5.0  # closed-loop peak measurements
+    fractions: tuple[float, ...] = DEFAULT_FRACTIONS
+    delays_us: tuple[int, ...] = (0, 1000, 2000, 5000)  # DelayBatch candidates
+    tune_seconds: float = 2.0
+    latency_target: float = 0.5  # seconds: goodput, and the stepping load's peak (p99 within it)
+    seed: int = 0
+    timeout: float = 60.0
+    threads: int = 1  # per dvabatch stage
+    baseline_threads: int | None = None  # None: every core
+    policies: Mapping[str, str] = field(default_factory=dict)  # overrides of DEFAULT_POLICIES
+    policy_params: Mapping[str, Mapping[str, object]] = field(default_factory=dict)  # per model
+    steps: int = 8  # stepping load: rate steps
+    step_queries: int = 60  # stepping load: queries per step
+    progress: bool = False
+
+    def policy(self, model: str) -> str:
+        policies = {**DEFAULT_POLICIES, **self.policies}
+        if model not in policies:
+            raise ValueError(f"no policy for model {model!r}: give one with --policy {model}=POLICY")
+        return policies[model]
+
+    def dva_settings(self, model: str, **overrides: Any) -> dict[str, Any]:
+        settings: dict[str, Any] = {"policy": self.policy(model), "num_buffer_pairs": 2}
+        params = dict(self.policy_params.get(model, {}))
+        if params:
+            settings["policy_params"] = params
+        return {**settings, **overrides}
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["latency_target_ms"] = out.pop("latency_target") * 1e3
+        out["length_preset"] = LENGTH_PRESET
+        out.pop("progress")
+        return out
 
 
 # ----------------------------------------------------------------------------------------------
-# models
+# shared steps
 
 
-def slice_options(zoo_name: str, size: str) -> Any:
-    """SliceOptions sized for the zoo preset: small and quick for "test", fuller for "real"."""
-    from slicer.slice_model import SliceOptions
-    from slicer.zoo import entry
-
-    max_length = entry(zoo_name).max_length.get(size, 0)
-    if size == "test":
-        return SliceOptions(stages=3, max_batch_size=8, max_length=max_length or 128, repeats=3,
-                            batch_sizes=(1, 2, 4, 8), lengths=(max_length,) if max_length else None,
-                            calibration_rounds=1)
-    return SliceOptions(stages=None, max_batch_size=32, max_length=max_length or 128, repeats=5,
-                        calibration_rounds=2)
+def _bench(model: str, out_dir: Path, systems: Sequence[System], settings: ExperimentSettings, bar: Any) -> Bench:
+    return Bench(model, settings.size, out_dir, systems, threads=settings.threads,
+                 baseline_threads=settings.baseline_threads, delays_us=settings.delays_us,
+                 tune_seconds=settings.tune_seconds, seed=settings.seed, timeout=settings.timeout,
+                 progress=lambda text: bar.set_description(text[:60]))
 
 
-def _sliced(zoo_name: str, size: str, out_dir: Path, say: Callable[[str], None]) -> tuple[Path, Any, dict, bool]:
-    """(version dir, manifest, int bounds, reused?): slices into OUT/sliced/SIZE/MODEL unless it is there."""
-    from dvabatch_backend.manifest import Manifest
-    from slicer.profiler import int_bounds
-    from slicer.slice_model import slice_model
-    from slicer.zoo import build
-
-    model = build(zoo_name, size)
-    target = out_dir / "sliced" / size / zoo_name
-    version_dir = target / "1"
-    if (version_dir / "manifest.json").is_file() and (version_dir / "model.onnx").is_file():
-        return version_dir, Manifest.load(version_dir / "manifest.json"), int_bounds(model), True
-    if target.exists():
-        shutil.rmtree(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    report = slice_model(model, target, slice_options(zoo_name, size), progress=say)
-    return report.out_dir / "1", report.manifest, int_bounds(model), False
+def _entry(bench: Bench, **extra: Any) -> dict[str, Any]:
+    entry: dict[str, Any] = {**bench.info, "names": dict(bench.names), "systems": {
+        label: {"kind": s.kind, "settings": dict(s.settings), "stages": s.stages} for label, s in bench.systems.items()}}
+    if bench.delay_tuning is not None:
+        entry["delay_tuning"] = bench.delay_tuning
+    entry.update(extra)
+    return entry
 
 
-def _query_maker(manifest: Any, int_high: Mapping[str, int]) -> Callable[[np.random.Generator, int], dict]:
-    """query(rng, length) -> one query's arrays without the batch dim (as tests' ServedModel.query)."""
-    from slicer.profiler import random_inputs
-
-    def query(rng: np.random.Generator, length: int) -> dict[str, np.ndarray]:
-        feeds = random_inputs(manifest.inputs, 1, length, rng, dict(int_high))
-        for name, arr in feeds.items():
-            if "mask" in name:
-                arr[:] = 1
-        return {k: np.ascontiguousarray(v[0]) for k, v in feeds.items()}
-
-    return query
+def _peak(bench: Bench, settings: ExperimentSettings, label: str = ZERO) -> dict[str, Any]:
+    run = bench.closed_loop(label, bench.bs_max, settings.peak_seconds)
+    if run.errors() or not run.throughput() > 0:
+        raise RuntimeError(f"{label}: peak measurement failed: {len(run.errors())} errors, {run.throughput()} qps")
+    return {"system": label, "throughput_qps": run.throughput(), "concurrency": bench.bs_max,
+            "summary": run.summary(settings.latency_target)}
 
 
-def _queries(manifest: Any, int_high: Mapping[str, int], n: int, seed: int) -> tuple[list[dict], list[int] | None]:
-    from perf.lengths import sample_lengths
-
-    rng = np.random.default_rng(seed)
-    make = _query_maker(manifest, int_high)
-    if manifest.has_seq:
-        lengths = [int(x) for x in sample_lengths(LENGTH_PRESET, n, manifest.max_length, rng)]
-        return [make(rng, length) for length in lengths], lengths
-    return [make(rng, 0) for _ in range(n)], None
+def _summary(run: Any, settings: ExperimentSettings) -> dict[str, Any]:
+    summary = run.summary(settings.latency_target)
+    summary["sent"] = len(run.records)
+    summary["error_messages"] = sorted({str(r.error) for r in run.errors()})[:5]
+    return summary
 
 
-# ----------------------------------------------------------------------------------------------
-# the experiment
+def _loads(bench: Bench, labels: Sequence[str], peak_qps: float, fractions: Sequence[float],
+           settings: ExperimentSettings, bar: Any, subject: str = DVA) -> list[dict[str, Any]]:
+    """Open loop at each fraction of `peak_qps`: one seeded Poisson schedule and one seeded list of
+    queries per level, sent to each system in turn (the order rotating per level)."""
+    from perf.load import poisson
 
-
-def figure14(models: Sequence[str], size: str, policy_by_model: Mapping[str, str] | None, out_dir: Path,
-             queries_per_load: int = 200, seconds_for_peak: float = 5.0, *,
-             fractions: Sequence[float] = DEFAULT_FRACTIONS, delays_us: Sequence[int] = DEFAULT_DELAYS_US,
-             tune_seconds: float = 2.0, latency_target: float = 0.2, seed: int = 0, timeout: float = 60.0,
-             threads: int = 1, num_buffer_pairs: int = 2, policy_params: Mapping[str, Mapping[str, object]] | None = None,
-             progress: bool = False) -> dict[str, Any]:
-    """Run the Figure 14/16 analogue for each zoo model; returns the results dict (JSON-ready).
-
-    `latency_target` is in seconds (goodput counts answers within it); `policy_params` per model
-    go to the dvabatch variant's config. Every model gets its own repository and server (one
-    server for the three systems of a model)."""
-    from perf.baselines import delay_candidates, tune_delay, zero_batch
-    from perf.lengths import sample_lengths
-    from perf.load import poisson, run_closed_loop, run_open_loop
-    from slicer.triton_files import add_model_variant
-    from dvabatch_backend.serve import TritonServer
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    policies = {**DEFAULT_POLICIES, **(policy_by_model or {})}
-    for name in models:
-        if name not in policies:
-            raise ValueError(f"no policy for model {name!r}: give one in policy_by_model")
-    if not fractions or any(not 0 < f for f in fractions):
-        raise ValueError(f"load fractions must be > 0, got {list(fractions)}")
-    steps_per_model = 3 + len(fractions) * len(SYSTEMS)
-    bar = _bar(len(models) * steps_per_model, progress)
-    results: dict[str, Any] = {
-        "experiment": "figure14", "size": size, "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "params": {"queries_per_load": queries_per_load, "seconds_for_peak": seconds_for_peak,
-                   "fractions": list(fractions), "delays_us": [int(d) for d in delays_us],
-                   "tune_seconds": tune_seconds, "latency_target_ms": latency_target * 1e3, "seed": seed,
-                   "timeout_s": timeout, "threads": threads, "length_preset": LENGTH_PRESET},
-        "models": {},
-    }
-    try:
-        for zoo_name in models:
-            bar.set_description(f"{zoo_name}: slicing")
-            version_dir, manifest, int_high, reused = _sliced(zoo_name, size, out_dir, lambda m: bar.set_postfix_str(m[:40]))
+    levels = []
+    for k, fraction in enumerate(fractions):
+        rate = fraction * peak_qps
+        offsets = poisson(rate, settings.queries, rng=settings.seed + 100 + k)
+        queries, lengths = bench.queries(settings.queries, settings.seed + 200 + k)
+        order = [labels[(k + j) % len(labels)] for j in range(len(labels))]
+        level: dict[str, Any] = {"fraction": fraction, "rate_qps": rate, "order": order,
+                                 "length_mean": float(np.mean(lengths)) if lengths else None, "systems": {}}
+        for label in order:
+            bar.set_description(f"{bench.zoo_name}: {fraction:g} x peak, {label}")
+            run = bench.open_loop(label, queries, offsets, lengths, fraction=fraction)
+            level["systems"][label] = _summary(run, settings)
             bar.update(1)
-            repo = out_dir / "repository" / zoo_name
-            if repo.exists():
-                shutil.rmtree(repo)
-            repo.mkdir(parents=True)
-            bs_max = manifest.max_batch_size
-            names = {"dvabatch": f"{zoo_name}_dvabatch", "zerobatch": f"{zoo_name}_zerobatch"}
-            settings: dict[str, Any] = {"policy": policies[zoo_name], "num_buffer_pairs": num_buffer_pairs,
-                                        "threads_per_stage": threads}
-            if policy_params and policy_params.get(zoo_name):
-                settings["policy_params"] = dict(policy_params[zoo_name])
-            add_model_variant(repo, version_dir, names["dvabatch"], **settings)
-            zero_batch(repo, version_dir, names["zerobatch"], threads=threads, bs_max=bs_max)
-            candidates = delay_candidates(repo, version_dir, delays_us, prefix=zoo_name, threads=threads, bs_max=bs_max)
-            entry: dict[str, Any] = {"policy": policies[zoo_name], "bs_max": bs_max,
-                                     "max_length": manifest.max_length if manifest.has_seq else None,
-                                     "stages": len(manifest.stages), "sliced_dir": str(version_dir),
-                                     "slice_reused": reused, "repository": str(repo)}
-            with TritonServer(repo) as server:
-                for model_name in [*names.values(), *candidates.values()]:
-                    server.wait_model_ready(model_name, timeout=180)
-                url = server.grpc_url
+        level["systems"] = {label: level["systems"][label] for label in labels}
+        level["ratios"] = ratios(level["systems"], subject)
+        levels.append(level)
+    return levels
 
-                # DelayBatch: the candidate delay of peak closed-loop throughput
-                bar.set_description(f"{zoo_name}: tuning delay")
-                make = _query_maker(manifest, int_high)
-                def tune_query(rng: np.random.Generator) -> dict[str, np.ndarray]:
-                    length = 0
-                    if manifest.has_seq:
-                        length = int(sample_lengths(LENGTH_PRESET, 1, manifest.max_length, rng)[0])
-                    return {k: v[None] for k, v in make(rng, length).items()}
 
-                best, qps = tune_delay(url, candidates, tune_query, concurrency=bs_max, seconds=tune_seconds)
-                names["delaybatch"] = candidates[best]
-                entry["delay_tuning"] = {"best_delay_us": best, "qps_by_delay_us": {str(d): q for d, q in qps.items()},
-                                         "concurrency": bs_max, "seconds": tune_seconds}
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in label.lower()).strip("_")
+
+
+def ratios(systems: Mapping[str, Mapping[str, Any]], subject: str = DVA) -> dict[str, float | None]:
+    """The subject's latency over each other system's (mean and p99): below 1 means the subject is
+    faster. Keys: SUBJECT_vs_OTHER_STAT, slugged (dvabatch_vs_zerobatch_mean)."""
+    out: dict[str, float | None] = {}
+    mine = systems.get(subject, {})
+    for other, theirs in systems.items():
+        if other == subject:
+            continue
+        for stat in ("mean", "p99"):
+            a, b = mine.get(f"latency_{stat}_ms"), theirs.get(f"latency_{stat}_ms")
+            out[f"{_slug(subject)}_vs_{_slug(other)}_{stat}"] = a / b if a is not None and b else None
+    return out
+
+
+def compute_bound(version_dir: Path, manifest: Any, queries: Sequence[dict], lengths: Sequence[int] | None,
+                  bs_max: int, threads: int, repeats: int = 2) -> dict[str, Any]:
+    """The padding-free compute bound: the unsliced model on the queries pre-sorted by length, in full
+    batches of bs_max (each padded to its own longest, which sorting makes nearly equal), on one
+    onnxruntime session with `threads` threads; queries per second of the fastest of `repeats` passes."""
+    import onnxruntime as ort
+
+    from dvabatch_backend.engine import ort_session_options
+
+    session = ort.InferenceSession(str(Path(version_dir) / (manifest.full_model or "model.onnx")),
+                                   ort_session_options(threads))
+    order = np.argsort(lengths, kind="stable") if lengths else np.arange(len(queries))
+    batches = []
+    for start in range(0, len(order), bs_max):
+        group = [queries[i] for i in order[start:start + bs_max]]
+        longest = max((len(next(iter(q.values()))) for q in group), default=0) if lengths else 0
+        batches.append({name: np.stack([_pad(q[name], longest) if lengths else q[name] for q in group])
+                        for name in group[0]})
+    session.run(None, batches[-1])  # warm
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for feeds in batches:
+            session.run(None, feeds)
+        best = min(best, time.perf_counter() - t0)
+    return {"qps": len(queries) / best, "queries": len(queries), "batch": bs_max, "threads": threads,
+            "seconds": best}
+
+
+def _pad(array: np.ndarray, length: int) -> np.ndarray:
+    """Zero-pad the sequence axis (axis 0 of a query without its batch dim) to `length`."""
+    if array.ndim == 0 or array.shape[0] >= length:
+        return array
+    return np.pad(array, [(0, length - array.shape[0])] + [(0, 0)] * (array.ndim - 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# the experiments
+
+
+def figure14(models: Sequence[str], out_dir: Path, settings: ExperimentSettings) -> dict[str, Any]:
+    """Figures 14/16: latency at fractions of ZeroBatch's peak, and the limit (DVABatch's closed-loop
+    peak at 2 x bs_max clients over the padding-free compute bound)."""
+    results = _results("figure14", settings)
+    bar = _bar(len(models) * (3 + len(settings.fractions) * len(SYSTEMS)), settings.progress)
+    try:
+        for model in models:
+            systems = [System(ZERO, "zerobatch"), System(DELAY, "delaybatch"),
+                       System(DVA, "dvabatch", settings.dva_settings(model))]
+            with _bench(model, out_dir, systems, settings, bar) as bench:
                 bar.update(1)
-
-                # ZeroBatch's peak: closed loop at bs_max clients
-                bar.set_description(f"{zoo_name}: ZeroBatch peak")
-                pool, _ = _queries(manifest, int_high, max(4 * bs_max, 32), seed + 1)
-                for system in SYSTEMS:  # warm every system up before anything is measured
-                    warm = run_closed_loop(url, names[system], pool, concurrency=bs_max, n=2 * bs_max, timeout=timeout)
-                    if warm.errors():
-                        raise RuntimeError(f"{names[system]}: warm-up failed: {warm.errors()[0].error}")
-                peak = run_closed_loop(url, names["zerobatch"], pool, concurrency=bs_max, duration=seconds_for_peak,
-                                       timeout=timeout)
-                peak_qps = peak.throughput()
-                if peak.errors() or not peak_qps > 0:
-                    raise RuntimeError(f"ZeroBatch peak measurement failed: {len(peak.errors())} errors, {peak_qps} qps")
-                entry["peak"] = {"throughput_qps": peak_qps, "concurrency": bs_max,
-                                 "summary": peak.summary(latency_target)}
+                peak = _peak(bench, settings)
                 bar.update(1)
-
-                # open loop at each load fraction, the same offsets and queries for every system
-                entry["loads"] = []
-                for k, fraction in enumerate(fractions):
-                    rate = fraction * peak_qps
-                    offsets = poisson(rate, queries_per_load, rng=seed + 100 + k)
-                    queries, lengths = _queries(manifest, int_high, queries_per_load, seed + 200 + k)
-                    order = [SYSTEMS[(k + j) % len(SYSTEMS)] for j in range(len(SYSTEMS))]
-                    level: dict[str, Any] = {"fraction": fraction, "rate_qps": rate, "order": order,
-                                             "length_mean": float(np.mean(lengths)) if lengths else None,
-                                             "systems": {}}
-                    for system in order:
-                        bar.set_description(f"{zoo_name}: {fraction:g} x peak, {LABELS[system]}")
-                        run = run_open_loop(url, names[system], queries, offsets, timeout=timeout,
-                                            lengths=lengths, params={"fraction": fraction, "system": system})
-                        summary = run.summary(latency_target)
-                        summary["sent"] = len(run.records)
-                        summary["error_messages"] = sorted({str(r.error) for r in run.errors()})[:5]
-                        level["systems"][system] = summary
-                        bar.update(1)
-                    level["ratios"] = ratios(level["systems"])
-                    entry["loads"].append(level)
-            entry["names"] = names
-            results["models"][zoo_name] = entry
+                loads = _loads(bench, SYSTEMS, peak["throughput_qps"], settings.fractions, settings, bar)
+                bar.set_description(f"{model}: the limit")
+                limit = _limit(bench, settings)
+                bar.update(1)
+                results["models"][model] = _entry(bench, policy=settings.policy(model), peak=peak, loads=loads,
+                                                  limit=limit)
     finally:
         bar.close()
     return results
 
 
-def ratios(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
-    """DVABatch's latency over each baseline's (mean and p99): below 1 means DVABatch is faster."""
-    out: dict[str, float | None] = {}
-    dva = systems.get("dvabatch", {})
-    for base in ("zerobatch", "delaybatch"):
-        for stat in ("mean", "p99"):
-            mine, theirs = dva.get(f"latency_{stat}_ms"), systems.get(base, {}).get(f"latency_{stat}_ms")
-            out[f"dvabatch_vs_{base}_{stat}"] = mine / theirs if mine is not None and theirs else None
-    return out
+def _limit(bench: Bench, settings: ExperimentSettings) -> dict[str, Any]:
+    queries, lengths = bench.queries(max(8 * bench.bs_max, 64), settings.seed + 300)
+    version_dir, manifest, _ = bench.slices[None]
+    bound = compute_bound(version_dir, manifest, queries, lengths, bench.bs_max, bench.baseline_threads)
+    run = bench.closed_loop(DVA, 2 * bench.bs_max, settings.peak_seconds, pool=queries)
+    return {"compute_bound": bound, "dvabatch_peak_qps": run.throughput(), "concurrency": 2 * bench.bs_max,
+            "errors": len(run.errors()), "ratio": run.throughput() / bound["qps"]}
+
+
+def figure15(models: Sequence[str], out_dir: Path, settings: ExperimentSettings) -> dict[str, Any]:
+    """Figure 15: the same stepping load (Poisson, the rate raised every `step_queries` queries from
+    1/4 of ZeroBatch's peak to 1.5x it) to each system; the peak load is the highest step whose p99
+    stays within the latency target."""
+    from perf.load import peak_load, step_summaries, stepping, stepping_rates
+
+    results = _results("figure15", settings)
+    bar = _bar(len(models) * (2 + len(SYSTEMS)), settings.progress)
+    try:
+        for model in models:
+            systems = [System(ZERO, "zerobatch"), System(DELAY, "delaybatch"),
+                       System(DVA, "dvabatch", settings.dva_settings(model))]
+            with _bench(model, out_dir, systems, settings, bar) as bench:
+                bar.update(1)
+                peak = _peak(bench, settings)
+                bar.update(1)
+                start = 0.25 * peak["throughput_qps"]
+                step = (1.5 * peak["throughput_qps"] - start) / max(settings.steps - 1, 1)
+                n = settings.steps * settings.step_queries
+                rates = stepping_rates(start, step, settings.step_queries, n)
+                offsets = stepping(start, step, settings.step_queries, n, rng=settings.seed + 400)
+                queries, lengths = bench.queries(n, settings.seed + 500)
+                by_system: dict[str, Any] = {}
+                for label in SYSTEMS:
+                    bar.set_description(f"{model}: stepping load, {label}")
+                    run = bench.open_loop(label, queries, offsets, lengths, load="stepping")
+                    records = sorted(run.records, key=lambda r: r.id)
+                    by_system[label] = {
+                        "peak_load_qps": peak_load(run, rates, settings.latency_target),
+                        "steps": step_summaries(run, rates, settings.latency_target),
+                        "summary": _summary(run, settings),
+                        "latency_ms": [None if r.latency is None else r.latency * 1e3 for r in records]}
+                    bar.update(1)
+                peaks = {label: s["peak_load_qps"] for label, s in by_system.items()}
+                results["models"][model] = _entry(
+                    bench, policy=settings.policy(model), peak=peak, rates_qps=[float(r) for r in rates],
+                    step_queries=settings.step_queries, stepping=by_system,
+                    peak_ratios={f"dvabatch_vs_{_slug(b)}": (peaks[DVA] / peaks[b] if peaks[DVA] and peaks[b] else None)
+                                 for b in (ZERO, DELAY)})
+    finally:
+        bar.close()
+    return results
+
+
+def figure18(models: Sequence[str], out_dir: Path, settings: ExperimentSettings) -> dict[str, Any]:
+    """Figure 18: DVABatch (its policy), DVABatch-split (only `split`: the operator policy) and
+    DelayBatch, at fractions of ZeroBatch's peak."""
+    split = "DVABatch-split"
+    labels = (DELAY, split, DVA)
+    results = _results("figure18", settings)
+    bar = _bar(len(models) * (2 + len(settings.fractions) * len(labels)), settings.progress)
+    try:
+        for model in models:
+            systems = [System(ZERO, "zerobatch"), System(DELAY, "delaybatch"),
+                       System(split, "dvabatch", settings.dva_settings(model, policy="operator")),
+                       System(DVA, "dvabatch", settings.dva_settings(model))]
+            with _bench(model, out_dir, systems, settings, bar) as bench:
+                bar.update(1)
+                peak = _peak(bench, settings)
+                bar.update(1)
+                loads = _loads(bench, labels, peak["throughput_qps"], settings.fractions, settings, bar)
+                results["models"][model] = _entry(bench, policy=settings.policy(model), peak=peak, loads=loads)
+    finally:
+        bar.close()
+    return results
+
+
+def figure19(models: Sequence[str], out_dir: Path, settings: ExperimentSettings, pairs: Sequence[int] = (1, 2, 3, 4),
+             fraction: float = 0.9) -> dict[str, Any]:
+    """Figure 19: DVABatch with 1 to 4 buffer pairs at `fraction` of ZeroBatch's peak."""
+    labels = tuple(f"{p} pair{'s' if p > 1 else ''}" for p in pairs)
+    results = _results("figure19", settings)
+    bar = _bar(len(models) * (2 + len(labels)), settings.progress)
+    try:
+        for model in models:
+            systems = [System(ZERO, "zerobatch")] + [
+                System(label, "dvabatch", settings.dva_settings(model, num_buffer_pairs=p)) for label, p in zip(labels, pairs)]
+            with _bench(model, out_dir, systems, settings, bar) as bench:
+                bar.update(1)
+                peak = _peak(bench, settings)
+                bar.update(1)
+                loads = _loads(bench, labels, peak["throughput_qps"], (fraction,), settings, bar, subject=labels[1])
+                results["models"][model] = _entry(bench, policy=settings.policy(model), peak=peak, loads=loads)
+    finally:
+        bar.close()
+    return results
+
+
+def figure20(models: Sequence[str], out_dir: Path, settings: ExperimentSettings,
+             stages: Sequence[int] = (1, 2, 3, 4)) -> dict[str, Any]:
+    """Figure 20: the model sliced into 1 to 4 stages; each one's closed-loop peak throughput (2 x
+    bs_max clients) and the mean latency of that run, beside ZeroBatch's."""
+    labels = tuple(f"{n} stage{'s' if n > 1 else ''}" for n in stages)
+    results = _results("figure20", settings)
+    bar = _bar(len(models) * (1 + len(labels) + 1), settings.progress)
+    try:
+        for model in models:
+            systems = [System(ZERO, "zerobatch")] + [
+                System(label, "dvabatch", settings.dva_settings(model), stages=n) for label, n in zip(labels, stages)]
+            with _bench(model, out_dir, systems, settings, bar) as bench:
+                bar.update(1)
+                pool = bench.pool(max(8 * bench.bs_max, 64), seed_offset=600)
+                peaks: dict[str, Any] = {}
+                for label in (ZERO, *labels):
+                    bar.set_description(f"{model}: peak of {label}")
+                    run = bench.closed_loop(label, 2 * bench.bs_max, settings.peak_seconds, pool=pool)
+                    peaks[label] = _summary(run, settings)
+                    bar.update(1)
+                results["models"][model] = _entry(bench, policy=settings.policy(model), concurrency=2 * bench.bs_max,
+                                                  peaks=peaks)
+    finally:
+        bar.close()
+    return results
+
+
+def figure21(models: Sequence[str], out_dir: Path, settings: ExperimentSettings, rounds: int = 3) -> dict[str, Any]:
+    """Figure 21: closed loop at concurrency 1, DVABatch with no batch window against ZeroBatch, in
+    `rounds` interleaved rounds of peak_seconds / rounds each; the overhead is the difference of
+    the mean latencies over all rounds."""
+    labels = (ZERO, DVA)
+    results = _results("figure21", settings)
+    bar = _bar(len(models) * (1 + rounds * len(labels)), settings.progress)
+    try:
+        for model in models:
+            dva = settings.dva_settings(model)
+            if dva["policy"] == "input":
+                dva["policy_params"] = {**dva.get("policy_params", {}), "window": 0}
+            systems = [System(ZERO, "zerobatch"), System(DVA, "dvabatch", dva)]
+            with _bench(model, out_dir, systems, settings, bar) as bench:
+                bar.update(1)
+                pool = bench.pool(64, seed_offset=700)
+                latencies: dict[str, list[float]] = {label: [] for label in labels}
+                errors = {label: 0 for label in labels}
+                for k in range(rounds):
+                    for label in (labels if k % 2 == 0 else labels[::-1]):
+                        bar.set_description(f"{model}: concurrency 1, {label}")
+                        run = bench.closed_loop(label, 1, settings.peak_seconds / rounds, pool=pool)
+                        latencies[label] += [float(x) * 1e3 for x in run.latencies()]
+                        errors[label] += len(run.errors())
+                        bar.update(1)
+                stats = {label: {"queries": len(v), "errors": errors[label], "latency_mean_ms": float(np.mean(v)),
+                                 "latency_p50_ms": float(np.percentile(v, 50)),
+                                 "latency_p99_ms": float(np.percentile(v, 99))} for label, v in latencies.items()}
+                results["models"][model] = _entry(
+                    bench, policy=dva["policy"], rounds=rounds, closed_loop=stats,
+                    overhead_ms=stats[DVA]["latency_mean_ms"] - stats[ZERO]["latency_mean_ms"],
+                    ratio=stats[DVA]["latency_mean_ms"] / stats[ZERO]["latency_mean_ms"])
+    finally:
+        bar.close()
+    return results
+
+
+EXPERIMENTS: dict[str, Callable[..., dict[str, Any]]] = {
+    "figure14": figure14, "figure15": figure15, "figure18": figure18, "figure19": figure19,
+    "figure20": figure20, "figure21": figure21}
+
+
+def _results(name: str, settings: ExperimentSettings) -> dict[str, Any]:
+    return {"experiment": name, "size": settings.size, "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "params": settings.to_json(), "models": {}}
 
 
 class _NoBar:
@@ -268,82 +430,119 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 
 def report_markdown(results: Mapping[str, Any]) -> str:
+    """The experiment's tables: figures per system, and DVABatch's ratios against the others."""
     params = results.get("params", {})
-    lines = [f"# Figure 14/16 analogue (size {results.get('size')})", "",
-             f"Open-loop Poisson, {params.get('queries_per_load')} queries per run, the same schedule and queries "
-             f"for every system; lengths: {params.get('length_preset')} preset; goodput within "
-             f"{_fmt(params.get('latency_target_ms'), 0)} ms. Ratios are DVABatch's latency over the "
-             "baseline's (< 1: DVABatch is faster).", ""]
+    name = results.get("experiment", "")
+    lines = [f"# {name} (size {results.get('size')})", "",
+             f"Lengths: {params.get('length_preset')} preset; latency target {_fmt(params.get('latency_target_ms'), 0)} ms; "
+             f"{params.get('queries')} queries per open-loop run; dvabatch {params.get('threads')} thread(s) per stage, "
+             "baselines as noted per model. Ratios are DVABatch's latency over the other system's "
+             "(< 1: DVABatch is faster).", ""]
     for model, entry in results.get("models", {}).items():
-        tuning = entry.get("delay_tuning", {})
-        lines += [f"## {model}", "",
-                  f"policy `{entry.get('policy')}`, {entry.get('stages')} stages, bs_max {entry.get('bs_max')}, "
-                  f"ZeroBatch peak {_fmt(entry.get('peak', {}).get('throughput_qps'))} qps, "
-                  f"DelayBatch delay {tuning.get('best_delay_us')} µs (tuned over "
-                  f"{', '.join(tuning.get('qps_by_delay_us', {}))} µs)", "",
-                  "| load | rate qps | system | mean ms | p50 ms | p99 ms | throughput qps | goodput qps | answered/sent "
-                  "| DVA/this mean | DVA/this p99 |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for level in entry.get("loads", []):
-            r = level.get("ratios", {})
-            for system in SYSTEMS:
-                s = level["systems"].get(system)
-                if s is None:
-                    continue
-                mean_ratio = r.get(f"dvabatch_vs_{system}_mean") if system != "dvabatch" else None
-                p99_ratio = r.get(f"dvabatch_vs_{system}_p99") if system != "dvabatch" else None
-                lines.append(
-                    f"| {level['fraction']:g}×peak | {_fmt(level['rate_qps'])} | {LABELS[system]} "
-                    f"| {_fmt(s.get('latency_mean_ms'), 2)} | {_fmt(s.get('latency_p50_ms'), 2)} "
-                    f"| {_fmt(s.get('latency_p99_ms'), 2)} | {_fmt(s.get('throughput_qps'))} "
-                    f"| {_fmt(s.get('goodput_qps'))} | {s.get('answered')}/{s.get('sent')} "
-                    f"| {_fmt(mean_ratio, 2)} | {_fmt(p99_ratio, 2)} |")
+        lines += [f"## {model}", "", _model_line(entry), ""]
+        lines += _MODEL_TABLES.get(name, _loads_table)(entry)
         lines.append("")
     return "\n".join(lines)
 
 
+def _model_line(entry: Mapping[str, Any]) -> str:
+    tuning = entry.get("delay_tuning") or {}
+    parts = [f"policy `{entry.get('policy')}`", f"{entry.get('stages')} stages", f"bs_max {entry.get('bs_max')}",
+             f"baselines {entry.get('baseline_threads')} thread(s)"]
+    if entry.get("peak"):
+        parts.append(f"ZeroBatch peak {_fmt(entry['peak'].get('throughput_qps'))} qps")
+    if tuning:
+        parts.append(f"DelayBatch delay {tuning.get('best_delay_us')} µs (tuned over "
+                     f"{', '.join(tuning.get('qps_by_delay_us', {}))} µs)")
+    return ", ".join(parts)
+
+
+def _loads_table(entry: Mapping[str, Any]) -> list[str]:
+    loads = entry.get("loads", [])
+    if not loads:
+        return []
+    subject = DVA if DVA in loads[0]["systems"] else list(loads[0]["systems"])[min(1, len(loads[0]["systems"]) - 1)]
+    lines = ["| load | rate qps | system | mean ms | p50 ms | p99 ms | throughput qps | goodput qps | answered/sent "
+             f"| {subject}/this mean | {subject}/this p99 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for level in loads:
+        r = level.get("ratios", {})
+        for system, s in level["systems"].items():
+            mean_ratio = r.get(f"{_slug(subject)}_vs_{_slug(system)}_mean")
+            p99_ratio = r.get(f"{_slug(subject)}_vs_{_slug(system)}_p99")
+            lines.append(
+                f"| {level['fraction']:g}×peak | {_fmt(level['rate_qps'])} | {system} "
+                f"| {_fmt(s.get('latency_mean_ms'), 2)} | {_fmt(s.get('latency_p50_ms'), 2)} "
+                f"| {_fmt(s.get('latency_p99_ms'), 2)} | {_fmt(s.get('throughput_qps'))} "
+                f"| {_fmt(s.get('goodput_qps'))} | {s.get('answered')}/{s.get('sent')} "
+                f"| {_fmt(mean_ratio, 2)} | {_fmt(p99_ratio, 2)} |")
+    return lines
+
+
+def _figure14_tables(entry: Mapping[str, Any]) -> list[str]:
+    lines = _loads_table(entry)
+    limit = entry.get("limit")
+    if limit:
+        bound = limit["compute_bound"]
+        lines += ["", f"Limit: DVABatch closed-loop peak {_fmt(limit['dvabatch_peak_qps'])} qps at "
+                      f"{limit['concurrency']} clients; padding-free compute bound {_fmt(bound['qps'])} qps "
+                      f"(unsliced, sorted full batches of {bound['batch']}, {bound['threads']} thread(s)); "
+                      f"ratio {_fmt(limit['ratio'], 2)}."]
+    return lines
+
+
+def _figure15_tables(entry: Mapping[str, Any]) -> list[str]:
+    lines = ["| system | peak load under target (qps) | mean ms | p99 ms | answered/sent |", "|---|---|---|---|---|"]
+    for label, s in entry.get("stepping", {}).items():
+        summary = s["summary"]
+        lines.append(f"| {label} | {_fmt(s['peak_load_qps'])} | {_fmt(summary.get('latency_mean_ms'), 2)} "
+                     f"| {_fmt(summary.get('latency_p99_ms'), 2)} | {summary.get('answered')}/{summary.get('sent')} |")
+    ratios_ = entry.get("peak_ratios", {})
+    lines += ["", "DVABatch's peak load over " + ", ".join(f"{k.split('_vs_')[1]}: {_fmt(v, 2)}" for k, v in ratios_.items())]
+    rows = ["", "| rate qps | " + " | ".join(f"{label} p99 ms" for label in entry.get("stepping", {})) + " |",
+            "|---|" + "---|" * len(entry.get("stepping", {}))]
+    steps = {label: s["steps"] for label, s in entry.get("stepping", {}).items()}
+    for i, step in enumerate(next(iter(steps.values()), [])):
+        rows.append(f"| {_fmt(step['rate_qps'])} | " + " | ".join(_fmt(v[i].get("latency_p99_ms"), 1) for v in steps.values()) + " |")
+    return lines + rows
+
+
+def _figure20_tables(entry: Mapping[str, Any]) -> list[str]:
+    lines = [f"Closed loop at {entry.get('concurrency')} clients.", "",
+             "| system | peak qps | mean ms | p99 ms | answered/sent |", "|---|---|---|---|---|"]
+    for label, s in entry.get("peaks", {}).items():
+        lines.append(f"| {label} | {_fmt(s.get('throughput_qps'))} | {_fmt(s.get('latency_mean_ms'), 2)} "
+                     f"| {_fmt(s.get('latency_p99_ms'), 2)} | {s.get('answered')}/{s.get('sent')} |")
+    return lines
+
+
+def _figure21_tables(entry: Mapping[str, Any]) -> list[str]:
+    lines = ["| system | queries | mean ms | p50 ms | p99 ms |", "|---|---|---|---|---|"]
+    for label, s in entry.get("closed_loop", {}).items():
+        lines.append(f"| {label} | {s['queries']} | {_fmt(s['latency_mean_ms'], 3)} | {_fmt(s['latency_p50_ms'], 3)} "
+                     f"| {_fmt(s['latency_p99_ms'], 3)} |")
+    lines += ["", f"Overhead: DVABatch mean − ZeroBatch mean = {_fmt(entry.get('overhead_ms'), 3)} ms "
+                  f"(ratio {_fmt(entry.get('ratio'), 2)})."]
+    return lines
+
+
+_MODEL_TABLES: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
+    "figure14": _figure14_tables, "figure15": _figure15_tables, "figure20": _figure20_tables,
+    "figure21": _figure21_tables}
+
+
 def write_report(results: Mapping[str, Any], out_dir: Path) -> dict[str, Path]:
-    """OUT/results.json and OUT/report.md (and OUT/fig14.png when matplotlib is installed)."""
+    """OUT/results.json, OUT/report.md and OUT/EXPERIMENT.png."""
+    from perf.plots import plot
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "results.json", "markdown": out_dir / "report.md"}
     paths["json"].write_text(json.dumps(results, indent=2, allow_nan=False, default=jsonable) + "\n")
     paths["markdown"].write_text(report_markdown(results) + "\n")
-    png = _plot(results, out_dir / "fig14.png")
+    png = plot(results, out_dir / f"{results['experiment']}.png")
     if png is not None:
         paths["png"] = png
     return paths
-
-
-def _plot(results: Mapping[str, Any], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:  # noqa: BLE001 - matplotlib is optional
-        return None
-    models = list(results.get("models", {}))
-    if not models:
-        return None
-    fig, axes = plt.subplots(2, len(models), figsize=(4 * len(models), 6), squeeze=False)
-    for col, model in enumerate(models):
-        loads = results["models"][model]["loads"]
-        x = np.arange(len(loads))
-        for row, stat in enumerate(("mean", "p99")):
-            ax = axes[row][col]
-            for j, system in enumerate(SYSTEMS):
-                values = [lv["systems"][system].get(f"latency_{stat}_ms") or 0.0 for lv in loads]
-                ax.bar(x + (j - 1) * 0.27, values, 0.27, label=LABELS[system])
-            ax.set_xticks(x, [f"{lv['fraction']:g}" for lv in loads])
-            ax.set_title(f"{model}: {stat} latency")
-            ax.set_ylabel("ms")
-            ax.set_xlabel("fraction of ZeroBatch peak")
-    axes[0][0].legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 # ----------------------------------------------------------------------------------------------
@@ -361,39 +560,65 @@ def _policies(text: str | None) -> dict[str, str]:
     return out
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.experiments", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="experiment", required=True)
-    p = sub.add_parser("figure14", help="latency at 1/4, 3/5, 9/10 of ZeroBatch's peak (Figure 14/16)")
-    p.add_argument("--models", default="bert", help="comma-separated zoo models")
-    p.add_argument("--size", default="test")
-    p.add_argument("--out", type=Path, default=Path("perf/results/fig14"))
-    p.add_argument("--queries", type=int, default=200, help="queries per open-loop run")
-    p.add_argument("--peak-seconds", type=float, default=5.0, help="closed-loop seconds for ZeroBatch's peak")
-    p.add_argument("--tune-seconds", type=float, default=2.0, help="closed-loop seconds per delay candidate")
-    p.add_argument("--delays", default=",".join(map(str, DEFAULT_DELAYS_US)), help="DelayBatch candidates, µs")
-    p.add_argument("--fractions", default=",".join(map(str, DEFAULT_FRACTIONS)))
-    p.add_argument("--policy", type=_policies, default={}, help="overrides, MODEL=POLICY[,MODEL=POLICY]")
-    p.add_argument("--latency-target-ms", type=float, default=200.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--no-progress", action="store_true")
+    parser.add_argument("experiment", choices=[*EXPERIMENTS, "all"])
+    parser.add_argument("--models", help="comma-separated zoo models (default: the experiment's)")
+    parser.add_argument("--size", default="bench", help="zoo preset (default bench)")
+    parser.add_argument("--out", type=Path, default=Path("perf/results"), help="results go to OUT/EXPERIMENT/")
+    parser.add_argument("--queries", type=int, default=200, help="queries per open-loop run")
+    parser.add_argument("--peak-seconds", type=float, default=5.0, help="seconds of each closed-loop measurement")
+    parser.add_argument("--tune-seconds", type=float, default=2.0, help="closed-loop seconds per delay candidate")
+    parser.add_argument("--delays", default="0,1000,2000,5000", help="DelayBatch candidates, µs")
+    parser.add_argument("--fractions", type=_floats, default=DEFAULT_FRACTIONS, help="loads, fractions of ZeroBatch's peak")
+    parser.add_argument("--policy", type=_policies, default={}, help="overrides, MODEL=POLICY[,MODEL=POLICY]")
+    parser.add_argument("--latency-target-ms", type=float, default=500.0)
+    parser.add_argument("--steps", type=int, default=8, help="stepping load: rate steps")
+    parser.add_argument("--step-queries", type=int, default=60, help="stepping load: queries per step")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="onnxruntime threads per dvabatch stage")
+    parser.add_argument("--baseline-threads", type=int, default=None, help="onnxruntime threads of the baselines "
+                        "(default: every core)")
+    parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    results = figure14([m.strip() for m in args.models.split(",") if m.strip()], args.size, args.policy,
-                       args.out, args.queries, args.peak_seconds,
-                       fractions=[float(f) for f in args.fractions.split(",") if f.strip()],
-                       delays_us=[int(d) for d in args.delays.split(",") if d.strip()],
-                       tune_seconds=args.tune_seconds, latency_target=args.latency_target_ms / 1e3, seed=args.seed,
-                       threads=args.threads, progress=not args.no_progress)
-    paths = write_report(results, args.out)
-    print(report_markdown(results))
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
-    bad = [(m, lv["fraction"], s) for m, e in results["models"].items() for lv in e["loads"]
-           for s, summary in lv["systems"].items() if summary["errors"]]
-    if bad:
-        print(f"runs with errors: {bad}", file=sys.stderr)
+    settings = ExperimentSettings(
+        size=args.size, queries=args.queries, peak_seconds=args.peak_seconds, fractions=tuple(args.fractions),
+        delays_us=tuple(int(d) for d in args.delays.split(",") if d.strip()), tune_seconds=args.tune_seconds,
+        latency_target=args.latency_target_ms / 1e3, seed=args.seed, threads=args.threads,
+        baseline_threads=args.baseline_threads, policies=args.policy, steps=args.steps,
+        step_queries=args.step_queries, progress=not args.no_progress)
+    names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
+    for model, policy in settings.policies.items():
+        if model not in DEFAULT_POLICIES:
+            parser.error(f"--policy: unknown model {model!r}; models are {sorted(DEFAULT_POLICIES)}")
+    failed = []
+    for name in names:
+        models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else list(DEFAULT_MODELS[name])
+        results = EXPERIMENTS[name](models, args.out, settings)
+        paths = write_report(results, args.out / name)
+        print(report_markdown(results))
+        print("wrote " + ", ".join(str(p) for p in paths.values()), flush=True)
+        failed += [(name, m) for m, e in results["models"].items() if _errors(e)]
+    if failed:
+        print(f"runs with errors: {failed}", file=sys.stderr)
         return 1
     return 0
+
+
+def _errors(entry: Mapping[str, Any]) -> int:
+    """Queries that got an error or no answer anywhere in a model's entry."""
+    count = 0
+    for level in entry.get("loads", []):
+        count += sum(s["errors"] for s in level["systems"].values())
+    count += sum(s["summary"]["errors"] for s in entry.get("stepping", {}).values())
+    count += sum(s["errors"] for s in entry.get("peaks", {}).values())
+    count += sum(s["errors"] for s in entry.get("closed_loop", {}).values())
+    count += (entry.get("limit") or {}).get("errors", 0)
+    return count
 
 
 if __name__ == "__main__":

