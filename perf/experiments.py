@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,9 +45,12 @@ SYSTEMS = (ZERO, DELAY, DVA)
 DEFAULT_FRACTIONS = (0.25, 0.6, 0.9)
 DEFAULT_POLICIES = {"bert": "input", "minilm": "input", "unet": "hybrid", "linknet": "hybrid",
                     "resnet152": "load", "vgg19": "load"}
+# on a CPU a batch's time grows with its size, so stage 0 at bs_max (the paper's window) outlasts a
+# whole query alone: the input policy's window is one query's stage-0 time here
+DEFAULT_POLICY_PARAMS: dict[str, dict[str, object]] = {"bert": {"window_bs": 1}, "minilm": {"window_bs": 1}}
 DEFAULT_MODELS = {"figure14": tuple(DEFAULT_POLICIES), "figure15": ("bert", "minilm"),
-                  "figure18": ("unet", "linknet"), "figure19": ("minilm", "resnet152"),
-                  "figure20": ("minilm", "resnet152"), "figure21": tuple(DEFAULT_POLICIES)}
+                  "figure18": ("unet", "linknet"), "figure19": ("minilm",),
+                  "figure20": ("resnet152",), "figure21": tuple(DEFAULT_POLICIES)}
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ class ExperimentSettings:
     latency_target: float = 0.5  # seconds: goodput, and the stepping load's peak (p99 within it)
     seed: int = 0
     timeout: float = 60.0
-    threads: int = 1  # per dvabatch stage
+    threads: int | None = None  # per dvabatch stage; None: every core (stages share them)
     baseline_threads: int | None = None  # None: every core
     policies: Mapping[str, str] = field(default_factory=dict)  # overrides of DEFAULT_POLICIES
     policy_params: Mapping[str, Mapping[str, object]] = field(default_factory=dict)  # per model
@@ -76,7 +80,7 @@ class ExperimentSettings:
 
     def dva_settings(self, model: str, **overrides: Any) -> dict[str, Any]:
         settings: dict[str, Any] = {"policy": self.policy(model), "num_buffer_pairs": 2}
-        params = dict(self.policy_params.get(model, {}))
+        params = {**DEFAULT_POLICY_PARAMS.get(model, {}), **self.policy_params.get(model, {})}
         if params:
             settings["policy_params"] = params
         return {**settings, **overrides}
@@ -94,7 +98,7 @@ class ExperimentSettings:
 
 
 def _bench(model: str, out_dir: Path, systems: Sequence[System], settings: ExperimentSettings, bar: Any) -> Bench:
-    return Bench(model, settings.size, out_dir, systems, threads=settings.threads,
+    return Bench(model, settings.size, out_dir, systems, threads=settings.threads or os.cpu_count() or 1,
                  baseline_threads=settings.baseline_threads, delays_us=settings.delays_us,
                  tune_seconds=settings.tune_seconds, seed=settings.seed, timeout=settings.timeout,
                  progress=lambda text: bar.set_description(text[:60]))
@@ -392,9 +396,10 @@ def figure21(models: Sequence[str], out_dir: Path, settings: ExperimentSettings,
     return results
 
 
+# in the order `all` runs them (figure21 first: it is quick and slices every model for the rest)
 EXPERIMENTS: dict[str, Callable[..., dict[str, Any]]] = {
-    "figure14": figure14, "figure15": figure15, "figure18": figure18, "figure19": figure19,
-    "figure20": figure20, "figure21": figure21}
+    "figure21": figure21, "figure14": figure14, "figure18": figure18, "figure15": figure15,
+    "figure19": figure19, "figure20": figure20}
 
 
 def _results(name: str, settings: ExperimentSettings) -> dict[str, Any]:
@@ -435,8 +440,7 @@ def report_markdown(results: Mapping[str, Any]) -> str:
     name = results.get("experiment", "")
     lines = [f"# {name} (size {results.get('size')})", "",
              f"Lengths: {params.get('length_preset')} preset; latency target {_fmt(params.get('latency_target_ms'), 0)} ms; "
-             f"{params.get('queries')} queries per open-loop run; dvabatch {params.get('threads')} thread(s) per stage, "
-             "baselines as noted per model. Ratios are DVABatch's latency over the other system's "
+             f"{params.get('queries')} queries per open-loop run; onnxruntime threads per model below. Ratios are DVABatch's latency over the other system's "
              "(< 1: DVABatch is faster).", ""]
     for model, entry in results.get("models", {}).items():
         lines += [f"## {model}", "", _model_line(entry), ""]
@@ -448,7 +452,7 @@ def report_markdown(results: Mapping[str, Any]) -> str:
 def _model_line(entry: Mapping[str, Any]) -> str:
     tuning = entry.get("delay_tuning") or {}
     parts = [f"policy `{entry.get('policy')}`", f"{entry.get('stages')} stages", f"bs_max {entry.get('bs_max')}",
-             f"baselines {entry.get('baseline_threads')} thread(s)"]
+             f"{entry.get('threads_per_stage')} thread(s) per stage, baselines {entry.get('baseline_threads')}"]
     if entry.get("peak"):
         parts.append(f"ZeroBatch peak {_fmt(entry['peak'].get('throughput_qps'))} qps")
     if tuning:
@@ -560,6 +564,14 @@ def _policies(text: str | None) -> dict[str, str]:
     return out
 
 
+def _policy_param(text: str) -> tuple[str, str, str]:
+    key, _, value = text.partition("=")
+    model, _, name = key.partition(".")
+    if not (model and name and value):
+        raise argparse.ArgumentTypeError(f"--param wants MODEL.KEY=VALUE, got {text!r}")
+    return model.strip(), name.strip(), value.strip()
+
+
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
@@ -576,25 +588,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--delays", default="0,1000,2000,5000", help="DelayBatch candidates, µs")
     parser.add_argument("--fractions", type=_floats, default=DEFAULT_FRACTIONS, help="loads, fractions of ZeroBatch's peak")
     parser.add_argument("--policy", type=_policies, default={}, help="overrides, MODEL=POLICY[,MODEL=POLICY]")
+    parser.add_argument("--param", action="append", default=[], type=_policy_param, metavar="MODEL.KEY=VALUE",
+                        help="a policy parameter of a model's DVABatch, e.g. minilm.window=0 (repeatable)")
     parser.add_argument("--latency-target-ms", type=float, default=500.0)
     parser.add_argument("--steps", type=int, default=8, help="stepping load: rate steps")
     parser.add_argument("--step-queries", type=int, default=60, help="stepping load: queries per step")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="onnxruntime threads per dvabatch stage")
+    parser.add_argument("--threads", type=int, default=None, help="onnxruntime threads per dvabatch stage "
+                        "(default: every core)")
     parser.add_argument("--baseline-threads", type=int, default=None, help="onnxruntime threads of the baselines "
                         "(default: every core)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    policy_params: dict[str, dict[str, object]] = {}
+    for model, key, value in args.param:
+        policy_params.setdefault(model, {})[key] = value
     settings = ExperimentSettings(
         size=args.size, queries=args.queries, peak_seconds=args.peak_seconds, fractions=tuple(args.fractions),
         delays_us=tuple(int(d) for d in args.delays.split(",") if d.strip()), tune_seconds=args.tune_seconds,
         latency_target=args.latency_target_ms / 1e3, seed=args.seed, threads=args.threads,
-        baseline_threads=args.baseline_threads, policies=args.policy, steps=args.steps,
+        baseline_threads=args.baseline_threads, policies=args.policy, policy_params=policy_params, steps=args.steps,
         step_queries=args.step_queries, progress=not args.no_progress)
     names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
-    for model, policy in settings.policies.items():
+    for model in [*settings.policies, *settings.policy_params]:
         if model not in DEFAULT_POLICIES:
-            parser.error(f"--policy: unknown model {model!r}; models are {sorted(DEFAULT_POLICIES)}")
+            parser.error(f"--policy/--param: unknown model {model!r}; models are {sorted(DEFAULT_POLICIES)}")
     failed = []
     for name in names:
         models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else list(DEFAULT_MODELS[name])

@@ -14,8 +14,10 @@ Here:
   pad_tolerance of its length (queries of length 0, models without a sequence axis, cluster
   together).
 - Window: the profiled time of stage 0 at bs_max (interpolated if bs_max lies between profiled
-  sizes; the largest profiled size's time if bs_max is beyond them); `window` (seconds) when given
-  overrides it; without either, 0 (batch at once). Queries are batched once the oldest waiting query has
+  sizes; the largest profiled size's time if bs_max is beyond them); `window_bs` names another
+  batch size to read it at (on a CPU, where a batch's time grows with its size, stage 0 at bs_max
+  takes longer than a whole query alone: `window_bs=1` keeps the window to one query's stage-0
+  time); `window` (seconds) when given overrides both; without a profile, 0 (batch at once). Queries are batched once the oldest waiting query has
   waited the window; until then only full clusters (bs_max queries) go, and the policy asks to
   be woken when the window of the oldest query left ends.
 - Order and cap: queries in flight plus queries in new batches <= bs_max. When every ready
@@ -36,13 +38,16 @@ from ._profile import StageProfile
 class InputDiversityPolicy(Policy):
     name = "input"
 
-    def __init__(self, pad_tolerance: float = 0.25, window: float | None = None) -> None:
+    def __init__(self, pad_tolerance: float = 0.25, window: float | None = None, window_bs: int | None = None) -> None:
         if pad_tolerance < 0:
             raise ValueError(f"pad_tolerance must be >= 0, got {pad_tolerance}")
         if window is not None and window < 0:
             raise ValueError(f"window must be >= 0 seconds, got {window}")
+        if window_bs is not None and window_bs < 1:
+            raise ValueError(f"window_bs must be >= 1, got {window_bs}")
         self.pad_tolerance = float(pad_tolerance)
         self._window_param = None if window is None else float(window)
+        self._window_bs = window_bs
 
     def bind(self, context: PolicyContext) -> None:
         super().bind(context)
@@ -50,7 +55,7 @@ class InputDiversityPolicy(Policy):
         self.window = self._window_param or 0.0
         if self._window_param is None and profile.available:
             largest = max(profile.profiled(0))
-            self.window = profile.time(0, min(context.bs_max, largest))
+            self.window = profile.time(0, min(self._window_bs or context.bs_max, largest))
 
     def clusters(self, waiting: Sequence[QueryInfo]) -> list[list[QueryInfo]]:
         """Waiting queries clustered by length, each sorted by length; oldest cluster first."""

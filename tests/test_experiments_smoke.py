@@ -93,7 +93,7 @@ def test_stepping_load_and_overhead_smoke(tmp_path) -> None:
 
     overhead = figure21(["bert"], tmp_path, SETTINGS, rounds=2)
     entry = overhead["models"]["bert"]
-    assert entry["systems"]["DVABatch"]["settings"]["policy_params"] == {"window": 0}
+    assert entry["systems"]["DVABatch"]["settings"]["policy_params"]["window"] == 0
     for label, stats in entry["closed_loop"].items():
         assert stats["errors"] == 0 and stats["queries"] > 10, label
     assert entry["overhead_ms"] == pytest.approx(

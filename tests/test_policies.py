@@ -170,6 +170,10 @@ def test_input_window_when_bs_max_is_not_profiled() -> None:
     plan = unprofiled.on_arrival(queries([3], arrival=5.0), Table().view, now=5.0)
     assert plan.decisions == () and plan.wake_at == pytest.approx(5.01)
     assert bound(InputDiversityPolicy()).window == 0.0  # type: ignore[attr-defined]
+    at_one = bound(InputDiversityPolicy(window_bs=1), stage_times=[{1: 1 * MS, 4: 3 * MS}] * 4)
+    assert at_one.window == pytest.approx(1 * MS)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="window_bs"):
+        InputDiversityPolicy(window_bs=0)
 
 
 def test_input_full_cluster_goes_at_once_inside_the_window() -> None:
