@@ -41,6 +41,7 @@ class BatchRow:
     status_map: list[int]  # per stage: queries completed
     pushed: list[int]  # per stage: queries handed on to the next stage (a prefix of the rows)
     no_stretch: bool = False
+    started: bool = False  # an executor has taken one of its items (a split child: its parent had)
     parent: int | None = None  # set on the children of a split
     group: int = -1  # the batch created by `new` whose buffer rows these are
 
@@ -68,6 +69,7 @@ class BatchInfo:
     no_stretch: bool
     is_split: bool
     query_ids: tuple[int, ...]
+    started: bool = False  # a stage has begun running it: before that, joining it costs no wait
 
 
 class BatchTable:
@@ -95,7 +97,7 @@ class BatchTable:
     def info(self, row: BatchRow) -> BatchInfo:
         return BatchInfo(
             row.id, row.bs, row.created, row.pad_length, tuple(row.status_map),
-            row.no_stretch, row.parent is not None, tuple(q.id for q in row.queries),
+            row.no_stretch, row.parent is not None, tuple(q.id for q in row.queries), row.started,
         )
 
     def latest(self) -> BatchRow | None:
@@ -172,7 +174,7 @@ class BatchTable:
                 id=next(self._ids), pair=parent.pair, row_start=parent.row_start + offset,
                 pad_length=parent.pad_length, created=parent.created,
                 queries=parent.queries[offset:offset + size], status_map=done, pushed=list(done),
-                no_stretch=True, parent=parent.id, group=parent.group,
+                no_stretch=True, started=True, parent=parent.id, group=parent.group,
             )
             children.append(child)
             items.append(BatchItem(child.id, 0, size))
@@ -237,6 +239,16 @@ class BatchQueue:
 
     def pop(self) -> BatchItem:
         return self._items.popleft()
+
+    def pop_coalesced(self) -> BatchItem:
+        """The head, joined with the items right behind it that continue its rows (the same batch,
+        the next rows: a stretch's catch-up rows queued before the stage took the originals), so
+        the stage runs them as one batch."""
+        item = self._items.popleft()
+        while self._items and self._items[0].batch_id == item.batch_id \
+                and self._items[0].start == item.start + item.num:
+            item = BatchItem(item.batch_id, item.start, item.num + self._items.popleft().num)
+        return item
 
     def clear(self) -> None:
         self._items.clear()

@@ -84,6 +84,8 @@ class PolicyContext:
     num_buffer_pairs: int
     # profiled seconds per stage, keyed by batch size; empty when the model has no profile
     stage_times: tuple[dict[int, float], ...] = field(default_factory=tuple)
+    # the same per profiled sequence length (models with a sequence axis): {length: per stage {bs: s}}
+    stage_times_by_length: Mapping[int, tuple[dict[int, float], ...]] = field(default_factory=dict)
     output_names: tuple[str, ...] = ()  # the model's outputs, which an early exit must answer
 
 

@@ -96,6 +96,7 @@ class Scheduler:
         policy.bind(PolicyContext(
             num_stages=self.num_stages, bs_max=bs_max, max_length=manifest.max_length,
             num_buffer_pairs=settings.num_buffer_pairs, stage_times=_stage_times(manifest),
+            stage_times_by_length=_stage_times_by_length(manifest),
             output_names=tuple(t.name for t in manifest.outputs),
         ))
 
@@ -306,9 +307,10 @@ class Scheduler:
                     ex.state = ExecutorState.ACTIVE if item is None else ExecutorState.CHECKING
                 self._notify_progress()
                 ex.wakeup.wait()
-            self._queues[stage].pop()
+            item = self._queues[stage].pop_coalesced()
             row = self._table.get(item.batch_id)
             row.pair = pair
+            row.started = True
             use = PairUse(stage, pair, row.rows(item), group=row.group)
             self._buffers.begin(use)
             ex.state = ExecutorState.WORKING
@@ -544,6 +546,17 @@ def _stage_times(manifest: Manifest) -> tuple[dict[int, float], ...]:
     if not isinstance(profile, list) or len(profile) != manifest.num_stages:
         return ()
     return tuple({int(bs): float(t) for bs, t in stage.items()} for stage in profile)
+
+
+def _stage_times_by_length(manifest: Manifest) -> dict[int, tuple[dict[int, float], ...]]:
+    by_length = manifest.extra.get("stage_times_by_length")
+    if not isinstance(by_length, dict):
+        return {}
+    out = {}
+    for length, stages in by_length.items():
+        if isinstance(stages, list) and len(stages) == manifest.num_stages:
+            out[int(length)] = tuple({int(bs): float(t) for bs, t in stage.items()} for stage in stages)
+    return out
 
 
 def _is_int(value: object) -> bool:

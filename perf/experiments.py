@@ -25,9 +25,10 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -387,8 +388,14 @@ def figure21(models: Sequence[str], out_dir: Path, settings: ExperimentSettings,
                 stats = {label: {"queries": len(v), "errors": errors[label], "latency_mean_ms": float(np.mean(v)),
                                  "latency_p50_ms": float(np.percentile(v, 50)),
                                  "latency_p99_ms": float(np.percentile(v, 99))} for label, v in latencies.items()}
+                bar.set_description(f"{model}: overhead breakdown in process")
+                breakdown = overhead_breakdown(bench, pool[:16], dva)
+                breakdown["served_dvabatch_ms"] = stats[DVA]["latency_mean_ms"]
+                breakdown["served_zerobatch_ms"] = stats[ZERO]["latency_mean_ms"]
+                breakdown["serving_path_ms"] = ((stats[DVA]["latency_mean_ms"] - stats[ZERO]["latency_mean_ms"])
+                                                - (breakdown["runtime_ms"] - breakdown["unsliced_ms"]))
                 results["models"][model] = _entry(
-                    bench, policy=dva["policy"], rounds=rounds, closed_loop=stats,
+                    bench, policy=dva["policy"], rounds=rounds, closed_loop=stats, breakdown=breakdown,
                     overhead_ms=stats[DVA]["latency_mean_ms"] - stats[ZERO]["latency_mean_ms"],
                     ratio=stats[DVA]["latency_mean_ms"] / stats[ZERO]["latency_mean_ms"])
     finally:
@@ -397,6 +404,62 @@ def figure21(models: Sequence[str], out_dir: Path, settings: ExperimentSettings,
 
 
 # in the order `all` runs them (figure21 first: it is quick and slices every model for the rest)
+def overhead_breakdown(bench: Bench, queries: Sequence[dict], dva_settings: Mapping[str, Any],
+                       repeats: int = 20) -> dict[str, float]:
+    """Where DVABatch's single-query latency goes, measured in this process one query at a time
+    (median ms over the queries x `repeats`): the unsliced model (the baselines' threads), its
+    stages run one after another (each stage's threads), and the runtime (Scheduler) with the
+    served policy; `slicing_ms` and `handoffs_ms` are the differences."""
+    import onnxruntime as ort
+
+    from dvabatch_backend.engine import ort_session_options
+    from dvabatch_backend.scheduler import RuntimeSettings, load_scheduler
+    from policies import create_policy
+
+    version_dir, manifest, _ = bench.slices[None]
+    full = ort.InferenceSession(str(version_dir / (manifest.full_model or "model.onnx")),
+                                ort_session_options(bench.baseline_threads))
+    stages = [ort.InferenceSession(str(version_dir / s.file), ort_session_options(bench.threads))
+              for s in manifest.stages]
+    params = {k: v for k, v in dict(dva_settings.get("policy_params", {})).items()}
+    scheduler = load_scheduler(version_dir, create_policy(str(dva_settings["policy"]), **params),
+                               RuntimeSettings(num_buffer_pairs=int(dva_settings.get("num_buffer_pairs", 2)),
+                                               threads_per_stage=bench.threads)).start()
+
+    def unsliced(query: dict) -> None:
+        full.run(None, {k: v[None] for k, v in query.items()})
+
+    def in_a_row(query: dict) -> None:
+        tensors = {k: v[None] for k, v in query.items()}
+        for stage in stages:
+            outputs = stage.run(None, {i.name: tensors[i.name] for i in stage.get_inputs()})
+            tensors.update({o.name: v for o, v in zip(stage.get_outputs(), outputs)})
+
+    def runtime(query: dict) -> None:
+        done = threading.Event()
+        scheduler.submit(query, lambda _answer: done.set())
+        if not done.wait(60):
+            raise RuntimeError("the runtime did not answer within 60 s")
+
+    def median_ms(run: Callable[[dict], None]) -> float:
+        times = []
+        for k in range(repeats + 2):
+            for query in queries:
+                t0 = time.perf_counter()
+                run(query)
+                if k >= 2:  # the first two rounds warm up
+                    times.append(time.perf_counter() - t0)
+        return float(np.median(times) * 1e3)
+
+    try:
+        # interleaved rounds: whatever else the machine does falls on all three alike
+        rounds = [[median_ms(f) for f in (unsliced, in_a_row, runtime)] for _ in range(3)]
+    finally:
+        scheduler.stop()
+    a, b, c = (float(np.median([r[i] for r in rounds])) for i in range(3))
+    return {"unsliced_ms": a, "stages_in_a_row_ms": b, "runtime_ms": c, "slicing_ms": b - a, "handoffs_ms": c - b}
+
+
 EXPERIMENTS: dict[str, Callable[..., dict[str, Any]]] = {
     "figure21": figure21, "figure14": figure14, "figure18": figure18, "figure15": figure15,
     "figure19": figure19, "figure20": figure20}
@@ -526,6 +589,14 @@ def _figure21_tables(entry: Mapping[str, Any]) -> list[str]:
                      f"| {_fmt(s['latency_p99_ms'], 3)} |")
     lines += ["", f"Overhead: DVABatch mean − ZeroBatch mean = {_fmt(entry.get('overhead_ms'), 3)} ms "
                   f"(ratio {_fmt(entry.get('ratio'), 2)})."]
+    b = entry.get("breakdown")
+    if b:
+        lines += ["", "Where it goes (one query at a time, medians in this process): unsliced "
+                  f"{_fmt(b['unsliced_ms'], 3)} ms; its stages one after another {_fmt(b['stages_in_a_row_ms'], 3)} ms "
+                  f"(slicing {_fmt(b['slicing_ms'], 3)} ms); through the runtime {_fmt(b['runtime_ms'], 3)} ms "
+                  f"(hand-offs {_fmt(b['handoffs_ms'], 3)} ms); the rest, {_fmt(b['serving_path_ms'], 3)} ms, is "
+                  "the serving path (answers sent from a stage thread through the response sender instead of "
+                  "returned by execute)."]
     return lines
 
 

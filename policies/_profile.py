@@ -47,3 +47,36 @@ class StageProfile:
     def remaining(self, stage: int, bs: int) -> float:
         """T_remain(bs) after `stage`: the summed times of the stages after it."""
         return sum(self.time(s, bs) for s in range(stage + 1, self.num_stages))
+
+
+class BatchCost:
+    """Profiled seconds of a whole batch (all stages) by batch size and padded length, from the
+    per-length stage profile (`PolicyContext.stage_times_by_length`).
+
+    Between two profiled lengths: linear interpolation; below the shortest: the shortest's time
+    (a short batch is not taken to be cheaper than the profile shows: fixed per-batch costs
+    dominate there); beyond the longest: proportional to the length.
+    """
+
+    def __init__(self, by_length: Mapping[int, Sequence[Mapping[int, float]]], num_stages: int) -> None:
+        self._lengths = sorted(int(n) for n in by_length)
+        self._profiles = [StageProfile(by_length[n], num_stages) for n in self._lengths]
+        self.available = bool(self._lengths) and all(p.available for p in self._profiles)
+        self.num_stages = num_stages
+
+    def _total(self, index: int, bs: int) -> float:
+        profile = self._profiles[index]
+        return sum(profile.time(s, bs) for s in range(self.num_stages))
+
+    def seconds(self, bs: int, length: int) -> float:
+        lengths = self._lengths
+        if length <= lengths[0]:
+            return self._total(0, bs)
+        if length >= lengths[-1]:
+            return self._total(len(lengths) - 1, bs) * length / lengths[-1]
+        i = bisect.bisect_left(lengths, length)
+        if lengths[i] == length:
+            return self._total(i, bs)
+        lo, hi = lengths[i - 1], lengths[i]
+        t_lo, t_hi = self._total(i - 1, bs), self._total(i, bs)
+        return t_lo + (t_hi - t_lo) * (length - lo) / (hi - lo)

@@ -12,7 +12,10 @@ Here:
   longer than (1 + pad_tolerance) x the cluster's shortest, or the cluster has bs_max queries.
   Each cluster is one `New`, padded to its longest, so no query is padded by more than
   pad_tolerance of its length (queries of length 0, models without a sequence axis, cluster
-  together).
+  together). With a per-length profile, neighbouring clusters (in length order) are then merged,
+  the most profitable first, while one merged batch is cheaper than the two apart (profiled
+  seconds over all stages, `BatchCost`) and within bs_max: on hardware where small batches are
+  inefficient (a CPU at short lengths), a little padding buys more than it costs.
 - Window: the profiled time of stage 0 at bs_max (interpolated if bs_max lies between profiled
   sizes; the largest profiled size's time if bs_max is beyond them); `window_bs` names another
   batch size to read it at (on a CPU, where a batch's time grows with its size, stage 0 at bs_max
@@ -32,7 +35,7 @@ from typing import Sequence
 
 from dvabatch_backend.decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo
 
-from ._profile import StageProfile
+from ._profile import BatchCost, StageProfile
 
 
 class InputDiversityPolicy(Policy):
@@ -52,6 +55,7 @@ class InputDiversityPolicy(Policy):
     def bind(self, context: PolicyContext) -> None:
         super().bind(context)
         profile = StageProfile(context.stage_times, context.num_stages)
+        self.cost = BatchCost(context.stage_times_by_length, context.num_stages)
         self.window = self._window_param or 0.0
         if self._window_param is None and profile.available:
             largest = max(profile.profiled(0))
@@ -66,8 +70,28 @@ class InputDiversityPolicy(Policy):
                 out[-1].append(q)
             else:
                 out.append([q])
+        if self.cost.available:
+            out = self._merge_by_cost(out)
         out.sort(key=lambda c: min((q.arrival, q.id) for q in c))
         return out
+
+    def _merge_by_cost(self, clusters: list[list[QueryInfo]]) -> list[list[QueryInfo]]:
+        """Merge neighbouring clusters (`clusters` in length order) while it saves profiled time."""
+        def cost(cluster: list[QueryInfo]) -> float:
+            return self.cost.seconds(len(cluster), max(q.length for q in cluster))
+
+        bs_max = self.context.bs_max
+        while True:
+            best, best_gain = -1, 0.0
+            for i in range(len(clusters) - 1):
+                a, b = clusters[i], clusters[i + 1]
+                if len(a) + len(b) <= bs_max:
+                    gain = cost(a) + cost(b) - cost(a + b)
+                    if gain > best_gain:
+                        best, best_gain = i, gain
+            if best < 0:
+                return clusters
+            clusters[best:best + 2] = [clusters[best] + clusters[best + 1]]
 
     def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
         bs_max = self.context.bs_max

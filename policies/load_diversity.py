@@ -9,7 +9,9 @@ Here, on arrival, the latest batch (`table.latest()`) is stretched with as many 
 as fit when it
 
 - is not marked `no_stretch` (a split is planned for it),
-- has run for less than T_comp_wait (now - created),
+- has run for less than T_comp_wait (now - created), or has not started yet: while stage 0 is
+  busy, the queries arriving join the batch that waits for it (the runtime runs a batch's
+  queued rows as one item), which is what makes batches grow with the load,
 - has room: its size stays <= bs_max,
 - is padded at least to the joining queries' lengths (shorter ones join; longer ones do not).
 
@@ -50,8 +52,12 @@ class LoadDiversityPolicy(Policy):
             self.t_comp_wait = DEFAULT_T_COMP_WAIT
 
     def can_stretch(self, batch: BatchInfo, now: float) -> bool:
-        """Whether `batch` may take more queries at all (room and lengths are checked apart)."""
-        return not batch.no_stretch and now - batch.created < self.t_comp_wait
+        """Whether `batch` may take more queries at all (room and lengths are checked apart): a
+        batch no stage has begun yet always may (it waits for stage 0 anyway; the queries joining
+        it run with it as one batch), a running one within T_comp_wait of its creation."""
+        if batch.no_stretch:
+            return False
+        return not batch.started or now - batch.created < self.t_comp_wait
 
     def new_batch(self, query_ids: tuple[int, ...]) -> New:
         """The `New` for queries that do not join the latest batch."""

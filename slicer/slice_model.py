@@ -300,6 +300,8 @@ def measure_pipeline(folder: Path, manifest: Manifest, length: int, threads: int
 def _final_manifest(chosen: Candidate, profile: dict[str, Any], ref: Setting, options: SliceOptions) -> Manifest:
     doc = chosen.manifest.to_json()
     doc["stage_times"] = stage_times_at(profile, ref.length)
+    if chosen.manifest.has_seq:
+        doc["stage_times_by_length"] = {str(n): stage_times_at(profile, n) for n in profile["lengths"]}
     doc["slicing"] = {
         "reference": {"batch": ref.batch, "length": ref.length},
         "stage_seconds": chosen.stage_seconds,

@@ -41,8 +41,11 @@ NO_SPLIT = {1: 1 * MS, 2: 1.1 * MS, 4: 1.3 * MS, 8: 1.7 * MS}
 # -- helpers ------------------------------------------------------------------------------
 
 def context(num_stages: int = 4, bs_max: int = 8, max_length: int = 12,
-            stage_times: Sequence[Mapping[int, float]] = ()) -> PolicyContext:
-    return PolicyContext(num_stages, bs_max, max_length, 2, tuple(dict(s) for s in stage_times))
+            stage_times: Sequence[Mapping[int, float]] = (),
+            stage_times_by_length: Mapping[int, Sequence[Mapping[int, float]]] | None = None) -> PolicyContext:
+    by_length = {n: tuple(dict(s) for s in stages) for n, stages in (stage_times_by_length or {}).items()}
+    return PolicyContext(num_stages, bs_max, max_length, 2, tuple(dict(s) for s in stage_times),
+                         stage_times_by_length=by_length)
 
 
 def bound(policy: Policy, **ctx: object) -> Policy:
@@ -62,10 +65,12 @@ class Table:
         self.view = BatchTableView(self.table)
         self._qids = itertools.count(10_000)
 
-    def new(self, bs: int, pad: int = 12, created: float = 0.0, no_stretch: bool = False, exited: int = 0) -> int:
+    def new(self, bs: int, pad: int = 12, created: float = 0.0, no_stretch: bool = False, exited: int = 0,
+            started: bool = True) -> int:
         qs = [Query(next(self._qids), {}, pad, created, lambda a: None) for _ in range(bs)]
         item = self.table.new(qs, pad, pair=0, now=created, no_stretch=no_stretch)
         self.table.get(item.batch_id).status_map[-1] = exited
+        self.table.get(item.batch_id).started = started
         return item.batch_id
 
 
@@ -315,6 +320,16 @@ def test_load_no_stretch_after_t_comp_wait_or_when_marked() -> None:
     assert not stretches(plan) and covered(plan) == [100]
 
 
+def test_load_stretches_a_batch_no_stage_has_begun_whatever_its_age() -> None:
+    policy = bound(LoadDiversityPolicy(t_comp_wait=0.01))
+    waiting = Table()
+    bid = waiting.new(2, created=1.0, started=False)  # queued behind a busy stage 0
+    assert stretches(policy.on_arrival(queries([3]), waiting.view, now=5.0)) == [Stretch(bid, (100,))]
+    marked = Table()
+    marked.new(2, created=1.0, no_stretch=True, started=False)
+    assert not stretches(policy.on_arrival(queries([3]), marked.view, now=1.0))
+
+
 def test_load_without_a_batch_starts_new_ones() -> None:
     policy = bound(LoadDiversityPolicy())
     plan = policy.on_arrival(queries([3] * 9), Table().view, now=0.0)
@@ -485,9 +500,41 @@ def test_load_policy_stretches_a_batch_in_flight(zoo) -> None:
     assert scheduler.stats.new == 1  # every later query joined the first batch
 
 
+def test_load_policy_grows_the_batch_that_waits_for_a_busy_stage_0(zoo) -> None:
+    # T_comp_wait 0: a started batch never takes more; the queries arriving one by one while stage 0
+    # runs the first batch join the second, queued one, which stage 0 then runs as ONE item
+    model = zoo.stages("token", 4)
+    scheduler = run_queries(model, LoadDiversityPolicy(t_comp_wait=0.0), [[12], [7], [5], [6], [4], [2]],
+                            delay=0.2, gap=lambda r: 0.01)
+    assert scheduler.stats.new == 2 and scheduler.stats.stretch == 4
+    assert scheduler.stats.stages[0].batches == 2 and scheduler.stats.stages[0].rows == 6
+    assert [e.detail for e in scheduler.trace if e.kind == "stretch"]
+
+
 def test_hybrid_policy_stretches_then_splits(zoo) -> None:
     model = with_profile(zoo.stages("token", 4), [SPLITS] * 4)
     scheduler = run_queries(model, HybridPolicy(t_comp_wait=1.0), [[12, 3], [4, 5, 6, 7]], delay=0.01)
     assert scheduler.stats.stretch == 1 and scheduler.stats.new == 1
     assert scheduler.stats.split > 0  # the stretched batch of 6 splits into 3 + 3
     assert [e.detail.split(" ->")[0] for e in scheduler.trace if e.kind == "split"] == ["into [3, 3]"]
+
+
+def test_input_merges_neighbouring_clusters_while_the_profile_says_it_saves_time() -> None:
+    # a CPU-like profile: a batch costs 2 ms + 0.1 ms per (query x 16 tokens), in each of 2 stages
+    def stage(length: int) -> dict[int, float]:
+        return {bs: (2 + 0.1 * bs * length / 16) * MS for bs in (1, 2, 4, 8)}
+
+    by_length = {n: (stage(n), stage(n)) for n in (16, 64, 128)}
+    policy = bound(InputDiversityPolicy(pad_tolerance=0.0, window=0), num_stages=2, stage_times_by_length=by_length)
+    assert policy.cost.available  # type: ignore[attr-defined]
+    assert policy.cost.seconds(2, 40) == pytest.approx(2 * (2 + 0.1 * 2 * 40 / 16) * MS)  # type: ignore[attr-defined]
+    # short queries: padding 10 -> 14 costs far less than a second batch's 2 ms; 120 stays alone
+    # (joining it would pad four short queries to 120 tokens: 4 x 0.1 x 106/16 ms > 2 ms per stage)
+    plan = policy.on_arrival(queries([10, 12, 14, 11, 120]), Table(num_stages=2).view, now=0.0)
+    groups = sorted(sorted(d.query_ids) for d in news(plan))
+    assert groups == [[100, 101, 102, 103], [104]]
+    assert {d.pad_length for d in news(plan)} == {14, 120}
+    # without a per-length profile, the length tolerance alone decides
+    plain = bound(InputDiversityPolicy(pad_tolerance=0.0, window=0), num_stages=2)
+    assert not plain.cost.available  # type: ignore[attr-defined]
+    assert len(news(plain.on_arrival(queries([10, 12, 14, 11, 120]), Table(num_stages=2).view, now=0.0))) == 5
