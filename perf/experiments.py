@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -47,8 +46,9 @@ DEFAULT_FRACTIONS = (0.25, 0.6, 0.9)
 DEFAULT_POLICIES = {"bert": "input", "minilm": "input", "unet": "hybrid", "linknet": "hybrid",
                     "resnet152": "load", "vgg19": "load"}
 # on a CPU a batch's time grows with its size, so stage 0 at bs_max (the paper's window) outlasts a
-# whole query alone: the input policy's window is one query's stage-0 time here
-DEFAULT_POLICY_PARAMS: dict[str, dict[str, object]] = {"bert": {"window_bs": 1}, "minilm": {"window_bs": 1}}
+# whole query alone; measured here, any window costs more at low load than it buys at high load
+# (the in-flight cap makes queries wait, and cluster, once the pipeline is full): no window
+DEFAULT_POLICY_PARAMS: dict[str, dict[str, object]] = {"bert": {"window": 0}, "minilm": {"window": 0}}
 DEFAULT_MODELS = {"figure14": tuple(DEFAULT_POLICIES), "figure15": ("bert", "minilm"),
                   "figure18": ("unet", "linknet"), "figure19": ("minilm",),
                   "figure20": ("resnet152",), "figure21": tuple(DEFAULT_POLICIES)}
@@ -65,7 +65,7 @@ class ExperimentSettings:
     latency_target: float = 0.5  # seconds: goodput, and the stepping load's peak (p99 within it)
     seed: int = 0
     timeout: float = 60.0
-    threads: int | None = None  # per dvabatch stage; None: every core (stages share them)
+    threads: int = 1  # per dvabatch stage: the stages share the cores (more oversubscribes them)
     baseline_threads: int | None = None  # None: every core
     policies: Mapping[str, str] = field(default_factory=dict)  # overrides of DEFAULT_POLICIES
     policy_params: Mapping[str, Mapping[str, object]] = field(default_factory=dict)  # per model
@@ -99,7 +99,7 @@ class ExperimentSettings:
 
 
 def _bench(model: str, out_dir: Path, systems: Sequence[System], settings: ExperimentSettings, bar: Any) -> Bench:
-    return Bench(model, settings.size, out_dir, systems, threads=settings.threads or os.cpu_count() or 1,
+    return Bench(model, settings.size, out_dir, systems, threads=settings.threads,
                  baseline_threads=settings.baseline_threads, delays_us=settings.delays_us,
                  tune_seconds=settings.tune_seconds, seed=settings.seed, timeout=settings.timeout,
                  progress=lambda text: bar.set_description(text[:60]))
@@ -665,8 +665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="stepping load: rate steps")
     parser.add_argument("--step-queries", type=int, default=60, help="stepping load: queries per step")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="onnxruntime threads per dvabatch stage "
-                        "(default: every core)")
+    parser.add_argument("--threads", type=int, default=1, help="onnxruntime threads per dvabatch stage")
     parser.add_argument("--baseline-threads", type=int, default=None, help="onnxruntime threads of the baselines "
                         "(default: every core)")
     parser.add_argument("--no-progress", action="store_true")

@@ -31,15 +31,19 @@ from dvabatch_backend.triton_model import TritonPythonModel  # noqa: E402,F401
 '''
 
 
-def _tensor(spec: TensorSpec) -> str:
+def _tensor(spec: TensorSpec, ragged: bool = False) -> str:
     dims = ", ".join("-1" if d == SEQ else str(d) for d in spec.dims[1:])
-    return f'  {{ name: "{spec.name}" data_type: {TRITON_DTYPES[spec.dtype]} dims: [ {dims} ] }}'
+    flag = " allow_ragged_batch: true" if ragged else ""
+    return f'  {{ name: "{spec.name}" data_type: {TRITON_DTYPES[spec.dtype]} dims: [ {dims} ]{flag} }}'
 
 
 def config_pbtxt(manifest: Manifest, policy: str = "pipelined", num_buffer_pairs: int = 2,
                  threads_per_stage: int = 1, name: str | None = None,
                  policy_params: Mapping[str, object] | None = None) -> str:
-    """Requests reach `execute` as they arrive (no Triton batching): dvabatch forms the batches."""
+    """dvabatch forms the batches. Triton's dynamic batcher, with no queue delay and ragged inputs,
+    only hands `execute` every request that queued while the last call ran, each request its own
+    object with its own shapes: one call per request would cap admission at one stub round trip
+    per request."""
     parameters = {
         "manifest": "manifest.json", "policy": policy,
         "num_buffer_pairs": str(num_buffer_pairs), "threads_per_stage": str(threads_per_stage),
@@ -49,8 +53,9 @@ def config_pbtxt(manifest: Manifest, policy: str = "pipelined", num_buffer_pairs
         f'name: "{name or manifest.name}"',
         'backend: "python"',
         f"max_batch_size: {manifest.max_batch_size}",
-        "input [\n" + ",\n".join(_tensor(t) for t in manifest.inputs) + "\n]",
+        "input [\n" + ",\n".join(_tensor(t, ragged=True) for t in manifest.inputs) + "\n]",
         "output [\n" + ",\n".join(_tensor(t) for t in manifest.outputs) + "\n]",
+        "dynamic_batching { max_queue_delay_microseconds: 0 }",
         "instance_group [ { kind: KIND_CPU count: 1 } ]",
     ]
     lines += [f'parameters: {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in parameters.items()]
