@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -363,8 +364,11 @@ def figure20(models: Sequence[str], out_dir: Path, settings: ExperimentSettings,
 def figure21(models: Sequence[str], out_dir: Path, settings: ExperimentSettings, rounds: int = 3) -> dict[str, Any]:
     """Figure 21: closed loop at concurrency 1, DVABatch with no batch window against ZeroBatch, in
     `rounds` interleaved rounds of peak_seconds / rounds each; the overhead is the difference of
-    the mean latencies over all rounds."""
+    the mean latencies over all rounds. Every stage runs with the baselines' threads here, so the
+    figure is the cost of slicing, the runtime and the serving path, not of fewer threads."""
     labels = (ZERO, DVA)
+    cores = settings.baseline_threads or os.cpu_count() or 1
+    settings = replace(settings, threads=cores, baseline_threads=cores)
     results = _results("figure21", settings)
     bar = _bar(len(models) * (1 + rounds * len(labels)), settings.progress)
     try:
