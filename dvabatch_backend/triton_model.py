@@ -4,7 +4,9 @@ It translates requests into queries and answers into responses, nothing more. `e
 hands every request to the scheduler and returns None at once (Triton then sends the next
 requests while earlier batches are in flight); each request is answered through its response
 sender when all of its rows have left the pipeline. A request of shape [k, ...] is k queries
-that share one response.
+that share one response. Responses are built and sent by one responder thread, not by the
+stage executor whose batch finished: a send is a round trip to the server process, and the
+last stage would otherwise stand idle through one per query of its batch.
 
 Settings come from `config.pbtxt` parameters, each checked at load with the bad value named:
   manifest (default manifest.json), policy (default pipelined), num_buffer_pairs (2),
@@ -14,6 +16,7 @@ Only this module imports `triton_python_backend_utils`; the runtime does not.
 from __future__ import annotations
 
 import json
+import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,14 +71,47 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path) -> AdapterSetti
     return AdapterSettings(manifest, params.get("policy", "pipelined"), policy_params, runtime)
 
 
-class _RequestAnswer:
-    """Collects the answers of one request's rows and sends one response when all are in."""
+RESPONDER_THREADS = 2
 
-    def __init__(self, sender: Any, rows: int, output_names: list[str]) -> None:
+
+class _Responder:
+    """Threads that send the responses handed to them; `close` sends what is queued, then joins
+    the threads. Several, because a send waits for the server process to take the response, and
+    responses to different requests need no order."""
+
+    def __init__(self, threads: int = RESPONDER_THREADS) -> None:
+        self._queue: queue.SimpleQueue[_RequestAnswer | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._loop, name=f"dvabatch-responder-{i}", daemon=True)
+                         for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, answer: "_RequestAnswer") -> None:
+        self._queue.put(answer)
+
+    def _loop(self) -> None:
+        while (answer := self._queue.get()) is not None:
+            try:
+                answer.send()
+            except Exception as exc:  # noqa: BLE001 - one failed send (a client gone) must not stop the others
+                pb_utils.Logger.log_error(f"dvabatch: sending a response failed: {exc}")
+
+    def close(self, timeout: float = 30.0) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout)
+
+
+class _RequestAnswer:
+    """Collects the answers of one request's rows; when all are in, hands itself to the responder."""
+
+    def __init__(self, sender: Any, rows: int, output_names: list[str], responder: _Responder) -> None:
         self._sender = sender
         self._answers: list[Answer | None] = [None] * rows
         self._missing = rows
         self._names = output_names
+        self._responder = responder
         self._lock = threading.Lock()
 
     def reply_for(self, row: int) -> Any:
@@ -85,11 +121,11 @@ class _RequestAnswer:
                 self._missing -= 1
                 if self._missing:
                     return
-            self._send()
+            self._responder.submit(self)
 
         return reply
 
-    def _send(self) -> None:
+    def send(self) -> None:
         errors = [a.error for a in self._answers if a is not None and a.error is not None]
         if errors:
             response = pb_utils.InferenceResponse(error=pb_utils.TritonError(_describe(errors)))
@@ -122,6 +158,7 @@ class TritonPythonModel:
             settings.manifest.parent, policy, settings.runtime, manifest_file=settings.manifest.name
         ).start()
         self._output_names = [t.name for t in manifest.outputs]
+        self._responder = _Responder()
         self._metrics = StageMetrics(self._scheduler, args["model_name"])
         pb_utils.Logger.log_info(
             f"dvabatch: {manifest.name} with {manifest.num_stages} stages, policy {settings.policy}, "
@@ -137,7 +174,7 @@ class TritonPythonModel:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            answer = _RequestAnswer(sender, len(rows), self._output_names)
+            answer = _RequestAnswer(sender, len(rows), self._output_names, self._responder)
             self._scheduler.submit_many([(row, answer.reply_for(i)) for i, row in enumerate(rows)])
         return None
 
@@ -157,5 +194,6 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         """Answer what is in flight ("shutting down") and join every thread the model started."""
-        self._scheduler.stop()
+        self._scheduler.stop()  # its last answers go to the responder, which sends them before it ends
+        self._responder.close()
         self._metrics.close()

@@ -115,6 +115,11 @@ def _entry(bench: Bench, **extra: Any) -> dict[str, Any]:
     return entry
 
 
+def _side_by_side(model: str, settings: ExperimentSettings) -> list[System]:
+    """ZeroBatch, DelayBatch and DVABatch with the model's policy."""
+    return [System(ZERO, "zerobatch"), System(DELAY, "delaybatch"), System(DVA, "dvabatch", settings.dva_settings(model))]
+
+
 def _peak(bench: Bench, settings: ExperimentSettings, label: str = ZERO) -> dict[str, Any]:
     run = bench.closed_loop(label, bench.bs_max, settings.peak_seconds)
     if run.errors() or not run.throughput() > 0:
@@ -220,8 +225,7 @@ def figure14(models: Sequence[str], out_dir: Path, settings: ExperimentSettings)
     bar = _bar(len(models) * (3 + len(settings.fractions) * len(SYSTEMS)), settings.progress)
     try:
         for model in models:
-            systems = [System(ZERO, "zerobatch"), System(DELAY, "delaybatch"),
-                       System(DVA, "dvabatch", settings.dva_settings(model))]
+            systems = _side_by_side(model, settings)
             with _bench(model, out_dir, systems, settings, bar) as bench:
                 bar.update(1)
                 peak = _peak(bench, settings)
@@ -256,8 +260,7 @@ def figure15(models: Sequence[str], out_dir: Path, settings: ExperimentSettings)
     bar = _bar(len(models) * (2 + len(SYSTEMS)), settings.progress)
     try:
         for model in models:
-            systems = [System(ZERO, "zerobatch"), System(DELAY, "delaybatch"),
-                       System(DVA, "dvabatch", settings.dva_settings(model))]
+            systems = _side_by_side(model, settings)
             with _bench(model, out_dir, systems, settings, bar) as bench:
                 bar.update(1)
                 peak = _peak(bench, settings)
