@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="minilm", help="zoo model (default: MiniLM with its real weights)")
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--policy", default="input", help="batching policy of the served model")
-    parser.add_argument("--window", type=float, default=0.02, help="input policy: batch window, seconds")
+    parser.add_argument("--window", type=float, default=0.0,
+                        help="input policy: batch window, seconds (0: none; on a CPU a window costs more than it buys)")
     parser.add_argument("--rounds", type=int, default=2, help="bursts to send")
     parser.add_argument("--out", type=Path, help="model repository to write (default: a temporary one)")
     parser.add_argument("--side-by-side-seconds", type=float, default=SIDE_BY_SIDE_SECONDS, metavar="SECONDS",
