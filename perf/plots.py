@@ -1,6 +1,6 @@
 """PNG plots of `perf.experiments` results (matplotlib, headless).
 
-`plot(results, path)` draws the experiment's figure, one column per model:
+`plot(results, path)` draws the experiment's figure, one panel per model (three to a row):
 - figure14, figure18, figure19: mean (solid) and p99 (dashed) latency versus offered load;
 - figure15: every query's latency over the stepping load, the rate on a second axis;
 - figure20: closed-loop peak throughput per configuration, its mean latency on a second axis;
@@ -28,10 +28,14 @@ def plot(results: Mapping[str, Any], path: Path) -> Path | None:
     draw = _DRAWERS.get(str(results.get("experiment")))
     if not models or draw is None:
         return None
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    cols = min(len(models), 3)
+    rows = -(-len(models) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    for ax, model in zip(axes.flat, models):
         draw(ax, results["models"][model])
         ax.set_title(f"{model} ({results['experiment']})")
+    for ax in list(axes.flat)[len(models):]:
+        ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
