@@ -4,7 +4,7 @@ It translates requests into queries and answers into responses, nothing more. `e
 hands every request to the scheduler and returns None at once (Triton then sends the next
 requests while earlier batches are in flight); each request is answered through its response
 sender when all of its rows have left the pipeline. A request of shape [k, ...] is k queries
-that share one response. Responses are built and sent by one responder thread, not by the
+that share one response. Responses are built and sent by responder threads, not by the
 stage executor whose batch finished: a send is a round trip to the server process, and the
 last stage would otherwise stand idle through one per query of its batch.
 

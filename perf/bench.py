@@ -4,8 +4,8 @@ experiment in `perf.experiments` shares.
     systems = [System("ZeroBatch", "zerobatch"), System("DelayBatch", "delaybatch"),
                System("DVABatch", "dvabatch", {"policy": "input"})]
     with Bench("bert", "bench", out_dir, systems) as bench:      # slice, register, serve, warm up
-        peak = bench.peak("ZeroBatch")                            # closed loop at bs_max clients
-        run = bench.open_loop("DVABatch", rate=0.6 * peak, n=200, seed=1)
+        queries, lengths = bench.queries(200, seed=1)
+        run = bench.open_loop("DVABatch", queries, perf.load.poisson(50.0, 200), lengths)
 
 A `System` is a label and how it is served: `dvabatch` (a variant of the sliced model with its
 settings: policy, buffer pairs, ...; `stages` asks for its own slicing into that many stages),
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Bench", "LENGTH_PRESET", "System", "query_maker", "sample_queries", "slice_options", "sliced"]
+__all__ = ["Bench", "LENGTH_PRESET", "System", "query_maker", "sample_queries", "slice_options", "sliced", "slug"]
 
 LENGTH_PRESET = "rte"  # GLUE-like: most queries short, a tail past 100 tokens
 KINDS = ("dvabatch", "zerobatch", "delaybatch")
@@ -122,7 +122,7 @@ def sample_queries(manifest: Any, int_high: Mapping[str, int], n: int, seed: int
 
 class Bench:
     """Slices, registers every system in OUT/repository/MODEL, serves them from one tritonserver
-    and warms each up (`__enter__`); then measures them (`peak`, `open_loop`, `closed_loop`)."""
+    and warms each up (`__enter__`); then measures them (`open_loop`, `closed_loop`)."""
 
     def __init__(self, zoo_name: str, size: str, out_dir: Path, systems: Sequence[System], *,
                  threads: int = 1, baseline_threads: int | None = None,
@@ -194,22 +194,22 @@ class Bench:
         return self._server
 
     def _register(self, repo: Path) -> dict[int, str]:
-        from perf.baselines import add_baseline, delay_candidates
+        from perf.baselines import delay_candidates, zero_batch
         from slicer.triton_files import add_model_variant
 
         candidates: dict[int, str] = {}
-        slug = self.zoo_name
+        prefix = self.zoo_name
         for label, system in self.systems.items():
             version_dir, manifest, _ = self.slices[system.stages]
-            name = f"{slug}_{_slug(label)}"
+            name = f"{prefix}_{slug(label)}"
             if system.kind == "dvabatch":
                 settings = {"threads_per_stage": self.threads, **system.settings}
                 add_model_variant(repo, version_dir, name, **settings)
             elif system.kind == "zerobatch":
-                add_baseline(repo, version_dir, name, 0, self.baseline_threads, manifest.max_batch_size)
+                zero_batch(repo, version_dir, name, self.baseline_threads, manifest.max_batch_size)
             else:
                 if not candidates:
-                    candidates = delay_candidates(repo, version_dir, self.delays_us, prefix=slug,
+                    candidates = delay_candidates(repo, version_dir, self.delays_us, prefix=prefix,
                                                   threads=self.baseline_threads, bs_max=manifest.max_batch_size)
                 continue  # named once tuned
             self.names[label] = name
@@ -267,13 +267,6 @@ class Bench:
         return run_closed_loop(self.url, self.names[label], list(pool or self.pool()), concurrency=concurrency,
                                duration=seconds, timeout=self.timeout, params={"system": label})
 
-    def peak(self, label: str, seconds: float = 5.0, concurrency: int | None = None) -> float:
-        """Closed-loop throughput (qps) at `concurrency` clients (default bs_max); raises on errors."""
-        run = self.closed_loop(label, concurrency or self.bs_max, seconds)
-        if run.errors() or not run.throughput() > 0:
-            raise RuntimeError(f"{label}: peak measurement failed: {len(run.errors())} errors, {run.throughput()} qps")
-        return float(run.throughput())
-
     def open_loop(self, label: str, queries: Sequence[dict], offsets: Any, lengths: Sequence[int] | None = None,
                   **params: Any) -> Any:
         from perf.load import run_open_loop
@@ -282,5 +275,6 @@ class Bench:
                              params={"system": label, **params})
 
 
-def _slug(label: str) -> str:
+def slug(label: str) -> str:
+    """A label as a model-name part: "DVABatch-split" -> "dvabatch_split"."""
     return "".join(c if c.isalnum() else "_" for c in label.lower()).strip("_")

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from perf.bench import LENGTH_PRESET, Bench, System
+from perf.bench import LENGTH_PRESET, Bench, System, slug as _slug
 from perf.load import jsonable
 
 __all__ = ["DEFAULT_FRACTIONS", "DEFAULT_MODELS", "DEFAULT_POLICIES", "EXPERIMENTS", "DVA", "SYSTEMS",
@@ -160,10 +160,6 @@ def _loads(bench: Bench, labels: Sequence[str], peak_qps: float, fractions: Sequ
     return levels
 
 
-def _slug(label: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in label.lower()).strip("_")
-
-
 def ratios(systems: Mapping[str, Mapping[str, Any]], subject: str = DVA) -> dict[str, float | None]:
     """The subject's latency over each other system's (mean and p99): below 1 means the subject is
     faster. Keys: SUBJECT_vs_OTHER_STAT, slugged (dvabatch_vs_zerobatch_mean)."""
@@ -181,7 +177,8 @@ def ratios(systems: Mapping[str, Mapping[str, Any]], subject: str = DVA) -> dict
 def compute_bound(version_dir: Path, manifest: Any, queries: Sequence[dict], lengths: Sequence[int] | None,
                   bs_max: int, threads: int, repeats: int = 2) -> dict[str, Any]:
     """The padding-free compute bound: the unsliced model on the queries pre-sorted by length, in full
-    batches of bs_max (each padded to its own longest, which sorting makes nearly equal), on one
+    batches of bs_max (each padded to its own longest, which sorting makes nearly equal: nearly
+    padding-free), on one
     onnxruntime session with `threads` threads; queries per second of the fastest of `repeats` passes."""
     import onnxruntime as ort
 
@@ -189,13 +186,14 @@ def compute_bound(version_dir: Path, manifest: Any, queries: Sequence[dict], len
 
     session = ort.InferenceSession(str(Path(version_dir) / (manifest.full_model or "model.onnx")),
                                    ort_session_options(threads))
+    seq_inputs = {t.name for t in manifest.inputs if t.has_seq}
     order = np.argsort(lengths, kind="stable") if lengths else np.arange(len(queries))
     batches = []
     for start in range(0, len(order), bs_max):
-        group = [queries[i] for i in order[start:start + bs_max]]
-        longest = max((len(next(iter(q.values()))) for q in group), default=0) if lengths else 0
-        batches.append({name: np.stack([_pad(q[name], longest) if lengths else q[name] for q in group])
-                        for name in group[0]})
+        group = [int(i) for i in order[start:start + bs_max]]
+        longest = max(lengths[i] for i in group) if lengths else 0
+        batches.append({name: np.stack([_pad(queries[i][name], longest) if name in seq_inputs else queries[i][name]
+                                        for i in group]) for name in queries[group[0]]})
     session.run(None, batches[-1])  # warm
     best = float("inf")
     for _ in range(repeats):
@@ -392,14 +390,17 @@ def figure21(models: Sequence[str], out_dir: Path, settings: ExperimentSettings,
                         latencies[label] += [float(x) * 1e3 for x in run.latencies()]
                         errors[label] += len(run.errors())
                         bar.update(1)
-                stats = {label: {"queries": len(v), "errors": errors[label], "latency_mean_ms": float(np.mean(v)),
-                                 "latency_p50_ms": float(np.percentile(v, 50)),
-                                 "latency_p99_ms": float(np.percentile(v, 99))} for label, v in latencies.items()}
+                stats: dict[str, dict[str, Any]] = {
+                    label: {"queries": len(v), "errors": errors[label], **_latency_stats(v)}
+                    for label, v in latencies.items()}
+                if any(s["latency_mean_ms"] is None for s in stats.values()):
+                    raise RuntimeError(f"{model}: a system answered no query at concurrency 1: {errors}")
                 bar.set_description(f"{model}: overhead breakdown in process")
                 breakdown = overhead_breakdown(bench, pool[:16], dva)
-                breakdown["served_dvabatch_ms"] = stats[DVA]["latency_mean_ms"]
-                breakdown["served_zerobatch_ms"] = stats[ZERO]["latency_mean_ms"]
-                breakdown["serving_path_ms"] = ((stats[DVA]["latency_mean_ms"] - stats[ZERO]["latency_mean_ms"])
+                # medians on both sides: the in-process figures are medians
+                breakdown["served_dvabatch_p50_ms"] = stats[DVA]["latency_p50_ms"]
+                breakdown["served_zerobatch_p50_ms"] = stats[ZERO]["latency_p50_ms"]
+                breakdown["serving_path_ms"] = ((stats[DVA]["latency_p50_ms"] - stats[ZERO]["latency_p50_ms"])
                                                 - (breakdown["runtime_ms"] - breakdown["unsliced_ms"]))
                 results["models"][model] = _entry(
                     bench, policy=dva["policy"], rounds=rounds, closed_loop=stats, breakdown=breakdown,
@@ -410,7 +411,13 @@ def figure21(models: Sequence[str], out_dir: Path, settings: ExperimentSettings,
     return results
 
 
-# in the order `all` runs them (figure21 first: it is quick and slices every model for the rest)
+def _latency_stats(latencies_ms: Sequence[float]) -> dict[str, float | None]:
+    if not latencies_ms:
+        return {"latency_mean_ms": None, "latency_p50_ms": None, "latency_p99_ms": None}
+    return {"latency_mean_ms": float(np.mean(latencies_ms)), "latency_p50_ms": float(np.percentile(latencies_ms, 50)),
+            "latency_p99_ms": float(np.percentile(latencies_ms, 99))}
+
+
 def overhead_breakdown(bench: Bench, queries: Sequence[dict], dva_settings: Mapping[str, Any],
                        repeats: int = 20) -> dict[str, float]:
     """Where DVABatch's single-query latency goes, measured in this process one query at a time
@@ -421,15 +428,15 @@ def overhead_breakdown(bench: Bench, queries: Sequence[dict], dva_settings: Mapp
 
     from dvabatch_backend.engine import ort_session_options
     from dvabatch_backend.scheduler import RuntimeSettings, load_scheduler
-    from policies import create_policy
+    from policies import load_policy
 
     version_dir, manifest, _ = bench.slices[None]
     full = ort.InferenceSession(str(version_dir / (manifest.full_model or "model.onnx")),
                                 ort_session_options(bench.baseline_threads))
     stages = [ort.InferenceSession(str(version_dir / s.file), ort_session_options(bench.threads))
               for s in manifest.stages]
-    params = {k: v for k, v in dict(dva_settings.get("policy_params", {})).items()}
-    scheduler = load_scheduler(version_dir, create_policy(str(dva_settings["policy"]), **params),
+    params = {k: str(v) for k, v in dict(dva_settings.get("policy_params", {})).items()}
+    scheduler = load_scheduler(version_dir, load_policy(str(dva_settings["policy"]), params, version_dir),
                                RuntimeSettings(num_buffer_pairs=int(dva_settings.get("num_buffer_pairs", 2)),
                                                threads_per_stage=bench.threads)).start()
 
@@ -444,9 +451,17 @@ def overhead_breakdown(bench: Bench, queries: Sequence[dict], dva_settings: Mapp
 
     def runtime(query: dict) -> None:
         done = threading.Event()
-        scheduler.submit(query, lambda _answer: done.set())
+        answers: list[Any] = []
+
+        def reply(answer: Any) -> None:
+            answers.append(answer)
+            done.set()
+
+        scheduler.submit(query, reply)
         if not done.wait(60):
             raise RuntimeError("the runtime did not answer within 60 s")
+        if answers[0].error is not None:
+            raise RuntimeError(f"the runtime answered with an error: {answers[0].error}")
 
     def median_ms(run: Callable[[dict], None]) -> float:
         times = []
@@ -467,6 +482,7 @@ def overhead_breakdown(bench: Bench, queries: Sequence[dict], dva_settings: Mapp
     return {"unsliced_ms": a, "stages_in_a_row_ms": b, "runtime_ms": c, "slicing_ms": b - a, "handoffs_ms": c - b}
 
 
+# in the order `all` runs them (figure21 first: it is quick and slices every model for the rest)
 EXPERIMENTS: dict[str, Callable[..., dict[str, Any]]] = {
     "figure21": figure21, "figure14": figure14, "figure18": figure18, "figure15": figure15,
     "figure19": figure19, "figure20": figure20}
@@ -480,7 +496,6 @@ def _results(name: str, settings: ExperimentSettings) -> dict[str, Any]:
 class _NoBar:
     def update(self, n: int = 1) -> None: ...
     def set_description(self, text: str) -> None: ...
-    def set_postfix_str(self, text: str) -> None: ...
     def close(self) -> None: ...
 
 
@@ -601,9 +616,9 @@ def _figure21_tables(entry: Mapping[str, Any]) -> list[str]:
         lines += ["", "Where it goes (one query at a time, medians in this process): unsliced "
                   f"{_fmt(b['unsliced_ms'], 3)} ms; its stages one after another {_fmt(b['stages_in_a_row_ms'], 3)} ms "
                   f"(slicing {_fmt(b['slicing_ms'], 3)} ms); through the runtime {_fmt(b['runtime_ms'], 3)} ms "
-                  f"(hand-offs {_fmt(b['handoffs_ms'], 3)} ms); the rest, {_fmt(b['serving_path_ms'], 3)} ms, is "
-                  "the serving path (answers sent from a stage thread through the response sender instead of "
-                  "returned by execute)."]
+                  f"(hand-offs {_fmt(b['handoffs_ms'], 3)} ms); the rest of the served medians' difference, "
+                  f"{_fmt(b['serving_path_ms'], 3)} ms, is the serving path (responses sent through the response "
+                  "sender by responder threads instead of returned by execute)."]
     return lines
 
 

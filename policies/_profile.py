@@ -61,7 +61,8 @@ class BatchCost:
     def __init__(self, by_length: Mapping[int, Sequence[Mapping[int, float]]], num_stages: int) -> None:
         self._lengths = sorted(int(n) for n in by_length)
         self._profiles = [StageProfile(by_length[n], num_stages) for n in self._lengths]
-        self.available = bool(self._lengths) and all(p.available for p in self._profiles)
+        # one profiled length says nothing of what padding costs: the merging needs two or more
+        self.available = len(self._lengths) >= 2 and all(p.available for p in self._profiles)
         self.num_stages = num_stages
 
     def _total(self, index: int, bs: int) -> float:

@@ -1,8 +1,9 @@
 """Hybrid: Policy II (operator diversity) and Policy III (load diversity) together (paper §7.2).
 
 "For operator diversity, Policy III and Policy II work together due to the co-existence of
-stretch and split" (§7.2). Arrivals stretch the latest batch as Policy III does (while it has
-run less than T_comp_wait, stays <= bs_max and is padded long enough) and the rest start new
+stretch and split" (§7.2). Arrivals stretch the latest batch as Policy III does (while no stage
+has begun it or it has run less than T_comp_wait, stays <= bs_max and is padded long enough) and
+the rest start new
 batches; finished stages split batches as Policy II does (T_remain(bs) >= 2 x T_remain(bs/2),
 recursively).
 

@@ -10,9 +10,9 @@ Here:
 
 - Clusters: the waiting queries sorted by length; a new cluster starts when the next query is
   longer than (1 + pad_tolerance) x the cluster's shortest, or the cluster has bs_max queries.
-  Each cluster is one `New`, padded to its longest, so no query is padded by more than
-  pad_tolerance of its length (queries of length 0, models without a sequence axis, cluster
-  together). With a per-length profile, neighbouring clusters (in length order) are then merged,
+  Each cluster is one `New`, padded to its longest, so before any merging no query is padded by
+  more than pad_tolerance of its length (queries of length 0, models without a sequence axis,
+  cluster together). With a per-length profile (two or more lengths), neighbouring clusters (in length order) are then merged,
   the most profitable first, while one merged batch is cheaper than the two apart (profiled
   seconds over all stages, `BatchCost`) and within bs_max: on hardware where small batches are
   inefficient (a CPU at short lengths), a little padding buys more than it costs.
