@@ -237,9 +237,6 @@ class BatchQueue:
     def head(self) -> BatchItem | None:
         return self._items[0] if self._items else None
 
-    def pop(self) -> BatchItem:
-        return self._items.popleft()
-
     def pop_coalesced(self) -> BatchItem:
         """The head, joined with the items right behind it that continue its rows (the same batch,
         the next rows: a stretch's catch-up rows queued before the stage took the originals), so

@@ -189,10 +189,6 @@ class Bench:
     def url(self) -> str:
         return str(self._server.grpc_url)
 
-    @property
-    def server(self) -> Any:
-        return self._server
-
     def _register(self, repo: Path) -> dict[int, str]:
         from perf.baselines import delay_candidates, zero_batch
         from slicer.triton_files import add_model_variant

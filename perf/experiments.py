@@ -27,7 +27,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -99,11 +100,16 @@ class ExperimentSettings:
 # shared steps
 
 
-def _bench(model: str, out_dir: Path, systems: Sequence[System], settings: ExperimentSettings, bar: Any) -> Bench:
-    return Bench(model, settings.size, out_dir, systems, threads=settings.threads,
-                 baseline_threads=settings.baseline_threads, delays_us=settings.delays_us,
-                 tune_seconds=settings.tune_seconds, seed=settings.seed, timeout=settings.timeout,
-                 progress=lambda text: bar.set_description(text[:60]))
+@contextmanager
+def _served(model: str, out_dir: Path, systems: Sequence[System], settings: ExperimentSettings,
+            bar: Any) -> Iterator[Bench]:
+    """The model's systems served and warmed up (one progress step), stopped on leaving."""
+    with Bench(model, settings.size, out_dir, systems, threads=settings.threads,
+               baseline_threads=settings.baseline_threads, delays_us=settings.delays_us,
+               tune_seconds=settings.tune_seconds, seed=settings.seed, timeout=settings.timeout,
+               progress=lambda text: bar.set_description(text[:60])) as bench:
+        bar.update(1)
+        yield bench
 
 
 def _entry(bench: Bench, **extra: Any) -> dict[str, Any]:
@@ -120,10 +126,12 @@ def _side_by_side(model: str, settings: ExperimentSettings) -> list[System]:
     return [System(ZERO, "zerobatch"), System(DELAY, "delaybatch"), System(DVA, "dvabatch", settings.dva_settings(model))]
 
 
-def _peak(bench: Bench, settings: ExperimentSettings, label: str = ZERO) -> dict[str, Any]:
+def _peak(bench: Bench, settings: ExperimentSettings, bar: Any, label: str = ZERO) -> dict[str, Any]:
+    """`label`'s closed-loop throughput at bs_max clients (one progress step); raises on errors."""
     run = bench.closed_loop(label, bench.bs_max, settings.peak_seconds)
     if run.errors() or not run.throughput() > 0:
         raise RuntimeError(f"{label}: peak measurement failed: {len(run.errors())} errors, {run.throughput()} qps")
+    bar.update(1)
     return {"system": label, "throughput_qps": run.throughput(), "concurrency": bench.bs_max,
             "summary": run.summary(settings.latency_target)}
 
@@ -224,10 +232,8 @@ def figure14(models: Sequence[str], out_dir: Path, settings: ExperimentSettings)
     try:
         for model in models:
             systems = _side_by_side(model, settings)
-            with _bench(model, out_dir, systems, settings, bar) as bench:
-                bar.update(1)
-                peak = _peak(bench, settings)
-                bar.update(1)
+            with _served(model, out_dir, systems, settings, bar) as bench:
+                peak = _peak(bench, settings, bar)
                 loads = _loads(bench, SYSTEMS, peak["throughput_qps"], settings.fractions, settings, bar)
                 bar.set_description(f"{model}: the limit")
                 limit = _limit(bench, settings)
@@ -259,10 +265,8 @@ def figure15(models: Sequence[str], out_dir: Path, settings: ExperimentSettings)
     try:
         for model in models:
             systems = _side_by_side(model, settings)
-            with _bench(model, out_dir, systems, settings, bar) as bench:
-                bar.update(1)
-                peak = _peak(bench, settings)
-                bar.update(1)
+            with _served(model, out_dir, systems, settings, bar) as bench:
+                peak = _peak(bench, settings, bar)
                 start = 0.25 * peak["throughput_qps"]
                 step = (1.5 * peak["throughput_qps"] - start) / max(settings.steps - 1, 1)
                 n = settings.steps * settings.step_queries
@@ -303,10 +307,8 @@ def figure18(models: Sequence[str], out_dir: Path, settings: ExperimentSettings)
             systems = [System(ZERO, "zerobatch"), System(DELAY, "delaybatch"),
                        System(split, "dvabatch", settings.dva_settings(model, policy="operator")),
                        System(DVA, "dvabatch", settings.dva_settings(model))]
-            with _bench(model, out_dir, systems, settings, bar) as bench:
-                bar.update(1)
-                peak = _peak(bench, settings)
-                bar.update(1)
+            with _served(model, out_dir, systems, settings, bar) as bench:
+                peak = _peak(bench, settings, bar)
                 loads = _loads(bench, labels, peak["throughput_qps"], settings.fractions, settings, bar)
                 results["models"][model] = _entry(bench, policy=settings.policy(model), peak=peak, loads=loads)
     finally:
@@ -324,10 +326,8 @@ def figure19(models: Sequence[str], out_dir: Path, settings: ExperimentSettings,
         for model in models:
             systems = [System(ZERO, "zerobatch")] + [
                 System(label, "dvabatch", settings.dva_settings(model, num_buffer_pairs=p)) for label, p in zip(labels, pairs)]
-            with _bench(model, out_dir, systems, settings, bar) as bench:
-                bar.update(1)
-                peak = _peak(bench, settings)
-                bar.update(1)
+            with _served(model, out_dir, systems, settings, bar) as bench:
+                peak = _peak(bench, settings, bar)
                 loads = _loads(bench, labels, peak["throughput_qps"], (fraction,), settings, bar, subject=labels[1])
                 results["models"][model] = _entry(bench, policy=settings.policy(model), peak=peak, loads=loads)
     finally:
@@ -346,8 +346,7 @@ def figure20(models: Sequence[str], out_dir: Path, settings: ExperimentSettings,
         for model in models:
             systems = [System(ZERO, "zerobatch")] + [
                 System(label, "dvabatch", settings.dva_settings(model), stages=n) for label, n in zip(labels, stages)]
-            with _bench(model, out_dir, systems, settings, bar) as bench:
-                bar.update(1)
+            with _served(model, out_dir, systems, settings, bar) as bench:
                 pool = bench.pool(max(8 * bench.bs_max, 64), seed_offset=600)
                 peaks: dict[str, Any] = {}
                 for label in (ZERO, *labels):
@@ -378,8 +377,7 @@ def figure21(models: Sequence[str], out_dir: Path, settings: ExperimentSettings,
             if dva["policy"] == "input":
                 dva["policy_params"] = {**dva.get("policy_params", {}), "window": 0}
             systems = [System(ZERO, "zerobatch"), System(DVA, "dvabatch", dva)]
-            with _bench(model, out_dir, systems, settings, bar) as bench:
-                bar.update(1)
+            with _served(model, out_dir, systems, settings, bar) as bench:
                 pool = bench.pool(64, seed_offset=700)
                 latencies: dict[str, list[float]] = {label: [] for label in labels}
                 errors = {label: 0 for label in labels}

