@@ -42,5 +42,5 @@ setup(
         "perf": [*SERVE, *PERF],  # python -m perf.experiments: its PNG plots
         "gpu": ["cuda-python>=12.0"],
     },
-    entry_points={"console_scripts": ["dvabatch=dvabatch_backend.cli:main"]},
+    entry_points={"console_scripts": ["dvabatch=dvabatch_backend.tools.cli:main"]},
 )

@@ -1,21 +1,11 @@
-"""dvabatch runtime: multi-entry multi-exit batching over a model sliced into stages.
+"""dvabatch: multi-entry multi-exit batching (DVABatch) as a Triton Inference Server backend.
 
-A plain library: it does not import Triton. The Triton adapter is a thin layer over it.
+Subpackages by layer, each importing only those below it:
+  runtime/         the runtime core (scheduler, batch table, queues, buffer pairs, executors, engines)
+  triton_adapter/  the `TritonPythonModel` and its metrics, over the runtime
+  tools/           the `dvabatch` command line, the server launcher, the demo
+
+The runtime's public names are re-exported here, so `from dvabatch_backend import Scheduler` works.
 """
-from .batch_table import BatchInfo, BatchItem, BatchQueue, BatchTable
-from .buffers import BufferPool, BufferState, StageBuffer
-from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo, Split, Stretch
-from .engine import OrtStageEngine, StageEngine
-from .errors import BadInputError, ManifestError, QueryError, ShuttingDownError, StageFailedError
-from .executor import ExecutorState, StageExecutor
-from .manifest import Manifest, StageSpec, TensorSpec
-from .query import Answer, Query
-from .scheduler import RuntimeSettings, Scheduler, load_scheduler
-
-__all__ = [
-    "Answer", "ArrivalPlan", "BadInputError", "BatchInfo", "BatchItem", "BatchQueue", "BatchTable",
-    "BatchTableView", "BufferPool", "BufferState", "ExecutorState", "Manifest", "ManifestError", "New",
-    "OrtStageEngine", "Policy", "PolicyContext", "Query", "QueryError", "QueryInfo", "RuntimeSettings",
-    "Scheduler", "ShuttingDownError", "Split", "StageBuffer", "StageEngine", "StageExecutor",
-    "StageFailedError", "StageSpec", "Stretch", "TensorSpec", "load_scheduler",
-]
+from .runtime import *  # noqa: F401,F403
+from .runtime import __all__  # noqa: F401

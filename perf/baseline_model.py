@@ -33,8 +33,8 @@ from typing import Any, Mapping, Sequence  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from dvabatch_backend.engine import ort_session_options  # noqa: E402
-from dvabatch_backend.manifest import SEQ, Manifest, TensorSpec  # noqa: E402
+from dvabatch_backend.runtime.engine import ort_session_options  # noqa: E402
+from dvabatch_backend.runtime.manifest import SEQ, Manifest, TensorSpec  # noqa: E402
 
 try:
     import triton_python_backend_utils as pb_utils

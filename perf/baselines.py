@@ -27,7 +27,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from dvabatch_backend.manifest import SEQ, Manifest, TensorSpec
+from dvabatch_backend.runtime.manifest import SEQ, Manifest, TensorSpec
 from slicer.triton_files import TRITON_DTYPES, VERSION_DIR
 
 MODEL_SOURCE = Path(__file__).with_name("baseline_model.py")
@@ -226,7 +226,7 @@ def random_query_maker(manifest: Manifest, rows: int = 1) -> MakeQuery:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from dvabatch_backend.serve import TritonServer
+    from dvabatch_backend.tools.serve import TritonServer
 
     parser = argparse.ArgumentParser(prog="python -m perf.baselines", description=__doc__.split("\n\n")[0])
     parser.add_argument("version_dir", type=Path, help="a sliced model's version folder (NAME/1)")

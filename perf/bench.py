@@ -71,7 +71,7 @@ def sliced(zoo_name: str, size: str, out_dir: Path, stages: int | None = None,
            progress: Callable[[str], None] = lambda _: None) -> tuple[Path, Any, dict[str, int], bool]:
     """(version dir, manifest, int input bounds, reused?): slices into OUT/sliced/SIZE/MODEL[-sN]
     unless a finished slice is there."""
-    from dvabatch_backend.manifest import Manifest
+    from dvabatch_backend.runtime.manifest import Manifest
     from slicer.profiler import int_bounds
     from slicer.slice_model import slice_model
     from slicer.zoo import build
@@ -147,7 +147,7 @@ class Bench:
     # -- setup
 
     def __enter__(self) -> Bench:
-        from dvabatch_backend.serve import TritonServer
+        from dvabatch_backend.tools.serve import TritonServer
 
         repo = self.out_dir / "repository" / self.zoo_name
         if repo.exists():

@@ -190,7 +190,7 @@ def compute_bound(version_dir: Path, manifest: Any, queries: Sequence[dict], len
     onnxruntime session with `threads` threads; queries per second of the fastest of `repeats` passes."""
     import onnxruntime as ort
 
-    from dvabatch_backend.engine import ort_session_options
+    from dvabatch_backend.runtime.engine import ort_session_options
 
     session = ort.InferenceSession(str(Path(version_dir) / (manifest.full_model or "model.onnx")),
                                    ort_session_options(threads))
@@ -424,8 +424,8 @@ def overhead_breakdown(bench: Bench, queries: Sequence[dict], dva_settings: Mapp
     served policy; `slicing_ms` and `handoffs_ms` are the differences."""
     import onnxruntime as ort
 
-    from dvabatch_backend.engine import ort_session_options
-    from dvabatch_backend.scheduler import RuntimeSettings, load_scheduler
+    from dvabatch_backend.runtime.engine import ort_session_options
+    from dvabatch_backend.runtime.scheduler import RuntimeSettings, load_scheduler
     from policies import load_policy
 
     version_dir, manifest, _ = bench.slices[None]

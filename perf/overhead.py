@@ -59,11 +59,11 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from dvabatch_backend.engine import OrtStageEngine, ort_session_options
-from dvabatch_backend.executor import gather_inputs, scatter_outputs
-from dvabatch_backend.manifest import Manifest
-from dvabatch_backend.query import Answer
-from dvabatch_backend.scheduler import RuntimeSettings, Scheduler
+from dvabatch_backend.runtime.engine import OrtStageEngine, ort_session_options
+from dvabatch_backend.runtime.executor import gather_inputs, scatter_outputs
+from dvabatch_backend.runtime.manifest import Manifest
+from dvabatch_backend.runtime.query import Answer
+from dvabatch_backend.runtime.scheduler import RuntimeSettings, Scheduler
 from policies.pipelined import PipelinedPolicy
 from slicer import cut, toy
 

@@ -10,7 +10,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from dvabatch_backend.decisions import Policy
+from .api import Policy
 
 from .hybrid import HybridPolicy
 from .input_diversity import InputDiversityPolicy

@@ -18,8 +18,7 @@ Params: `t_comp_wait` (seconds; default the profiled time of stage 0 at bs 1, or
 """
 from __future__ import annotations
 
-from dvabatch_backend.batch_table import BatchInfo
-from dvabatch_backend.decisions import BatchTableView, New, PolicyContext, Split
+from .api import BatchInfo, BatchTableView, New, PolicyContext, Split
 
 from .load_diversity import LoadDiversityPolicy
 from .operator_diversity import OperatorDiversityPolicy

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dvabatch_backend.decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo
+from .api import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo
 
 from ._profile import BatchCost, StageProfile
 

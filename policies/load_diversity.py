@@ -25,8 +25,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dvabatch_backend.batch_table import BatchInfo
-from dvabatch_backend.decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo, Stretch
+from .api import ArrivalPlan, BatchInfo, BatchTableView, New, Policy, PolicyContext, QueryInfo, Stretch
 
 from ._profile import StageProfile
 

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dvabatch_backend.batch_table import BatchInfo
-from dvabatch_backend.decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo, Split
+from .api import ArrivalPlan, BatchInfo, BatchTableView, New, Policy, PolicyContext, QueryInfo, Split
 
 from ._profile import StageProfile
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dvabatch_backend.decisions import ArrivalPlan, BatchTableView, New, Policy, QueryInfo
+from .api import ArrivalPlan, BatchTableView, New, Policy, QueryInfo
 
 
 class PipelinedPolicy(Policy):

@@ -9,8 +9,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from dvabatch_backend.batch_table import BatchInfo
-from dvabatch_backend.decisions import ArrivalPlan, BatchTableView, New, Policy, QueryInfo, Split, Stretch
+from .api import ArrivalPlan, BatchInfo, BatchTableView, New, Policy, QueryInfo, Split, Stretch
 
 
 class RandomLegalPolicy(Policy):

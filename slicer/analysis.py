@@ -17,7 +17,7 @@ from typing import Iterator
 
 import onnx
 
-from dvabatch_backend.manifest import TensorSpec
+from dvabatch_backend.runtime.manifest import TensorSpec
 
 from .cut import _initializer_names, probe_specs
 

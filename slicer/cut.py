@@ -25,7 +25,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from dvabatch_backend.manifest import BATCH, SEQ, SUPPORTED_DTYPES, Manifest, StageSpec, TensorSpec
+from dvabatch_backend.runtime.manifest import BATCH, SEQ, SUPPORTED_DTYPES, Manifest, StageSpec, TensorSpec
 
 FULL_MODEL_FILE = "model.onnx"
 MANIFEST_FILE = "manifest.json"

@@ -20,8 +20,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from dvabatch_backend.engine import ort_session_options
-from dvabatch_backend.manifest import TensorSpec
+from dvabatch_backend.runtime.engine import ort_session_options
+from dvabatch_backend.runtime.manifest import TensorSpec
 
 Progress = Callable[[str], None]
 

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from dvabatch_backend.manifest import Manifest
+from dvabatch_backend.runtime.manifest import Manifest
 
 from .analysis import CutPoint, legal_cut_points, name_nodes
 from .cut import cut_model, input_specs
@@ -294,7 +294,7 @@ def verify_stages(model: onnx.ModelProto, folder: Path, manifest: Manifest, leng
 def measure_pipeline(folder: Path, manifest: Manifest, length: int, threads: int, int_high: dict[str, int],
                      seconds: float = 0.6, concurrency: int = 8) -> float:
     """Queries per second through the runtime, closed loop at `concurrency` queries in flight."""
-    from dvabatch_backend.scheduler import RuntimeSettings, load_scheduler
+    from dvabatch_backend.runtime.scheduler import RuntimeSettings, load_scheduler
     from policies import create_policy
 
     scheduler = load_scheduler(folder, create_policy("pipelined"), RuntimeSettings(threads_per_stage=threads))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from dvabatch_backend.manifest import Manifest
+from dvabatch_backend.runtime.manifest import Manifest
 
 from .profiler import Setting, time_stage
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from dvabatch_backend.manifest import SEQ, Manifest, TensorSpec
+from dvabatch_backend.runtime.manifest import SEQ, Manifest, TensorSpec
 
 VERSION_DIR = "1"
 TRITON_DTYPES = {
@@ -27,7 +27,7 @@ for _path in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     if _path and _path not in sys.path:
         site.addsitedir(_path)
 
-from dvabatch_backend.triton_model import TritonPythonModel  # noqa: E402,F401
+from dvabatch_backend.triton_adapter.model import TritonPythonModel  # noqa: E402,F401
 '''
 
 

@@ -6,7 +6,7 @@ Three parts:
   optimization profile covering batch 1..bs_max and seq 1..max_length;
 - `TrtStageEngine` runs such an engine behind the runtime's `StageEngine` protocol
   (`run(inputs, outputs)`), and `CudaEventFence` is the GPU completion fence behind the
-  interface of `dvabatch_backend.buffers.HostFence`;
+  interface of `dvabatch_backend.runtime.buffers.HostFence`;
 - `profile_engine` times the engine at given (batch, length) settings with CUDA events.
 
 Only TensorRT 10 calls are used: `create_network(0)` (explicit batch is the only mode),
@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, Union
 import numpy as np
 import numpy.typing as npt
 
-from dvabatch_backend.manifest import TensorSpec
+from dvabatch_backend.runtime.manifest import TensorSpec
 
 if TYPE_CHECKING:
     import tensorrt as trt
 
-    from dvabatch_backend.engine import StageEngine
+    from dvabatch_backend.runtime.engine import StageEngine
 
 log = logging.getLogger(__name__)
 

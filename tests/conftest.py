@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from dvabatch_backend import Answer, Manifest, OrtStageEngine, RuntimeSettings, Scheduler
-from dvabatch_backend.decisions import Policy
+from dvabatch_backend.runtime.decisions import Policy
 from slicer import cut, toy
 
 HIDDEN = 8

@@ -14,8 +14,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from dvabatch_backend.manifest import Manifest
-from dvabatch_backend.serve import TritonServer
+from dvabatch_backend.runtime.manifest import Manifest
+from dvabatch_backend.tools.serve import TritonServer
 from perf import baseline_model
 from perf.baselines import (
     MODEL_SOURCE,

@@ -1,4 +1,4 @@
-"""The demo's closing side-by-side run against ZeroBatch (dvabatch_backend.demo._side_by_side), on
+"""The demo's closing side-by-side run against ZeroBatch (dvabatch_backend.tools.demo._side_by_side), on
 the test-size BERT served by the real tritonserver with a few seconds of budget: every query sent
 to either system is answered, the ratios are finite, and the table shows them."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from dvabatch_backend import demo
-from dvabatch_backend.serve import TritonServer
+from dvabatch_backend.tools import demo
+from dvabatch_backend.tools.serve import TritonServer
 from perf.baselines import zero_batch
 
 from .triton_support import add_variant, slice_zoo_model

@@ -8,8 +8,8 @@ from typing import Sequence
 import numpy as np
 
 from dvabatch_backend import ArrivalPlan, BatchItem, ExecutorState, New, Policy, Split, Stretch
-from dvabatch_backend.batch_table import BatchInfo
-from dvabatch_backend.decisions import BatchTableView, QueryInfo
+from dvabatch_backend.runtime.batch_table import BatchInfo
+from dvabatch_backend.runtime.decisions import BatchTableView, QueryInfo
 
 from .conftest import Collector, GatedEngine, assert_matches_reference, make_scheduler
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from dvabatch_backend.serve import TritonServer
+from dvabatch_backend.tools.serve import TritonServer
 from perf.lengths import PRESETS, describe, names, sample_lengths
 from perf.load import (
     LoadResult,

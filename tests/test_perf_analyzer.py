@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dvabatch_backend.serve import TritonServer
+from dvabatch_backend.tools.serve import TritonServer
 from perf.perf_analyzer import (
     PerfAnalyzerError,
     PerfResult,

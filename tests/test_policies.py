@@ -16,11 +16,11 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import pytest
 
-from dvabatch_backend.batch_table import BatchTable
-from dvabatch_backend.decisions import (
+from dvabatch_backend.runtime.batch_table import BatchTable
+from dvabatch_backend.runtime.decisions import (
     ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo, Split, Stretch,
 )
-from dvabatch_backend.query import Query
+from dvabatch_backend.runtime.query import Query
 from policies import load_policy
 from policies._profile import StageProfile
 from policies.hybrid import HybridPolicy

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from dvabatch_backend import ArrivalPlan, New, Policy
-from dvabatch_backend.decisions import BatchTableView, QueryInfo
-from dvabatch_backend.errors import PolicyError
+from dvabatch_backend.runtime.decisions import BatchTableView, QueryInfo
+from dvabatch_backend.runtime.errors import PolicyError
 
 from .conftest import Collector, assert_matches_reference, make_scheduler
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from dvabatch_backend import Manifest, RuntimeSettings, load_scheduler
-from dvabatch_backend.cli import main
+from dvabatch_backend.tools.cli import main
 from policies import create_policy
 from slicer import toy
 from slicer.analysis import name_nodes

@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from dvabatch_backend.serve import TRITON_DTYPES, TritonServer
+from dvabatch_backend.tools.serve import TRITON_DTYPES, TritonServer
 
 from .triton_support import ServedModel, add_variant, control_client, slice_zoo_model, stub_pids
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from dvabatch_backend.serve import TritonServer
+from dvabatch_backend.tools.serve import TritonServer
 from policies.examples.early_exit import confidence
 from slicer import toy
 from slicer.profiler import int_bounds

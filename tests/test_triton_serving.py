@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from dvabatch_backend.serve import TritonServer
+from dvabatch_backend.tools.serve import TritonServer
 from slicer.zoo import ZOO
 
 from .triton_support import POLICIES, Clients, ServedModel, add_variant, slice_zoo_model

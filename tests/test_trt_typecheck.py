@@ -290,7 +290,7 @@ def test_stubs_alone_are_not_tensorrt(tmp_path: Path, monkeypatch: pytest.Monkey
 
 @needs_no_tensorrt
 def test_clear_errors_without_tensorrt(tmp_path: Path) -> None:
-    from dvabatch_backend.manifest import TensorSpec
+    from dvabatch_backend.runtime.manifest import TensorSpec
     from slicer.trt import TrtStageEngine, build_engine, profile_engine
 
     specs = [TensorSpec("x", "float32", ("batch", "seq", 4))]

@@ -8,8 +8,8 @@ import onnxruntime as ort
 import pytest
 
 from dvabatch_backend import BatchItem, BatchTable, BufferPool, BufferState, Manifest, ManifestError
-from dvabatch_backend.buffers import PairUse
-from dvabatch_backend.query import Query
+from dvabatch_backend.runtime.buffers import PairUse
+from dvabatch_backend.runtime.query import Query
 from policies import create_policy
 from slicer import cut, toy
 

@@ -12,8 +12,8 @@ import onnxruntime as ort
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from dvabatch_backend.manifest import Manifest
-from dvabatch_backend.serve import TritonServer, infer_inputs, stub_processes
+from dvabatch_backend.runtime.manifest import Manifest
+from dvabatch_backend.tools.serve import TritonServer, infer_inputs, stub_processes
 from slicer.profiler import int_bounds, random_inputs
 from slicer.slice_model import SliceOptions, slice_model
 from slicer.triton_files import add_model_variant

@@ -14,8 +14,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from dvabatch_backend import ArrivalPlan, BatchInfo, New, Policy, Split
-from dvabatch_backend.decisions import BatchTableView, QueryInfo
+from policies.api import ArrivalPlan, BatchInfo, BatchTableView, New, Policy, QueryInfo, Split
 
 
 class EarlyExitPolicy(Policy):

@@ -10,7 +10,7 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
-from .scheduler import Scheduler
+from ..runtime.scheduler import Scheduler
 
 _COUNTERS = {
     "dvabatch_stage_batches_total": "Batch items run by each stage",

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from dvabatch_backend.manifest import Manifest
-    from dvabatch_backend.serve import TritonServer
+    from dvabatch_backend.runtime.manifest import Manifest
+    from dvabatch_backend.tools.serve import TritonServer
     from perf.load import LoadResult
 
 SENTENCES = [

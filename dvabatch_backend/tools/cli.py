@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .query import Answer
-from .scheduler import RuntimeSettings, load_scheduler
+from ..runtime.query import Answer
+from ..runtime.scheduler import RuntimeSettings, load_scheduler
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,144 @@
+"""The policy interface (paper §7.2, `Schedule(inBatch, outBatches)`) and its decisions.
+
+A policy is asked at two moments and answers with plain, frozen decisions that the
+`Scheduler` carries out:
+
+- `on_arrival(waiting, table, now)`: queries are waiting to be batched. Return an
+  `ArrivalPlan` of `New` and `Stretch` decisions over any subset of them; the rest keep
+  waiting. `wake_at` asks to be called again at that time (a batch window). The scheduler
+  also calls again whenever queries leave the pipeline.
+- `on_stage_done(stage, batch, table, now)`: `stage` finished the whole of `batch`, which
+  is about to go to the next stage. Return a `Split` to cut it into sub-batches that run and
+  exit independently, or None to hand it on unchanged.
+
+A decision the runtime cannot carry out is refused, never half-done: a refused `Stretch`
+becomes a `New` of the same queries, a refused `Split` leaves the batch whole, and both are
+counted in the scheduler's stats. Policies are called under the scheduler's lock, from
+executor threads and the caller's thread: they must be quick and must not block.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
+
+from .batch_table import BatchInfo, BatchTable
+
+
+@dataclass(frozen=True)
+class QueryInfo:
+    """What a policy may know of a waiting query."""
+
+    id: int
+    length: int
+    arrival: float
+
+
+@dataclass(frozen=True)
+class New:
+    """Start a new batch from these waiting queries."""
+
+    query_ids: tuple[int, ...]
+    pad_length: int | None = None  # None: the longest of the queries
+    no_stretch: bool = False  # a split is planned for this batch: never stretch it
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """Let these waiting queries join the latest batch, catching it up stage by stage."""
+
+    batch_id: int
+    query_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Split:
+    """Cut the batch just finished into consecutive sub-batches of these sizes.
+
+    Early exit: parts whose `exit` flag is set are answered at once instead of going on, each
+    model output taken from the tensor of this stage's output that `exit_outputs` names for it
+    (model output name -> tensor name); `exit_outputs` must cover every model output.
+    """
+
+    sizes: tuple[int, ...]
+    exit: tuple[bool, ...] = ()
+    exit_outputs: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ArrivalPlan:
+    decisions: tuple[New | Stretch, ...] = ()
+    wake_at: float | None = None
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """Fixed facts about the served model, given to a policy once before any query."""
+
+    num_stages: int
+    bs_max: int
+    max_length: int
+    num_buffer_pairs: int
+    # profiled seconds per stage, keyed by batch size; empty when the model has no profile
+    stage_times: tuple[dict[int, float], ...] = field(default_factory=tuple)
+    # the same per profiled sequence length (models with a sequence axis): {length: per stage {bs: s}}
+    stage_times_by_length: Mapping[int, tuple[dict[int, float], ...]] = field(default_factory=dict)
+    output_names: tuple[str, ...] = ()  # the model's outputs, which an early exit must answer
+
+
+class BatchTableView:
+    """Read-only access to the batch table for policies."""
+
+    def __init__(self, table: BatchTable) -> None:
+        self._table = table
+        self._stage_outputs: Mapping[str, np.ndarray] = MappingProxyType({})
+
+    def stage_outputs(self) -> Mapping[str, np.ndarray]:
+        """In `on_stage_done`: the finished stage's output tensors for the batch's rows (read-only).
+
+        Empty at any other time; the arrays are only valid during the call.
+        """
+        return self._stage_outputs
+
+    def _show_stage_outputs(self, outputs: Mapping[str, np.ndarray]) -> None:
+        readonly = {}
+        for name, arr in outputs.items():
+            view = arr.view()
+            view.flags.writeable = False
+            readonly[name] = view
+        self._stage_outputs = MappingProxyType(readonly)
+
+    def __iter__(self) -> Iterator[BatchInfo]:
+        return (self._table.info(r) for r in self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def get(self, batch_id: int) -> BatchInfo | None:
+        return self._table.info(self._table.get(batch_id)) if batch_id in self._table else None
+
+    def latest(self) -> BatchInfo | None:
+        row = self._table.latest()
+        return None if row is None else self._table.info(row)
+
+    def queries_in_flight(self) -> int:
+        return sum(r.bs - r.status_map[-1] for r in self._table)
+
+
+class Policy(ABC):
+    """Base class of batching policies; subclasses name themselves with `name`."""
+
+    name: str = "policy"
+
+    def bind(self, context: PolicyContext) -> None:
+        self.context = context
+
+    @abstractmethod
+    def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
+        ...
+
+    def on_stage_done(self, stage: int, batch: BatchInfo, table: BatchTableView, now: float) -> Split | None:
+        return None

@@ -1,0 +1,1 @@
+"""Tools around the backend: the `dvabatch` command line, the `tritonserver` launcher, the demo."""

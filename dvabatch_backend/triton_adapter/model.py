@@ -1,0 +1,199 @@
+"""The Triton adapter: a thin `TritonPythonModel` over the runtime.
+
+It translates requests into queries and answers into responses, nothing more. `execute`
+hands every request to the scheduler and returns None at once (Triton then sends the next
+requests while earlier batches are in flight); each request is answered through its response
+sender when all of its rows have left the pipeline. A request of shape [k, ...] is k queries
+that share one response. Responses are built and sent by responder threads, not by the
+stage executor whose batch finished: a send is a round trip to the server process, and the
+last stage would otherwise stand idle through one per query of its batch.
+
+Settings come from `config.pbtxt` parameters, each checked at load with the bad value named:
+  manifest (default manifest.json), policy (default pipelined), num_buffer_pairs (2),
+  bs_max (the manifest's), threads_per_stage (1), and policy parameters prefixed "policy.".
+Only this module imports `triton_python_backend_utils`; the runtime does not.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ..runtime.errors import QueryError
+from ..runtime.manifest import Manifest
+from ..runtime.query import Answer
+from ..runtime.scheduler import RuntimeSettings, Scheduler, load_scheduler
+from .metrics import StageMetrics
+
+
+@dataclass(frozen=True)
+class AdapterSettings:
+    manifest: Path
+    policy: str
+    policy_params: dict[str, str]
+    runtime: RuntimeSettings
+
+
+def parse_parameters(params: Mapping[str, str], model_dir: Path) -> AdapterSettings:
+    """Read and check the config.pbtxt parameters; a ValueError names the bad one."""
+    known = {"manifest", "policy", "num_buffer_pairs", "bs_max", "threads_per_stage"}
+    unknown = sorted(k for k in params if k not in known and not k.startswith("policy."))
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {unknown}; known: {sorted(known)} and policy.*")
+    manifest = model_dir / params.get("manifest", "manifest.json")
+    if not manifest.is_file():
+        raise ValueError(f"parameter 'manifest': {manifest} not found")
+
+    def positive_int(key: str, default: int | None) -> int | None:
+        raw = params.get(key)
+        if raw is None:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"parameter {key!r}: {raw!r} is not an integer") from None
+        if value < 1:
+            raise ValueError(f"parameter {key!r}: must be >= 1, got {value}")
+        return value
+
+    runtime = RuntimeSettings(
+        num_buffer_pairs=positive_int("num_buffer_pairs", 2) or 2,
+        bs_max=positive_int("bs_max", None),
+        threads_per_stage=positive_int("threads_per_stage", 1) or 1,
+    )
+    policy_params = {k[len("policy."):]: v for k, v in params.items() if k.startswith("policy.")}
+    return AdapterSettings(manifest, params.get("policy", "pipelined"), policy_params, runtime)
+
+
+RESPONDER_THREADS = 2
+
+
+class _Responder:
+    """Threads that send the responses handed to them; `close` sends what is queued, then joins
+    the threads. Several, because a send waits for the server process to take the response, and
+    responses to different requests need no order."""
+
+    def __init__(self, threads: int = RESPONDER_THREADS) -> None:
+        self._queue: queue.SimpleQueue[_RequestAnswer | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._loop, name=f"dvabatch-responder-{i}", daemon=True)
+                         for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, answer: "_RequestAnswer") -> None:
+        self._queue.put(answer)
+
+    def _loop(self) -> None:
+        while (answer := self._queue.get()) is not None:
+            try:
+                answer.send()
+            except Exception as exc:  # noqa: BLE001 - one failed send (a client gone) must not stop the others
+                pb_utils.Logger.log_error(f"dvabatch: sending a response failed: {exc}")
+
+    def close(self, timeout: float = 30.0) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout)
+
+
+class _RequestAnswer:
+    """Collects the answers of one request's rows; when all are in, hands itself to the responder."""
+
+    def __init__(self, sender: Any, rows: int, output_names: list[str], responder: _Responder) -> None:
+        self._sender = sender
+        self._answers: list[Answer | None] = [None] * rows
+        self._missing = rows
+        self._names = output_names
+        self._responder = responder
+        self._lock = threading.Lock()
+
+    def reply_for(self, row: int) -> Any:
+        def reply(answer: Answer) -> None:
+            with self._lock:
+                self._answers[row] = answer
+                self._missing -= 1
+                if self._missing:
+                    return
+            self._responder.submit(self)
+
+        return reply
+
+    def send(self) -> None:
+        errors = [a.error for a in self._answers if a is not None and a.error is not None]
+        if errors:
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(_describe(errors)))
+        else:
+            tensors = [
+                pb_utils.Tensor(name, np.stack([a.outputs[name] for a in self._answers]))  # type: ignore[union-attr,index]
+                for name in self._names
+            ]
+            response = pb_utils.InferenceResponse(output_tensors=tensors)
+        self._sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def _describe(errors: list[QueryError]) -> str:
+    first = str(errors[0])
+    return first if len(errors) == 1 else f"{first} (and {len(errors) - 1} more row(s) failed)"
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        from policies import load_policy
+
+        config = json.loads(args["model_config"])
+        model_dir = Path(args["model_repository"]) / args["model_version"]
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        settings = parse_parameters(params, model_dir)
+        manifest = Manifest.load(settings.manifest)
+        policy = load_policy(settings.policy, settings.policy_params, model_dir)
+        self._manifest = manifest
+        self._scheduler: Scheduler = load_scheduler(
+            settings.manifest.parent, policy, settings.runtime, manifest_file=settings.manifest.name
+        ).start()
+        self._output_names = [t.name for t in manifest.outputs]
+        self._responder = _Responder()
+        self._metrics = StageMetrics(self._scheduler, args["model_name"])
+        pb_utils.Logger.log_info(
+            f"dvabatch: {manifest.name} with {manifest.num_stages} stages, policy {settings.policy}, "
+            f"{settings.runtime.num_buffer_pairs} buffer pairs"
+        )
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                rows = self._rows(request)
+            except ValueError as exc:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            answer = _RequestAnswer(sender, len(rows), self._output_names, self._responder)
+            self._scheduler.submit_many([(row, answer.reply_for(i)) for i, row in enumerate(rows)])
+        return None
+
+    def _rows(self, request: Any) -> list[dict[str, np.ndarray]]:
+        """One dict of tensors per row of the request (copied: no views into request memory)."""
+        arrays = {}
+        for spec in self._manifest.inputs:
+            tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+            if tensor is None:
+                raise ValueError(f"missing input {spec.name!r}; the model expects {[t.name for t in self._manifest.inputs]}")
+            arrays[spec.name] = tensor.as_numpy()
+        counts = {name: arr.shape[0] if arr.ndim else 0 for name, arr in arrays.items()}
+        if len(set(counts.values())) != 1 or 0 in counts.values():
+            raise ValueError(f"inputs disagree on the number of rows: {counts}")
+        k = next(iter(counts.values()))
+        return [{name: np.array(arr[i], copy=True) for name, arr in arrays.items()} for i in range(k)]
+
+    def finalize(self) -> None:
+        """Answer what is in flight ("shutting down") and join every thread the model started."""
+        self._scheduler.stop()  # its last answers go to the responder, which sends them before it ends
+        self._responder.close()
+        self._metrics.close()
