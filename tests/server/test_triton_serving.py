@@ -11,7 +11,7 @@ import pytest
 from dvabatch_backend.tools.serve import TritonServer
 from slicer.zoo import ZOO
 
-from .triton_support import POLICIES, Clients, ServedModel, add_variant, slice_zoo_model
+from ..triton_support import POLICIES, Clients, ServedModel, add_variant, slice_zoo_model
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from policies import RandomLegalPolicy
 
-from .conftest import Collector, SlowEngine, assert_matches_reference, make_scheduler
+from ..conftest import Collector, SlowEngine, assert_matches_reference, make_scheduler
 
 CUT_POINTS = ("h1", "h2", "h3", "h4", "h5")
 

@@ -20,7 +20,7 @@ from tritonclient.utils import InferenceServerException
 
 from dvabatch_backend.tools.serve import TRITON_DTYPES, TritonServer
 
-from .triton_support import ServedModel, add_variant, control_client, slice_zoo_model, stub_pids
+from ..triton_support import ServedModel, add_variant, control_client, slice_zoo_model, stub_pids
 
 TIMEOUT = 30.0  # client timeout of every request
 THREAD_SLACK = 8  # threads the server may keep beyond its count before the first load (it has ~35 more per model)

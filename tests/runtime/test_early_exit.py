@@ -9,7 +9,7 @@ import pytest
 from policies.examples.early_exit import EarlyExitPolicy, confidence, runs
 from slicer import cut, toy
 
-from .conftest import Collector, SlowEngine, make_scheduler, SlicedModel
+from ..conftest import Collector, SlowEngine, make_scheduler, SlicedModel
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TARGET = "slicer/trt.py"
 STUBS_DISTRIBUTION = "tensorrt-stubs"
 STUB_PACKAGES = ("tensorrt", "tensorrt_bindings")

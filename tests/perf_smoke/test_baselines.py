@@ -30,7 +30,7 @@ from slicer import toy
 from slicer.profiler import random_inputs
 from slicer.slice_model import SliceOptions, slice_model
 
-from .triton_support import Clients, ServedModel, add_variant
+from ..triton_support import Clients, ServedModel, add_variant
 
 MAX_LENGTH = 16
 BS_MAX = 8

@@ -25,7 +25,7 @@ from perf.load import (
     stepping_rates,
 )
 
-from .triton_support import add_variant, slice_zoo_model
+from ..triton_support import add_variant, slice_zoo_model
 
 N = 200_000
 

@@ -12,7 +12,7 @@ from dvabatch_backend.tools import demo
 from dvabatch_backend.tools.serve import TritonServer
 from perf.baselines import zero_batch
 
-from .triton_support import add_variant, slice_zoo_model
+from ..triton_support import add_variant, slice_zoo_model
 
 DVA_NAME, ZERO_NAME = "bert_input", "bert_zerobatch"
 

@@ -20,7 +20,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 from dvabatch_backend.tools.serve import TritonServer
 from slicer.triton_files import add_model_variant, config_pbtxt
 
-from .triton_support import Clients, ServedModel, add_variant, slice_zoo_model, control_client, stub_pids
+from ..triton_support import Clients, ServedModel, add_variant, slice_zoo_model, control_client, stub_pids
 
 PROTOCOLS = ("http", "grpc")
 TIMEOUT = 30.0

@@ -9,7 +9,7 @@ import numpy as np
 from dvabatch_backend import ShuttingDownError
 from policies import PipelinedPolicy
 
-from .conftest import Collector, SlowEngine, assert_matches_reference, make_scheduler
+from ..conftest import Collector, SlowEngine, assert_matches_reference, make_scheduler
 
 
 def test_stop_with_batches_in_flight_answers_everything_and_joins(zoo) -> None:

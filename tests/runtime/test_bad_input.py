@@ -7,7 +7,7 @@ import pytest
 from dvabatch_backend import BadInputError, StageFailedError
 from policies import PipelinedPolicy
 
-from .conftest import MAX_LENGTH, Collector, assert_matches_reference, make_scheduler
+from ..conftest import MAX_LENGTH, Collector, assert_matches_reference, make_scheduler
 
 
 def _good(rng: np.random.Generator, length: int = 4) -> dict[str, np.ndarray]:

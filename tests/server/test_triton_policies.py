@@ -19,7 +19,7 @@ from slicer import toy
 from slicer.profiler import int_bounds
 from slicer.slice_model import SliceOptions, slice_model
 
-from .triton_support import Clients, ServedModel, add_variant
+from ..triton_support import Clients, ServedModel, add_variant
 
 HIDDEN, LONG, SHORT = 256, 256, 8  # wide enough that stage 0 (the batch window) outlasts a burst's sends
 

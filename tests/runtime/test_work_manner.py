@@ -5,7 +5,7 @@ import numpy as np
 
 from policies import PipelinedPolicy
 
-from .conftest import Collector, SlowEngine, make_scheduler
+from ..conftest import Collector, SlowEngine, make_scheduler
 
 
 def _run_intervals(zoo, pairs: int) -> list[tuple[float, float, int]]:

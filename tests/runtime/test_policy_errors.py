@@ -10,7 +10,7 @@ from dvabatch_backend import ArrivalPlan, New, Policy
 from dvabatch_backend.runtime.decisions import BatchTableView, QueryInfo
 from dvabatch_backend.runtime.errors import PolicyError
 
-from .conftest import Collector, assert_matches_reference, make_scheduler
+from ..conftest import Collector, assert_matches_reference, make_scheduler
 
 
 class PadTooShort(Policy):
@@ -93,7 +93,7 @@ class HoldsIntoThePast(Policy):
 
 
 def test_a_wake_up_in_the_past_does_not_starve_the_pipeline(zoo) -> None:
-    from .conftest import SlowEngine
+    from ..conftest import SlowEngine
 
     model = zoo.stages("token", 2)
     rng = np.random.default_rng(8)

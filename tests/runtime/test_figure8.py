@@ -11,7 +11,7 @@ from dvabatch_backend import ArrivalPlan, BatchItem, ExecutorState, New, Policy,
 from dvabatch_backend.runtime.batch_table import BatchInfo
 from dvabatch_backend.runtime.decisions import BatchTableView, QueryInfo
 
-from .conftest import Collector, GatedEngine, assert_matches_reference, make_scheduler
+from ..conftest import Collector, GatedEngine, assert_matches_reference, make_scheduler
 
 
 class Figure8Policy(Policy):

@@ -1,0 +1,165 @@
+"""The built-in diversity policies (paper §7.2), end to end: each policy in a real Scheduler over a
+sliced toy model (the policies' decisions alone are unit-tested in tests/unit/test_policies.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import pytest
+
+from dvabatch_backend.runtime.decisions import ArrivalPlan, BatchTableView, New, Policy, QueryInfo
+from policies.hybrid import HybridPolicy
+from policies.input_diversity import InputDiversityPolicy
+from policies.load_diversity import LoadDiversityPolicy
+from policies.operator_diversity import OperatorDiversityPolicy
+
+from ..conftest import Collector, SlicedModel, SlowEngine, assert_matches_reference, make_scheduler
+
+MS = 1e-3
+# Saturates at bs 2: T(1) = T(2), then per-query time is flat (T linear in bs). Splitting pays
+# down to 2: T(8) = 2 T(4), T(4) = 2 T(2), but T(2) < 2 T(1).
+SPLITS = {1: 1 * MS, 2: 1 * MS, 4: 2 * MS, 8: 4 * MS}
+# A large fixed cost per batch: T(bs) < 2 T(bs/2) everywhere, never worth splitting.
+NO_SPLIT = {1: 1 * MS, 2: 1.1 * MS, 4: 1.3 * MS, 8: 1.7 * MS}
+
+
+def news(plan: ArrivalPlan) -> list[New]:
+    return [d for d in plan.decisions if isinstance(d, New)]
+
+
+def covered(plan: ArrivalPlan) -> list[int]:
+    return sorted(q for d in plan.decisions for q in d.query_ids)
+
+
+class CheckedInput(InputDiversityPolicy):
+    """Input diversity that records whether each plan kept Policy I's promises."""
+
+    def __init__(self, **params: float) -> None:
+        super().__init__(**params)
+        self.broken: list[str] = []
+
+    def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
+        plan = super().on_arrival(waiting, table, now)
+        length = {q.id: q.length for q in waiting}
+        active = table.queries_in_flight() + len(covered(plan))
+        if active > self.context.bs_max:
+            self.broken.append(f"{active} queries active")
+        if plan.wake_at is not None and plan.wake_at <= now:
+            self.broken.append(f"wake_at {plan.wake_at} <= now {now}")
+        for d in news(plan):
+            lengths = [length[q] for q in d.query_ids]
+            if d.pad_length is None or d.pad_length > (1 + self.pad_tolerance) * min(lengths):
+                self.broken.append(f"{d} pads lengths {lengths}")
+        return plan
+
+
+def with_profile(model: SlicedModel, stage_times: Sequence[Mapping[int, float]]) -> SlicedModel:
+    """The model with a stage-time profile in its manifest, shaped as manifest.json holds it."""
+    profile = [{str(bs): t for bs, t in stage.items()} for stage in stage_times]
+    manifest = dataclasses.replace(model.manifest, extra={**model.manifest.extra, "stage_times": profile})
+    return dataclasses.replace(model, manifest=manifest)
+
+
+def run_queries(model: SlicedModel, policy: Policy, rounds: Sequence[Sequence[int]], delay: float,
+                submitters: int = 1, gap: Callable[[np.random.Generator], float] = lambda r: 0.0, **settings: object):
+    """Submit rounds of queries of these lengths (from `submitters` threads); check every answer."""
+    engines = [SlowEngine(e, delay) for e in model.engines()]
+    scheduler = make_scheduler(model, policy, engines, **settings)
+    collector = Collector()
+    sent: dict[int, dict[str, np.ndarray]] = {}
+    lock = threading.Lock()
+    errors: list[Exception] = []
+
+    def submit(worker: int) -> None:
+        rng = np.random.default_rng(worker)
+        try:
+            for lengths in rounds[worker::submitters]:
+                batch = [model.query(rng, n) for n in lengths]
+                ids = scheduler.submit_many([(q, collector) for q in batch])
+                with lock:
+                    sent.update(zip(ids, batch))
+                time.sleep(gap(rng))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    with scheduler:
+        threads = [threading.Thread(target=submit, args=(w,)) for w in range(submitters)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert collector.wait_for(set(sent), timeout=30), f"unanswered: {set(sent) - set(collector.answers)}"
+    assert set(collector.answers) == set(sent)
+    for qid, inputs in sent.items():
+        assert_matches_reference(model, inputs, collector.one(qid))
+    assert scheduler.buffer_violations == []
+    assert scheduler.stats.policy_errors == 0
+    assert scheduler.stats.answered_ok == len(sent)
+    return scheduler
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "input": lambda: CheckedInput(),
+    "operator": lambda: OperatorDiversityPolicy(),
+    "load": lambda: LoadDiversityPolicy(),
+    "hybrid": lambda: HybridPolicy(),
+}
+
+
+@pytest.mark.parametrize("profiled", [False, True], ids=["no-profile", "profile"])
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_policy_answers_concurrent_mixed_lengths_like_the_unsliced_model(zoo, name: str, profiled: bool) -> None:
+    model = zoo.stages("token", 4)
+    if profiled:
+        model = with_profile(model, [SPLITS] * 4)
+    rng = np.random.default_rng(11)
+    rounds = [[int(n) for n in rng.integers(1, 13, size=int(rng.integers(1, 5)))] for _ in range(24)]
+    policy = POLICIES[name]()
+    scheduler = run_queries(model, policy, rounds, delay=0.0005, submitters=4,
+                            gap=lambda r: float(r.choice([0.0, 0.0005, 0.002])), num_buffer_pairs=2)
+    assert scheduler.stats.new > 0
+    if isinstance(policy, CheckedInput):
+        assert policy.broken == []
+
+
+def test_operator_policy_splits_with_a_profile_that_pays(zoo) -> None:
+    model = with_profile(zoo.stages("token", 4), [SPLITS] * 4)
+    scheduler = run_queries(model, OperatorDiversityPolicy(), [[12, 3, 5, 7, 1, 9, 2, 11]], delay=0.001)
+    assert scheduler.stats.split > 0 and scheduler.stats.split_refused == 0
+    splits = [e.detail for e in scheduler.trace if e.kind == "split"]
+    assert splits and splits[0].startswith("into [2, 2, 2, 2]")
+    quiet = run_queries(with_profile(zoo.stages("token", 4), [NO_SPLIT] * 4), OperatorDiversityPolicy(),
+                        [[12, 3, 5, 7, 1, 9, 2, 11]], delay=0.001)
+    assert quiet.stats.split == 0
+
+
+def test_load_policy_stretches_a_batch_in_flight(zoo) -> None:
+    # T_comp_wait defaults to stage 0's profiled time at bs 1: half a second here
+    model = with_profile(zoo.stages("token", 4), [{1: 0.5, 8: 0.6}] * 4)
+    scheduler = run_queries(model, LoadDiversityPolicy(), [[12, 4], [5, 6, 7], [2]], delay=0.01)
+    assert scheduler.stats.stretch > 0 and scheduler.stats.stretch_refused == 0
+    assert scheduler.stats.new == 1  # every later query joined the first batch
+
+
+def test_load_policy_grows_the_batch_that_waits_for_a_busy_stage_0(zoo) -> None:
+    # T_comp_wait 0: a started batch never takes more; the queries arriving one by one while stage 0
+    # runs the first batch join the second, queued one, which stage 0 then runs as ONE item
+    model = zoo.stages("token", 4)
+    scheduler = run_queries(model, LoadDiversityPolicy(t_comp_wait=0.0), [[12], [7], [5], [6], [4], [2]],
+                            delay=0.2, gap=lambda r: 0.01)
+    assert scheduler.stats.new == 2 and scheduler.stats.stretch == 4
+    assert scheduler.stats.stages[0].batches == 2 and scheduler.stats.stages[0].rows == 6
+    assert [e.detail for e in scheduler.trace if e.kind == "stretch"]
+
+
+def test_hybrid_policy_stretches_then_splits(zoo) -> None:
+    model = with_profile(zoo.stages("token", 4), [SPLITS] * 4)
+    scheduler = run_queries(model, HybridPolicy(t_comp_wait=1.0), [[12, 3], [4, 5, 6, 7]], delay=0.01)
+    assert scheduler.stats.stretch == 1 and scheduler.stats.new == 1
+    assert scheduler.stats.split > 0  # the stretched batch of 6 splits into 3 + 3
+    assert [e.detail.split(" ->")[0] for e in scheduler.trace if e.kind == "split"] == ["into [3, 3]"]
