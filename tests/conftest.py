@@ -1,6 +1,8 @@
-"""Shared fixtures: small sliced models, the unsliced reference, and engines tests can steer."""
+"""Shared fixtures: small sliced models, the unsliced reference, and engines tests can steer; and the
+markers given by folder (tests/server -> server, tests/perf_smoke -> perf_smoke)."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -12,9 +14,56 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from dvabatch_backend import Answer, Manifest, OrtStageEngine, RuntimeSettings, Scheduler
+from dvabatch_backend import Answer, Manifest, OrtStageEngine, Pipeline, RuntimeSettings
 from dvabatch_backend.runtime.decisions import Policy
 from slicer import cut, toy
+
+TESTS = Path(__file__).resolve().parent
+# folder under tests/ -> markers every test in it gets
+FOLDER_MARKERS = {"server": ("server",), "perf_smoke": ("perf_smoke",)}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        folder = path.relative_to(TESTS).parts[0] if path.is_relative_to(TESTS) else ""
+        for name in FOLDER_MARKERS.get(folder, ()):
+            item.add_marker(name)
+    _guard_server_start()
+
+
+# -- the server marker tells the truth: a test not marked `server` that starts tritonserver fails --
+
+_running: list[pytest.Item] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    _running.append(item)
+    try:
+        yield
+    finally:
+        _running.pop()
+
+
+def _guard_server_start() -> None:
+    """Wrap TritonServer.start (if a test module imported it) to refuse a test without the marker;
+    a perf_smoke test that starts the server says so with @pytest.mark.server."""
+    serve = sys.modules.get("dvabatch_backend.tools.serve")
+    server = getattr(serve, "TritonServer", None)
+    if server is None or getattr(server.start, "_guarded", False):
+        return
+    start = server.start
+
+    def guarded(self, *args, **kwargs):
+        item = _running[-1] if _running else None
+        if item is not None and item.get_closest_marker("server") is None:
+            raise AssertionError(f"{item.nodeid} starts tritonserver but is not marked `server`")
+        return start(self, *args, **kwargs)
+
+    guarded._guarded = True  # type: ignore[attr-defined]
+    server.start = guarded
+
 
 HIDDEN = 8
 MAX_LENGTH = 12
@@ -130,9 +179,9 @@ class SlowEngine:
         time.sleep(self.delay)
 
 
-def make_scheduler(model: SlicedModel, policy: Policy, engines: list | None = None, **settings: object) -> Scheduler:
+def make_scheduler(model: SlicedModel, policy: Policy, engines: list | None = None, **settings: object) -> Pipeline:
     options = {"record_trace": True, **settings}
-    return Scheduler(model.manifest, engines or model.engines(), policy, RuntimeSettings(**options))  # type: ignore[arg-type]
+    return Pipeline(model.manifest, engines or model.engines(), policy, RuntimeSettings(**options))  # type: ignore[arg-type]
 
 
 def assert_matches_reference(model: SlicedModel, inputs: Mapping[str, np.ndarray], answer: Answer) -> None:

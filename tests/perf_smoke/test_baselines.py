@@ -15,7 +15,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from dvabatch_backend.runtime.manifest import Manifest
-from dvabatch_backend.tools.serve import TritonServer
+from dvabatch_backend.tools.serve import TritonServer, infer_inputs
 from perf import baseline_model
 from perf.baselines import (
     MODEL_SOURCE,
@@ -63,11 +63,7 @@ def served(sliced: ServedModel):
 
 def _send(module, url: str, model: str, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """One request of [k, ...] rows; returns its outputs ([k, ...])."""
-    inputs = []
-    for name, arr in arrays.items():
-        tensor = module.InferInput(name, list(arr.shape), {"float32": "FP32", "float64": "FP64"}[arr.dtype.name])
-        tensor.set_data_from_numpy(np.ascontiguousarray(arr))
-        inputs.append(tensor)
+    inputs = infer_inputs(module, arrays, add_batch_dim=False)
     with module.InferenceServerClient(url) as client:
         result = client.infer(model, inputs)
     return {name: result.as_numpy(name) for name in ("tokens", "pooled")}
@@ -153,6 +149,7 @@ def test_parameters_are_checked_by_name(sliced) -> None:
 # --- the real server --------------------------------------------------------------------------
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("model", [ZERO, DELAY])
 def test_concurrent_mixed_lengths_over_http_and_grpc_equal_the_unsliced_model(served, sliced, model) -> None:
     clients = Clients(served.http_url, served.grpc_url)
@@ -187,6 +184,7 @@ def test_concurrent_mixed_lengths_over_http_and_grpc_equal_the_unsliced_model(se
     assert failures == []
 
 
+@pytest.mark.server
 def test_the_delay_baseline_batches_requests_of_different_lengths(served, sliced) -> None:
     rng = np.random.default_rng(7)
     queries = [sliced.query(rng, n) for n in (1, 9, 3, 16, 5, 12, 2, 7)]
@@ -216,6 +214,7 @@ def test_the_delay_baseline_batches_requests_of_different_lengths(served, sliced
     assert max(batches) > 1, batches
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_a_bad_request_gets_a_clear_error_and_its_neighbours_are_served(served, sliced, protocol) -> None:
     module, url = (httpclient, served.http_url) if protocol == "http" else (grpcclient, served.grpc_url)
@@ -250,6 +249,7 @@ def test_a_bad_request_gets_a_clear_error_and_its_neighbours_are_served(served, 
         _send(module, url, ZERO, {"x": np.zeros((1, 4, 16), np.float64), "mask": np.ones((1, 4), np.float32)})
 
 
+@pytest.mark.server
 def test_dvabatch_and_the_baselines_answer_alike_on_one_server(served, sliced) -> None:
     clients = Clients(served.http_url, served.grpc_url)
     rng = np.random.default_rng(11)
@@ -261,6 +261,7 @@ def test_dvabatch_and_the_baselines_answer_alike_on_one_server(served, sliced) -
                 np.testing.assert_allclose(other[name], answers[0][name], atol=1e-4, rtol=0)
 
 
+@pytest.mark.server
 def test_tune_delay_measures_every_candidate_and_records_the_best(served, sliced, tmp_path) -> None:
     record = tmp_path / "tuning.json"
     best, qps = tune_delay(served.grpc_url, {0: ZERO, DELAY_US: DELAY}, random_query_maker(sliced.manifest),

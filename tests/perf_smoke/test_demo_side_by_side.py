@@ -32,6 +32,7 @@ def served(tmp_path_factory):
         server.stop()
 
 
+@pytest.mark.server
 def test_every_query_is_answered_and_ratios_are_finite(served, monkeypatch, capsys) -> None:
     server, model = served
     seen: list = []

@@ -9,6 +9,8 @@ import pytest
 
 from perf.experiments import SYSTEMS, ExperimentSettings, figure14, figure15, figure21, main, write_report
 
+pytestmark = pytest.mark.server  # every test here runs the harness against the real tritonserver
+
 FRACTIONS = (0.25, 0.6, 0.9)
 QUERIES = 30
 SETTINGS = ExperimentSettings(size="test", queries=QUERIES, peak_seconds=1.0, fractions=FRACTIONS, delays_us=(0, 2000),

@@ -8,22 +8,11 @@ import numpy as np
 import pytest
 
 from dvabatch_backend.tools.serve import TritonServer
+from perf.arrivals import constant, gamma, poisson, stepping, stepping_rates
+from perf.drivers import run_closed_loop, run_open_loop
 from perf.lengths import PRESETS, describe, names, sample_lengths
-from perf.load import (
-    LoadResult,
-    QueryRecord,
-    constant,
-    gamma,
-    grpc_request,
-    peak_load,
-    poisson,
-    query_length,
-    run_closed_loop,
-    run_open_loop,
-    step_summaries,
-    stepping,
-    stepping_rates,
-)
+from perf.stats import LoadResult, QueryRecord, peak_load, step_summaries
+from perf.wire import grpc_request, query_length
 
 from ..triton_support import add_variant, slice_zoo_model
 
@@ -242,6 +231,7 @@ def _well_formed(summary: dict) -> None:
     json.dumps(summary, allow_nan=False)
 
 
+@pytest.mark.server
 def test_open_loop_poisson_stays_on_schedule(served) -> None:
     server, model = served
     rng = np.random.default_rng(5)
@@ -265,6 +255,7 @@ def test_open_loop_poisson_stays_on_schedule(served) -> None:
     assert result.params["rate"] == 200.0 and result.to_json()
 
 
+@pytest.mark.server
 def test_closed_loop_keeps_concurrency(served) -> None:
     server, model = served
     result = run_closed_loop(server.grpc_url, model.name, lambda i: model.query(np.random.default_rng(i)),
@@ -282,6 +273,7 @@ def test_closed_loop_keeps_concurrency(served) -> None:
     assert max(np.cumsum([e[1] for e in events])) <= 4
 
 
+@pytest.mark.server
 def test_http_open_loop_answers_equal_the_model(served) -> None:
     server, model = served
     rng = np.random.default_rng(6)
@@ -294,6 +286,7 @@ def test_http_open_loop_answers_equal_the_model(served) -> None:
             np.testing.assert_allclose(result.outputs[i][name][0], ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.server
 def test_errors_are_recorded_per_query(served) -> None:
     server, model = served
     rng = np.random.default_rng(7)
@@ -307,6 +300,7 @@ def test_errors_are_recorded_per_query(served) -> None:
     assert str(missing.records[0].error).startswith("NOT_FOUND")
 
 
+@pytest.mark.server
 def test_closed_loop_raises_what_make_query_raised(served) -> None:
     server, model = served
 

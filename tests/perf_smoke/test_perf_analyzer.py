@@ -147,16 +147,19 @@ def _assert_sweep(result: PerfResult, levels: list[int]) -> None:
         assert row.avg_us > 0, detail
 
 
+@pytest.mark.server
 def test_concurrency_sweep_over_http_with_varied_lengths(server: TritonServer, varied_input: Path) -> None:
     result = _quick_run(server.http_url, protocol="http", concurrency_range=(1, 4, 1), input_data=varied_input)
     _assert_sweep(result, [1, 2, 3, 4])
 
 
+@pytest.mark.server
 def test_concurrency_sweep_over_grpc_with_varied_lengths(server: TritonServer, varied_input: Path) -> None:
     result = _quick_run(server.grpc_url, protocol="grpc", concurrency_range="1:4:2", input_data=varied_input)
     _assert_sweep(result, [1, 3])
 
 
+@pytest.mark.server
 def test_poisson_request_rate_sweep(server: TritonServer, varied_input: Path) -> None:
     result = _quick_run(server.grpc_url, protocol="grpc", request_rate_range=(100, 200, 100),
                         request_distribution="poisson", input_data=varied_input)
@@ -166,6 +169,7 @@ def test_poisson_request_rate_sweep(server: TritonServer, varied_input: Path) ->
     assert all(r.throughput > 0 for r in result.rows), detail
 
 
+@pytest.mark.server
 def test_variable_dims_need_shapes(server: TritonServer) -> None:
     """Without --input-data shapes or --shape, perf_analyzer refuses a model with -1 dims; --shape fixes it."""
     bare = _quick_run(server.http_url, concurrency_range=(1,), input_data="random")
@@ -175,6 +179,7 @@ def test_variable_dims_need_shapes(server: TritonServer) -> None:
     _assert_sweep(shaped, [1])
 
 
+@pytest.mark.server
 def test_cli(server: TritonServer, varied_input: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "rows.json"
     code = main(["--model", MODEL, "--url", server.http_url, "--concurrency", "2", "--input-data", str(varied_input),
