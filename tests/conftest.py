@@ -181,7 +181,7 @@ class SlowEngine:
 
 def make_scheduler(model: SlicedModel, policy: Policy, engines: list | None = None, **settings: object) -> Pipeline:
     options = {"record_trace": True, **settings}
-    return Pipeline(model.manifest, engines or model.engines(), policy, RuntimeSettings(**options))  # type: ignore[arg-type]
+    return Pipeline.create(model.manifest, engines or model.engines(), policy, RuntimeSettings(**options))  # type: ignore[arg-type]
 
 
 def assert_matches_reference(model: SlicedModel, inputs: Mapping[str, np.ndarray], answer: Answer) -> None:

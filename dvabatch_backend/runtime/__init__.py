@@ -4,18 +4,21 @@ A plain library: it imports neither Triton, the slicer, the policies nor perf.
 """
 from .batch_table import BatchInfo, BatchItem, BatchQueue, BatchTable
 from .buffers import BufferPool, BufferState, StageBuffer
-from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo, Split, Stretch
+from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, Split, Stretch
 from .engine import OrtStageEngine, StageEngine
 from .errors import BadInputError, ManifestError, QueryError, ShuttingDownError, StageFailedError
-from .executor import ExecutorState, StageExecutor
+from .executor import BatchWindow, StageExecutor, run_until_idle, run_work
+from .loading import load_pipeline, load_scheduler
 from .manifest import Manifest, StageSpec, TensorSpec
-from .query import Answer, Query
-from .scheduler import RuntimeSettings, Scheduler, load_scheduler
+from .pipeline import Pipeline
+from .query import Answer, Query, QueryInfo, QueryState
+from .scheduler import EarlyExit, ExecutorState, RuntimeSettings, Scheduler, Work, WorkListener, WorkResult
 
 __all__ = [
     "Answer", "ArrivalPlan", "BadInputError", "BatchInfo", "BatchItem", "BatchQueue", "BatchTable",
-    "BatchTableView", "BufferPool", "BufferState", "ExecutorState", "Manifest", "ManifestError", "New",
-    "OrtStageEngine", "Policy", "PolicyContext", "Query", "QueryError", "QueryInfo", "RuntimeSettings",
-    "Scheduler", "ShuttingDownError", "Split", "StageBuffer", "StageEngine", "StageExecutor",
-    "StageFailedError", "StageSpec", "Stretch", "TensorSpec", "load_scheduler",
+    "BatchTableView", "BatchWindow", "BufferPool", "BufferState", "EarlyExit", "ExecutorState", "Manifest",
+    "ManifestError", "New", "OrtStageEngine", "Pipeline", "Policy", "PolicyContext", "Query", "QueryError",
+    "QueryInfo", "QueryState", "RuntimeSettings", "Scheduler", "ShuttingDownError", "Split", "StageBuffer",
+    "StageEngine", "StageExecutor", "StageFailedError", "StageSpec", "Stretch", "TensorSpec", "Work",
+    "WorkListener", "WorkResult", "load_pipeline", "load_scheduler", "run_until_idle", "run_work",
 ]

@@ -26,15 +26,7 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 
 from .batch_table import BatchInfo, BatchTable
-
-
-@dataclass(frozen=True)
-class QueryInfo:
-    """What a policy may know of a waiting query."""
-
-    id: int
-    length: int
-    arrival: float
+from .query import QueryInfo
 
 
 @dataclass(frozen=True)
@@ -90,11 +82,15 @@ class PolicyContext:
 
 
 class BatchTableView:
-    """Read-only access to the batch table for policies."""
+    """Read-only access to the batch table for policies.
 
-    def __init__(self, table: BatchTable) -> None:
+    The view handed to `on_stage_done` also shows the finished stage's output tensors for the
+    batch's rows (`stage_outputs`); the scheduler makes that view for the call.
+    """
+
+    def __init__(self, table: BatchTable, stage_outputs: Mapping[str, np.ndarray] | None = None) -> None:
         self._table = table
-        self._stage_outputs: Mapping[str, np.ndarray] = MappingProxyType({})
+        self._stage_outputs = MappingProxyType({name: _readonly(arr) for name, arr in (stage_outputs or {}).items()})
 
     def stage_outputs(self) -> Mapping[str, np.ndarray]:
         """In `on_stage_done`: the finished stage's output tensors for the batch's rows (read-only).
@@ -102,14 +98,6 @@ class BatchTableView:
         Empty at any other time; the arrays are only valid during the call.
         """
         return self._stage_outputs
-
-    def _show_stage_outputs(self, outputs: Mapping[str, np.ndarray]) -> None:
-        readonly = {}
-        for name, arr in outputs.items():
-            view = arr.view()
-            view.flags.writeable = False
-            readonly[name] = view
-        self._stage_outputs = MappingProxyType(readonly)
 
     def __iter__(self) -> Iterator[BatchInfo]:
         return (self._table.info(r) for r in self._table)
@@ -142,3 +130,9 @@ class Policy(ABC):
 
     def on_stage_done(self, stage: int, batch: BatchInfo, table: BatchTableView, now: float) -> Split | None:
         return None
+
+
+def _readonly(arr: np.ndarray) -> np.ndarray:
+    view = arr.view()
+    view.flags.writeable = False
+    return view

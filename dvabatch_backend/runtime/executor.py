@@ -1,106 +1,123 @@
-"""Stage executors (paper §6.2, Figures 11 and 12): one thread per stage.
+"""Stage executors (paper §6.2, Figures 11 and 12): one thread per stage, and the batch window.
 
-Each loops: take an item from its batch queue once the item's buffer pair is legitimate
-(`Scheduler.next_work`, under the scheduler's lock) -> execute it on buffer views (outside the
-lock) -> hand the result back (`Scheduler.finish_work`), where the policy's `Schedule()` runs,
-items go to the next queue and pairs are legitimated upstream. The executor holds no runtime
-state of its own besides its `state`, which the scheduler sets under its lock.
+An executor loops: ask the scheduler for work (`Scheduler.next_work`, which answers at once) ->
+run it on buffer views, outside the scheduler's lock (`run_work`) -> hand the result back
+(`Scheduler.finish_work`), where the policy's `Schedule()` runs, items go to the next queue and
+pairs are legitimated upstream. With nothing to run it waits for the scheduler's signal
+(`StageExecutor.wake`, through the `Pipeline`, the scheduler's `WorkListener`). Executors own
+their threads and nothing else: the runtime's state, each stage's `ExecutorState` included, is
+the scheduler's.
+
+`run_work` and `run_until_idle` let one thread play every executor (tests, benchmarks).
 """
 from __future__ import annotations
 
-import enum
 import logging
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Sequence
 
-import numpy as np
-
-from .batch_table import BatchItem
-from .buffers import PairUse
 from .engine import StageEngine
-from .manifest import SEQ, TensorSpec
-from .query import Query
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+from .query import gather_inputs, scatter_outputs
+from .scheduler import Scheduler, Work, WorkResult
 
 log = logging.getLogger(__name__)
 
 
-class ExecutorState(enum.Enum):
-    ACTIVE = "active"  # holds a legitimate pair, waits for an item
-    CHECKING = "checking"  # has an item whose pair is not legitimate yet
-    WORKING = "working"
-    INACTIVE = "inactive"  # holds no pair it may use
-    STOPPED = "stopped"
+def run_work(work: Work, engine: StageEngine, scheduler: Scheduler) -> WorkResult:
+    """Run one `Work` on its stage's engine: gather at stage 0, scatter at the last stage.
+
+    An engine's failure is the result (the queries' answer), never raised.
+    """
+    try:
+        if work.gather:
+            gather_inputs(work.queries, work.inputs, scheduler.input_specs)
+        engine.run(work.inputs, work.outputs)
+        answers = scatter_outputs(work.queries, work.outputs, scheduler.output_specs) if work.scatter else None
+    except Exception as exc:
+        log.warning("stage %d failed on %s: %s", work.stage, work.item, exc)
+        return WorkResult(error=exc)
+    return WorkResult(answers=answers)
 
 
-@dataclass
-class Work:
-    """One execution of one batch item by one stage, prepared under the lock."""
+def run_until_idle(scheduler: Scheduler, engines: Sequence[StageEngine]) -> int:
+    """Play every stage's executor from this thread until no stage has work; return the works run.
 
-    stage: int
-    item: BatchItem
-    use: PairUse
-    inputs: dict[str, np.ndarray]
-    outputs: dict[str, np.ndarray]
-    queries: list[Query]
-    started: float
+    Stages are visited last first, so a buffer pair is freed downstream before upstream asks for it.
+    """
+    done = 0
+    while True:
+        progressed = False
+        for stage in reversed(range(scheduler.num_stages)):
+            work = scheduler.next_work(stage)
+            if work is not None:
+                scheduler.finish_work(work, run_work(work, engines[stage], scheduler))
+                done += 1
+                progressed = True
+        if not progressed:
+            return done
 
 
 class StageExecutor:
-    def __init__(self, stage: int, engine: StageEngine, scheduler: "Scheduler") -> None:
+    """One stage's thread: runs the stage's work whenever the scheduler has some."""
+
+    def __init__(self, stage: int, engine: StageEngine, scheduler: Scheduler) -> None:
         self.stage = stage
         self.engine = engine
-        self.state = ExecutorState.INACTIVE
         self._scheduler = scheduler
-        self.wakeup = threading.Condition(scheduler.lock)
+        self._ready = threading.Event()
+        self.wakeups = 0  # how often the thread waited for a signal and woke (written by the thread only)
         self.thread = threading.Thread(target=self._loop, name=f"dvabatch-stage-{stage}", daemon=True)
 
+    def wake(self) -> None:
+        """The stage may have work (or the scheduler stopped): look again."""
+        self._ready.set()
+
     def _loop(self) -> None:
-        is_first = self.stage == 0
-        is_last = self.stage == self._scheduler.num_stages - 1
-        while (work := self._scheduler.next_work(self)) is not None:
-            error: BaseException | None = None
-            results: list[dict[str, np.ndarray]] | None = None
+        scheduler = self._scheduler
+        while True:
+            self._ready.clear()  # before asking: a signal from now on is not lost
+            work = scheduler.next_work(self.stage)
+            if work is None:
+                if scheduler.stopping:
+                    return
+                self._ready.wait()
+                self.wakeups += 1
+                continue
+            result = run_work(work, self.engine, scheduler)
             try:
-                if is_first:
-                    gather_inputs(work.queries, work.inputs, self._scheduler.input_specs)
-                self.engine.run(work.inputs, work.outputs)
-                if is_last:
-                    results = scatter_outputs(work.queries, work.outputs, self._scheduler.output_specs)
-            except Exception as exc:  # the engine's failure is the queries' answer, not the thread's end
-                log.warning("stage %d failed on %s: %s", self.stage, work.item, exc)
-                error = exc
-            try:
-                self._scheduler.finish_work(self, work, error, results)
+                scheduler.finish_work(work, result)
             except Exception:  # a runtime bug: keep serving, the rest of the pipeline still needs us
                 log.exception("stage %d: bookkeeping failed after %s", self.stage, work.item)
 
 
-def gather_inputs(queries: list[Query], rows: dict[str, np.ndarray], specs: tuple[TensorSpec, ...]) -> None:
-    """Copy each query's tensors into its buffer row, zero-padded to the batch's length."""
-    for spec in specs:
-        dest = rows[spec.name]
-        for r, query in enumerate(queries):
-            src = query.inputs[spec.name]
-            dest[r].fill(0)
-            dest[r][tuple(slice(0, n) for n in src.shape)] = src
+class BatchWindow:
+    """The thread that calls the policy again when its batch window (`Scheduler.wake_at`) passes."""
 
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self._changed = threading.Condition()
+        self._moved = False
+        self._closed = False
+        self.thread = threading.Thread(target=self._loop, name="dvabatch-batch-window", daemon=True)
 
-def scatter_outputs(
-    queries: list[Query], rows: dict[str, np.ndarray], specs: tuple[TensorSpec, ...]
-) -> list[dict[str, np.ndarray]]:
-    """Copy each query's results out of its output row, cut back to its own length."""
-    results = []
-    for r, query in enumerate(queries):
-        out = {}
-        for spec in specs:
-            row = rows[spec.name][r]
-            if spec.has_seq:
-                axis = spec.dims.index(SEQ) - 1
-                row = row[(slice(None),) * axis + (slice(0, query.length),)]
-            out[spec.name] = np.array(row, copy=True)
-        results.append(out)
-    return results
+    def moved(self) -> None:
+        with self._changed:
+            self._moved = True
+            self._changed.notify()
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
+
+    def _loop(self) -> None:
+        wake_at: float | None = None
+        while True:
+            with self._changed:
+                if not (self._moved or self._closed):
+                    timeout = None if wake_at is None else max(0.0, wake_at - self._scheduler.clock())
+                    self._changed.wait(timeout)
+                if self._closed:
+                    return
+                self._moved = False
+            wake_at = self._scheduler.on_window()

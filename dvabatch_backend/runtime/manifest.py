@@ -86,6 +86,22 @@ class Manifest:
     def has_seq(self) -> bool:
         return any(t.has_seq for t in self.inputs)
 
+    def stage_times(self) -> tuple[dict[int, float], ...]:
+        """Profiled seconds per stage keyed by batch size (the slicer's `stage_times`); () without a profile."""
+        return _per_stage_times(self.extra.get("stage_times"), self.num_stages) or ()
+
+    def stage_times_by_length(self) -> dict[int, tuple[dict[int, float], ...]]:
+        """The same per profiled sequence length: {length: per stage {bs: seconds}}; {} without one."""
+        by_length = self.extra.get("stage_times_by_length")
+        if not isinstance(by_length, dict):
+            return {}
+        out = {}
+        for length, stages in by_length.items():
+            times = _per_stage_times(stages, self.num_stages)
+            if times is not None:
+                out[int(length)] = times
+        return out
+
     def boundary(self, k: int) -> tuple[TensorSpec, ...]:
         """Tensors at boundary k: 0 is the model input, `num_stages` the model output."""
         return self.stages[k].inputs if k < self.num_stages else self.stages[-1].outputs
@@ -213,3 +229,9 @@ def _check_chain(m: Manifest) -> None:
     seq_everywhere = [t for s in m.stages for t in s.inputs + s.outputs if t.has_seq]
     if seq_everywhere and not m.has_seq:
         raise ManifestError("inputs", "no input has a 'seq' dimension but a stage tensor does")
+
+
+def _per_stage_times(raw: Any, num_stages: int) -> tuple[dict[int, float], ...] | None:
+    if not isinstance(raw, list) or len(raw) != num_stages:
+        return None
+    return tuple({int(bs): float(t) for bs, t in stage.items()} for stage in raw)

@@ -1,7 +1,10 @@
-"""Queries: one inference request's tensors, its arrival time, its length, and how to answer it."""
+"""Queries: one inference request's tensors, its arrival time, its length, how to answer it, and
+where it is in its life (`QueryState`); and the copies between queries and buffer rows.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import numpy as np
@@ -26,6 +29,27 @@ class Answer:
 Reply = Callable[[Answer], None]
 
 
+class QueryState(enum.Enum):
+    """A query's life, in order: waiting to be batched, in a batch, answered (result or error)."""
+
+    WAITING = 1
+    BATCHED = 2
+    ANSWERED = 3
+
+    @property
+    def is_finished(self) -> bool:
+        return self is QueryState.ANSWERED
+
+
+@dataclass(frozen=True)
+class QueryInfo:
+    """What a policy may know of a waiting query."""
+
+    id: int
+    length: int
+    arrival: float
+
+
 @dataclass
 class Query:
     id: int
@@ -33,6 +57,11 @@ class Query:
     length: int  # actual input length along "seq"; 0 for models without one
     arrival: float
     reply: Reply
+    state: QueryState = QueryState.WAITING
+    info: QueryInfo = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.info = QueryInfo(self.id, self.length, self.arrival)
 
 
 def validate_inputs(
@@ -84,3 +113,30 @@ def _check_tensor(query_id: int, arr: np.ndarray, spec: TensorSpec, max_length: 
                 )
         elif got != want:
             raise BadInputError(query_id, f"input {spec.name!r} dim {axis} is {got}, expected {want}")
+
+
+def gather_inputs(queries: list[Query], rows: dict[str, np.ndarray], specs: tuple[TensorSpec, ...]) -> None:
+    """Copy each query's tensors into its buffer row, zero-padded to the batch's length."""
+    for spec in specs:
+        dest = rows[spec.name]
+        for r, query in enumerate(queries):
+            src = query.inputs[spec.name]
+            dest[r].fill(0)
+            dest[r][tuple(slice(0, n) for n in src.shape)] = src
+
+
+def scatter_outputs(
+    queries: list[Query], rows: dict[str, np.ndarray], specs: tuple[TensorSpec, ...]
+) -> list[dict[str, np.ndarray]]:
+    """Copy each query's results out of its output row, cut back to its own length."""
+    results = []
+    for r, query in enumerate(queries):
+        out = {}
+        for spec in specs:
+            row = rows[spec.name][r]
+            if spec.has_seq:
+                axis = spec.dims.index(SEQ) - 1
+                row = row[(slice(None),) * axis + (slice(0, query.length),)]
+            out[spec.name] = np.array(row, copy=True)
+        results.append(out)
+    return results

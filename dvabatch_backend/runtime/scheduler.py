@@ -1,37 +1,41 @@
-"""The scheduler: the runtime's entry point and the owner of all its mutable state.
+"""The scheduler: the owner of all the runtime's mutable state, and of no thread.
 
 `submit`/`submit_many` take arrived queries and return at once; the policy batches them with
-`new`/`stretch`, the stage executors run the batches as a pipeline, the policy may `split`
-them as stages finish, and each query is answered through its `reply` exactly once: with its
-outputs when its rows leave the last stage, or with an error (bad input, a failed stage,
-shutting down).
+`new`/`stretch`; whoever runs the stages (the `Pipeline`'s executor threads, or a test from one
+thread) asks `next_work(stage)` for an item whose buffer pair is legitimate -- it answers at once,
+with the `Work` or None -- runs it outside the lock, and hands the result back with
+`finish_work`, where the policy may `split` the batch, items go to the next queue and pairs are
+legitimated upstream. Each query is answered through its `reply` exactly once: with its outputs
+when its rows leave the last stage (or exit early), or with an error (bad input, a failed stage,
+a policy error, shutting down). When a stage may have new work, or the policy's batch window
+moves, the scheduler tells its `WorkListener` (under the lock; the listener must only signal).
 
-Lock discipline: one lock, `Scheduler.lock`, guards every piece of mutable runtime state:
-waiting and pending queries, the batch table, the batch queues, the buffer pool, executor
-states, stats and trace. Engines run, and replies are delivered, outside it. Each executor
-waits on its own condition over that lock; the batch-window timer and `wait_until` on two more.
+State: one table of queries (`_queries`, each with its `QueryState`), the batch table, the batch
+queues, the buffer pool, each stage's `ExecutorState`, stats and trace.
+
+Lock discipline: one lock, `Scheduler.lock`, guards all of it. Every public method takes it;
+engines run, and replies are delivered, outside it. Policies and the listener are called under
+it. `wait_until` waits on a condition over the same lock.
 """
 from __future__ import annotations
 
 import copy
+import enum
 import itertools
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from .batch_table import BatchItem, BatchQueue, BatchTable, TableSnapshot
 from .buffers import BufferPool, BufferState, PairUse
-from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo, Split, Stretch
-from .engine import OrtStageEngine, StageEngine
+from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, Split, Stretch
 from .errors import BadInputError, PolicyError, ShuttingDownError, StageFailedError
-from .executor import ExecutorState, StageExecutor, Work, scatter_outputs
 from .manifest import Manifest
-from .query import Answer, Query, Reply, validate_inputs
+from .query import Answer, Query, QueryState, Reply, scatter_outputs, validate_inputs
 from .stats import RuntimeStats, StageStats, TraceEvent
 
 log = logging.getLogger(__name__)
@@ -39,7 +43,6 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 MIN_WAKE_DELAY = 1e-4  # seconds
 _Delivery = tuple[Reply, Answer]
-_Exits = tuple[list[BatchItem], dict[str, str]]  # sub-batches leaving early, model output -> stage tensor
 
 
 @dataclass(frozen=True)
@@ -50,17 +53,74 @@ class RuntimeSettings:
     record_trace: bool = False
 
 
+class ExecutorState(enum.Enum):
+    """A stage executor's state (paper Figure 11), kept by the scheduler for each stage."""
+
+    ACTIVE = "active"  # holds a legitimate pair, waits for an item
+    CHECKING = "checking"  # has an item whose pair is not legitimate yet
+    WORKING = "working"
+    INACTIVE = "inactive"  # holds no pair it may use
+    STOPPED = "stopped"
+
+
+@dataclass
+class Work:
+    """One execution of one batch item by one stage, prepared under the lock.
+
+    `inputs` and `outputs` are views of the buffer pair's rows; stage 0 first gathers the
+    queries' tensors into `inputs` (`gather`), the last stage scatters `outputs` into one
+    answer per query (`scatter`).
+    """
+
+    stage: int
+    item: BatchItem
+    use: PairUse
+    inputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]
+    queries: list[Query]
+    started: float
+    gather: bool
+    scatter: bool
+
+
+@dataclass(frozen=True)
+class WorkResult:
+    """What running a `Work` gave: the engine's error, or (last stage) one output dict per query."""
+
+    error: BaseException | None = None
+    answers: list[dict[str, np.ndarray]] | None = None
+
+
+@dataclass(frozen=True)
+class EarlyExit:
+    """Sub-batches that leave after a stage, answered from that stage's output tensors."""
+
+    leaving: list[BatchItem]
+    sources: dict[str, str]  # model output name -> the stage's output tensor it is taken from
+
+
+class WorkListener:
+    """Told (under the scheduler's lock) when there may be work; it must only signal, never block."""
+
+    def stage_ready(self, stage: int) -> None:
+        """`stage` may now have an item with a legitimate pair."""
+
+    def window_moved(self) -> None:
+        """The policy's batch window (`Scheduler.wake_at`) changed."""
+
+    def stopping(self) -> None:
+        """The scheduler stopped: `next_work` returns None from now on."""
+
+
 class Scheduler:
     def __init__(
         self,
         manifest: Manifest,
-        engines: Sequence[StageEngine],
         policy: Policy,
         settings: RuntimeSettings = RuntimeSettings(),
+        context: PolicyContext | None = None,
         clock: Clock = time.perf_counter,
     ) -> None:
-        if len(engines) != manifest.num_stages:
-            raise ValueError(f"{len(engines)} engines for {manifest.num_stages} stages")
         bs_max = settings.bs_max or manifest.max_batch_size
         if not 1 <= bs_max <= manifest.max_batch_size:
             raise ValueError(f"bs_max must be in [1, {manifest.max_batch_size}], got {bs_max}")
@@ -71,86 +131,52 @@ class Scheduler:
         self.output_specs = manifest.outputs
         self.settings = settings
         self.lock = threading.Lock()
-        self._clock = clock
+        self.clock = clock
+        self.listener = WorkListener()
         self._ids = itertools.count()
         self._policy = policy
         self._table = BatchTable(self.num_stages, bs_max)
         self._view = BatchTableView(self._table)
         self._queues = [BatchQueue() for _ in range(self.num_stages)]
         self._buffers = BufferPool(manifest, settings.num_buffer_pairs, bs_max)
-        self._pending: dict[int, Query] = {}  # submitted, not yet answered
-        self._waiting: dict[int, Query] = {}  # pending and not yet in a batch
-        self._infos: dict[int, QueryInfo] = {}
+        self._queries: dict[int, Query] = {}  # submitted and not yet answered, in arrival order
+        self._stage_states = [ExecutorState.INACTIVE] * self.num_stages
         self._wake_at: float | None = None
         self._stopping = False
-        self._started = False
-        self._stopped = threading.Event()
         self.stats = RuntimeStats(stages=[StageStats() for _ in range(self.num_stages)])
         self.trace: list[TraceEvent] = []
-        self._timer_wakeup = threading.Condition(self.lock)
         self._progress = threading.Condition(self.lock)
         self._progress_waiters = 0
         self._policy_splits = type(policy).on_stage_done is not Policy.on_stage_done
-        self._executors = [StageExecutor(i, e, self) for i, e in enumerate(engines)]
-        self._timer = threading.Thread(target=self._timer_loop, name="dvabatch-batch-window", daemon=True)
-        policy.bind(PolicyContext(
+        policy.bind(context or PolicyContext(
             num_stages=self.num_stages, bs_max=bs_max, max_length=manifest.max_length,
-            num_buffer_pairs=settings.num_buffer_pairs, stage_times=_stage_times(manifest),
-            stage_times_by_length=_stage_times_by_length(manifest),
+            num_buffer_pairs=settings.num_buffer_pairs, stage_times=manifest.stage_times(),
+            stage_times_by_length=manifest.stage_times_by_length(),
             output_names=tuple(t.name for t in manifest.outputs),
         ))
 
     # -- lifecycle ----------------------------------------------------------------------
 
-    def start(self) -> "Scheduler":
-        with self.lock:
-            if self._started:
-                return self
-            self._started = True
-        for ex in self._executors:
-            ex.thread.start()
-        self._timer.start()
-        return self
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Answer every pending query with "shutting down" and join every thread."""
+    def stop(self) -> None:
+        """Answer every query not yet answered with "shutting down"; `next_work` returns None from now on."""
         with self.lock:
-            already = self._stopping
+            if self._stopping:
+                return
             self._stopping = True
-            deliveries = [(q.reply, Answer(q.id, None, ShuttingDownError(q.id))) for q in self._pending.values()]
-            self.stats.answered_error += len(deliveries)
-            self._pending.clear()
-            self._waiting.clear()
+            queries = list(self._queries.values())
+            self._queries.clear()
+            deliveries = [self._answer(q, Answer(q.id, None, ShuttingDownError(q.id))) for q in queries]
             self._table.clear()
             for queue in self._queues:
                 queue.clear()
-            for ex in self._executors:
-                ex.wakeup.notify_all()
-            self._timer_wakeup.notify_all()
+            self._stage_states = [ExecutorState.STOPPED] * self.num_stages
+            self.listener.stopping()
             self._notify_progress()
         _deliver(deliveries)
-        ours = threading.current_thread() in self.threads  # stop() called from a reply callback
-        if already:
-            if not ours:
-                self._stopped.wait(timeout)
-            return
-        if self._started:
-            for thread in self.threads:
-                if thread is not threading.current_thread():
-                    thread.join(timeout)
-                    if thread.is_alive():
-                        log.error("thread %s did not stop within %.1fs", thread.name, timeout)
-        self._stopped.set()
-
-    def __enter__(self) -> "Scheduler":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def threads(self) -> list[threading.Thread]:
-        return [ex.thread for ex in self._executors] + [self._timer]
 
     # -- arrivals -----------------------------------------------------------------------
 
@@ -159,7 +185,7 @@ class Scheduler:
 
     def submit_many(self, requests: Sequence[tuple[Mapping[str, np.ndarray], Reply]]) -> list[int]:
         """Take arrived queries; return their ids at once. Bad ones are answered here and now."""
-        now = self._clock()
+        now = self.clock()
         deliveries: list[_Delivery] = []
         accepted: list[Query] = []
         ids = []
@@ -180,21 +206,40 @@ class Scheduler:
             self.stats.answered_error += len(deliveries)
             for q in accepted:
                 if self._stopping:
-                    deliveries.append((q.reply, Answer(q.id, None, ShuttingDownError(q.id))))
-                    self.stats.answered_error += 1
-                    continue
-                self._pending[q.id] = self._waiting[q.id] = q
-                self._infos[q.id] = QueryInfo(q.id, q.length, q.arrival)
+                    deliveries.append(self._answer(q, Answer(q.id, None, ShuttingDownError(q.id))))
+                else:
+                    self._queries[q.id] = q
             deliveries += self._dispatch(now)
         _deliver(deliveries)
         return ids
 
+    @property
+    def wake_at(self) -> float | None:
+        """When the policy asked to be called again (its batch window), or None."""
+        return self._wake_at
+
+    def on_window(self) -> float | None:
+        """Call the policy again if its batch window has passed; return the next wake-up time."""
+        with self.lock:
+            now = self.clock()
+            if self._wake_at is None or self._wake_at > now:
+                return self._wake_at
+            self._wake_at = None
+            deliveries = self._dispatch(now)
+            wake_at = self._wake_at
+        _deliver(deliveries)
+        return wake_at
+
+    def _waiting(self) -> list[Query]:
+        return [q for q in self._queries.values() if q.state is QueryState.WAITING]
+
     def _dispatch(self, now: float) -> list[_Delivery]:
         """Ask the policy what to do with the waiting queries, and do it. Under the lock."""
-        if not self._waiting or self._stopping:
+        waiting = self._waiting()
+        if not waiting or self._stopping:
             return []
         try:
-            plan = self._policy.on_arrival([self._infos[q] for q in self._waiting], self._view, now)
+            plan = self._policy.on_arrival([q.info for q in waiting], self._view, now)
             _check_plan(plan)
         except Exception:  # a broken policy must not lose queries: treat it as "no decision"
             log.exception("policy %s failed in on_arrival", self._policy.name)
@@ -203,18 +248,17 @@ class Scheduler:
         deliveries: list[_Delivery] = []
         for decision in plan.decisions:
             deliveries += self._apply(decision, now)
-        # a wake-up in the past would have the timer call the policy again without ever
-        # releasing the lock: the earliest wake-up is a little after now
+        # a wake-up in the past would have the window call the policy again at once, forever:
+        # the earliest wake-up is a little after now
         self._wake_at = None if plan.wake_at is None else max(float(plan.wake_at), now + MIN_WAKE_DELAY)
         if self._wake_at is not None:
-            self._timer_wakeup.notify()
-        elif self._waiting and len(self._table) == 0:
+            self.listener.window_moved()
+        elif len(self._table) == 0 and (left := self._waiting()):
             # Nothing in flight and no wake-up asked: the waiting queries would wait forever.
-            log.error("policy %s left %d queries waiting with nothing in flight", self._policy.name, len(self._waiting))
+            log.error("policy %s left %d queries waiting with nothing in flight", self._policy.name, len(left))
             self.stats.policy_errors += 1
-            waiting = list(self._waiting)
-            for i in range(0, len(waiting), self.bs_max):
-                deliveries += self._apply(New(tuple(waiting[i:i + self.bs_max])), now)
+            for i in range(0, len(left), self.bs_max):
+                deliveries += self._apply(New(tuple(q.id for q in left[i:i + self.bs_max])), now)
         return deliveries
 
     def _apply(self, decision: New | Stretch, now: float) -> list[_Delivery]:
@@ -222,10 +266,10 @@ class Scheduler:
         ids = decision.query_ids
         refusal = self._arrival_refusal(decision)
         if refusal is not None:
-            return self._policy_error(refusal, [q for q in ids if q in self._waiting])
-        queries = [self._waiting.pop(q) for q in ids]
-        for q in ids:
-            del self._infos[q]
+            return self._policy_error(refusal, [q for q in ids if self._is_waiting(q)])
+        queries = [self._queries[q] for q in ids]
+        for q in queries:
+            q.state = QueryState.BATCHED
         if isinstance(decision, Stretch):
             why = self._table.stretch_refusal(decision.batch_id, [q.length for q in queries])
             if why is None:
@@ -244,14 +288,18 @@ class Scheduler:
         self._push(0, item, now)
         return []
 
+    def _is_waiting(self, query_id: int) -> bool:
+        q = self._queries.get(query_id)
+        return q is not None and q.state is QueryState.WAITING
+
     def _arrival_refusal(self, decision: New | Stretch) -> str | None:
         ids = decision.query_ids
-        if not ids or len(set(ids)) != len(ids) or any(q not in self._waiting for q in ids):
+        if not ids or len(set(ids)) != len(ids) or not all(self._is_waiting(q) for q in ids):
             return f"{decision} names queries that are not all distinct and waiting"
         if len(ids) > self.bs_max:
             return f"{decision} has more than bs_max={self.bs_max} queries"
         if isinstance(decision, New) and decision.pad_length is not None:
-            longest = max(self._waiting[q].length for q in ids)
+            longest = max(self._queries[q].length for q in ids)
             if not longest <= decision.pad_length <= self.manifest.max_length:
                 return f"{decision}: pad length outside [{longest}, {self.manifest.max_length}]"
         return None
@@ -259,67 +307,53 @@ class Scheduler:
     def _policy_error(self, why: str, query_ids: Sequence[int]) -> list[_Delivery]:
         log.error("policy %s: %s", self._policy.name, why)
         self.stats.policy_errors += 1
-        deliveries = []
-        for qid in query_ids:
-            self._waiting.pop(qid, None)
-            self._infos.pop(qid, None)
-            q = self._pending.pop(qid)
-            deliveries.append((q.reply, Answer(qid, None, PolicyError(qid, f"policy {self._policy.name}: {why}"))))
-        self.stats.answered_error += len(deliveries)
-        return deliveries
+        return [
+            self._answer(q, Answer(q.id, None, PolicyError(q.id, f"policy {self._policy.name}: {why}")))
+            for q in (self._queries.pop(qid) for qid in query_ids)
+        ]
 
-    def _timer_loop(self) -> None:
+    # -- stages -------------------------------------------------------------------------
+
+    def next_work(self, stage: int) -> Work | None:
+        """The item `stage` may run now (its buffer pair legitimate), taken off its queue; or None.
+
+        Never blocks. None also when stopping (see `stopping`).
+        """
         with self.lock:
-            while not self._stopping:
-                if self._wake_at is None:
-                    self._timer_wakeup.wait()
-                    continue
-                delay = self._wake_at - self._clock()
-                if delay > 0:
-                    self._timer_wakeup.wait(delay)
-                    continue
-                self._wake_at = None
-                deliveries = self._dispatch(self._clock())
-                if deliveries:
-                    self.lock.release()
-                    try:
-                        _deliver(deliveries)
-                    finally:
-                        self.lock.acquire()
-
-    # -- executors ----------------------------------------------------------------------
-
-    def next_work(self, ex: StageExecutor) -> Work | None:
-        """Block until executor `ex` has an item with a legitimate pair; None when stopping."""
-        stage = ex.stage
-        with self.lock:
-            while True:
-                if self._stopping:
-                    ex.state = ExecutorState.STOPPED
-                    return None
-                item = self._queues[stage].head()
-                pair = None if item is None else self._pair_for(stage, item)
-                if pair is not None and self._buffers.is_legitimate(stage, pair):
-                    break
-                if not self._buffers.is_active(stage):
-                    ex.state = ExecutorState.INACTIVE
-                else:
-                    ex.state = ExecutorState.ACTIVE if item is None else ExecutorState.CHECKING
+            if self._stopping:
+                return None
+            item = self._queues[stage].head()
+            pair = None if item is None else self._pair_for(stage, item)
+            if pair is None or not self._buffers.is_legitimate(stage, pair):
+                self._stage_states[stage] = self._idle_state(stage)
                 self._notify_progress()
-                ex.wakeup.wait()
+                return None
             item = self._queues[stage].pop_coalesced()
             row = self._table.get(item.batch_id)
             row.pair = pair
             row.started = True
             use = PairUse(stage, pair, row.rows(item), group=row.group)
             self._buffers.begin(use)
-            ex.state = ExecutorState.WORKING
+            self._stage_states[stage] = ExecutorState.WORKING
             length = row.pad_length
             inp, out = self._buffers.pair(stage, pair)
             return Work(
                 stage, item, use, inp.rows(length, use.rows), out.rows(length, use.rows),
-                row.queries[item.start:item.start + item.num], self._clock(),
+                row.queries[item.start:item.start + item.num], self.clock(),
+                gather=stage == 0, scatter=stage == self.num_stages - 1,
             )
+
+    def _idle_state(self, stage: int) -> ExecutorState:
+        """The state of `stage` while it runs nothing: it holds no usable pair, or waits for an item,
+        or has an item whose pair is not legitimate yet."""
+        if not self._buffers.is_active(stage):
+            return ExecutorState.INACTIVE
+        item = self._queues[stage].head()
+        if item is None:
+            return ExecutorState.ACTIVE
+        pair = self._pair_for(stage, item)
+        ready = pair is not None and self._buffers.is_legitimate(stage, pair)
+        return ExecutorState.ACTIVE if ready else ExecutorState.CHECKING
 
     def _pair_for(self, stage: int, item: BatchItem) -> int | None:
         """The item's buffer pair; a new batch takes the first legitimate one at stage 0."""
@@ -328,50 +362,46 @@ class Scheduler:
             return row.pair
         return self._buffers.first_legitimate(stage)
 
-    def finish_work(
-        self, ex: StageExecutor, work: Work, error: BaseException | None, results: list[dict[str, np.ndarray]] | None
-    ) -> None:
-        """Executor `ex` ran `work`: answer exits, carry out `Schedule()`, hand on, legitimate."""
-        now = self._clock()
+    def finish_work(self, work: Work, result: WorkResult) -> None:
+        """`work` ran: answer exits, carry out `Schedule()`, hand on, legitimate."""
+        now = self.clock()
         deliveries: list[_Delivery] = []
         try:
             with self.lock:
                 if not self._stopping:
-                    self._finish_locked(work, error, results, now, deliveries)
-        finally:  # answers already taken from `pending` are delivered whatever happens
+                    self._finish_locked(work, result, now, deliveries)
+        finally:  # answers already taken from the query table are delivered whatever happens
             _deliver(deliveries)
 
-    def _finish_locked(
-        self, work: Work, error: BaseException | None, results: list[dict[str, np.ndarray]] | None,
-        now: float, deliveries: list[_Delivery],
-    ) -> None:
+    def _finish_locked(self, work: Work, result: WorkResult, now: float, deliveries: list[_Delivery]) -> None:
         stage, item = work.stage, work.item
         stats = self.stats.stages[stage]
         stats.batches += 1
         stats.rows += item.num
         stats.busy_seconds += now - work.started
         self._record("run", work.started, stage, item, t1=now)
-        if error is not None:
-            deliveries += self._answer_errors(work, error)
-        elif results is not None:
-            deliveries += self._answer_results(work.queries, results)
+        if result.error is not None:
+            deliveries += self._answer_errors(work, result.error)
+        elif result.answers is not None:
+            deliveries += self._answer_results(work.queries, result.answers)
         handed_on, exiting = self._hand_on(stage, item, now)
         self._buffers.finish(work.use, handed_on=bool(handed_on))
         for out_item in handed_on:
             self._push(stage + 1, out_item, now)
         if exiting is not None:
-            deliveries += self._exit_early(stage, work.use.pair, *exiting, now)
+            deliveries += self._exit_early(stage, work.use.pair, exiting, now)
         if stage == self.num_stages - 1 and self._table.retire_if_done(item.batch_id):
             self._record("exit", now, stage, BatchItem(item.batch_id, 0, 0))
         for upstream in self._buffers.legitimate_upstream(stage):
             self._legitimated(upstream)
         if stage == self.num_stages - 1 or exiting is not None:
             deliveries += self._dispatch(now)
+        self._stage_states[stage] = self._idle_state(stage)
         self._notify_progress()
 
-    def _hand_on(self, stage: int, item: BatchItem, now: float) -> tuple[list[BatchItem], _Exits | None]:
+    def _hand_on(self, stage: int, item: BatchItem, now: float) -> tuple[list[BatchItem], EarlyExit | None]:
         """After `stage` ran `item`: the items for the next stage, and the sub-batches that exit
-        early with the outputs to answer from. This is the policy's `Schedule()`."""
+        early. This is the policy's `Schedule()`."""
         nxt = self._table.complete(item, stage)
         if nxt is None:
             return [], None
@@ -379,15 +409,13 @@ class Scheduler:
         if not self._policy_splits or nxt.start != 0 or nxt.num != row.bs:
             return [nxt], None
         out = self._buffers.pair(stage, row.pair)[1]
-        self._view._show_stage_outputs(out.rows(row.pad_length, row.rows(nxt)))
+        view = BatchTableView(self._table, stage_outputs=out.rows(row.pad_length, row.rows(nxt)))
         try:
-            decision = self._policy.on_stage_done(stage, self._table.info(row), self._view, now)
+            decision = self._policy.on_stage_done(stage, self._table.info(row), view, now)
         except Exception:  # the batch goes on whole
             log.exception("policy %s failed in on_stage_done", self._policy.name)
             self.stats.policy_errors += 1
             return [nxt], None
-        finally:
-            self._view._show_stage_outputs({})
         if not isinstance(decision, Split):
             return [nxt], None
         why = self._split_problem(decision, stage, nxt)
@@ -401,7 +429,7 @@ class Scheduler:
         flags = decision.exit or (False,) * len(children)
         going = [c for c, leaves in zip(children, flags) if not leaves]
         leaving = [c for c, leaves in zip(children, flags) if leaves]
-        return going, ((leaving, dict(decision.exit_outputs)) if leaving else None)
+        return going, (EarlyExit(leaving, dict(decision.exit_outputs)) if leaving else None)
 
     def _split_problem(self, decision: Split, stage: int, nxt: BatchItem) -> str | None:
         """Why a Split cannot be carried out, or None. Reasons that are a policy's bug start with "policy"."""
@@ -423,16 +451,15 @@ class Scheduler:
         whole_exit = len(sizes) == 1 and bool(decision.exit) and decision.exit[0]
         return self._table.split_refusal(nxt, stage, [int(n) for n in sizes], min_parts=1 if whole_exit else 2)
 
-    def _exit_early(self, stage: int, pair: int, leaving: list[BatchItem], sources: dict[str, str],
-                    now: float) -> list[_Delivery]:
+    def _exit_early(self, stage: int, pair: int, exiting: EarlyExit, now: float) -> list[_Delivery]:
         """Answer the sub-batches that leave after `stage` from its output, and free their rows."""
         out = self._buffers.pair(stage, pair)[1]
         deliveries = []
-        for child in leaving:
+        for child in exiting.leaving:
             row = self._table.get(child.batch_id)
             rows = row.rows(child)
             views = out.rows(row.pad_length, rows)
-            results = scatter_outputs(row.queries, {name: views[src] for name, src in sources.items()},
+            results = scatter_outputs(row.queries, {name: views[src] for name, src in exiting.sources.items()},
                                       self.output_specs)
             deliveries += self._answer_results(row.queries, results)
             self._buffers.discard(stage + 1, pair, rows)
@@ -442,12 +469,11 @@ class Scheduler:
         return deliveries
 
     def _legitimated(self, stage: int) -> None:
-        """Executor `stage` got a pair back: wake it only if it has an item to run."""
-        ex = self._executors[stage]
+        """`stage` got a pair back: tell the listener only if it has an item to run."""
         if len(self._queues[stage]):
-            ex.wakeup.notify()
-        elif ex.state is ExecutorState.INACTIVE and self._buffers.is_active(stage):
-            ex.state = ExecutorState.ACTIVE  # waits for an item either way: no need to wake it
+            self.listener.stage_ready(stage)
+        elif self._stage_states[stage] is ExecutorState.INACTIVE and self._buffers.is_active(stage):
+            self._stage_states[stage] = ExecutorState.ACTIVE  # waits for an item either way
 
     def _notify_progress(self) -> None:
         if self._progress_waiters:
@@ -457,24 +483,27 @@ class Scheduler:
         self._queues[stage].push(item)
         self.stats.handoffs += 1
         self._record("push", now, stage, item)
-        self._executors[stage].wakeup.notify()
+        self.listener.stage_ready(stage)
+
+    # -- answers ------------------------------------------------------------------------
+
+    def _answer(self, query: Query, answer: Answer) -> _Delivery:
+        """Mark `query` answered and count it; the caller has taken it off the query table."""
+        query.state = QueryState.ANSWERED
+        if answer.error is None:
+            self.stats.answered_ok += 1
+        else:
+            self.stats.answered_error += 1
+        return query.reply, answer
 
     def _answer_results(self, queries: list[Query], results: list[dict[str, np.ndarray]]) -> list[_Delivery]:
-        deliveries = []
-        for q, outputs in zip(queries, results, strict=True):
-            if self._pending.pop(q.id, None) is not None:
-                deliveries.append((q.reply, Answer(q.id, outputs, None)))
-                self.stats.answered_ok += 1
-        return deliveries
+        return [self._answer(q, Answer(q.id, outputs, None))
+                for q, outputs in zip(queries, results, strict=True) if self._queries.pop(q.id, None) is not None]
 
     def _answer_errors(self, work: Work, error: BaseException) -> list[_Delivery]:
-        deliveries = []
-        for q in work.queries:
-            if self._pending.pop(q.id, None) is not None:
-                exc = StageFailedError(q.id, f"{type(error).__name__}: {error}", work.stage)
-                deliveries.append((q.reply, Answer(q.id, None, exc)))
-                self.stats.answered_error += 1
-        return deliveries
+        cause = f"{type(error).__name__}: {error}"
+        return [self._answer(q, Answer(q.id, None, StageFailedError(q.id, cause, work.stage)))
+                for q in work.queries if self._queries.pop(q.id, None) is not None]
 
     def _record(self, kind: str, t0: float, stage: int | None, item: BatchItem, detail: str = "", t1: float | None = None) -> None:
         if self.settings.record_trace:
@@ -492,8 +521,8 @@ class Scheduler:
             return copy.deepcopy(self.stats), [len(q) for q in self._queues]
 
     def executor_states(self) -> list[ExecutorState]:
-        """Each executor's state; read without the lock (usable inside `wait_until` predicates)."""
-        return [ex.state for ex in self._executors]
+        """Each stage's executor state; read without the lock (usable inside `wait_until` predicates)."""
+        return list(self._stage_states)
 
     def buffer_states(self) -> list[list[BufferState]]:
         with self.lock:
@@ -502,6 +531,19 @@ class Scheduler:
     def snapshot(self) -> TableSnapshot:
         with self.lock:
             return self.snapshot_unlocked()
+
+    def snapshot_unlocked(self) -> TableSnapshot:
+        """Batch rows and queue items, for callers that hold the lock (`wait_until` predicates)."""
+        return TableSnapshot([self._table.info(r) for r in self._table], [list(q) for q in self._queues])
+
+    def query_states(self) -> dict[int, QueryState]:
+        """The state of every query not yet answered."""
+        with self.lock:
+            return {qid: q.state for qid, q in self._queries.items()}
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._queries)
 
     def wait_until(self, predicate: Callable[["Scheduler"], bool], timeout: float) -> bool:
         """Wait until `predicate(self)` holds after some progress; it is evaluated under the lock."""
@@ -517,46 +559,6 @@ class Scheduler:
                 return True
             finally:
                 self._progress_waiters -= 1
-
-    @property
-    def pending_count(self) -> int:
-        return len(self._pending)
-
-    def snapshot_unlocked(self) -> TableSnapshot:
-        """Batch rows and queue items, for callers that hold the lock (`wait_until` predicates)."""
-        return TableSnapshot([self._table.info(r) for r in self._table], [list(q) for q in self._queues])
-
-
-def load_scheduler(model_dir: str | Path, policy: Policy, settings: RuntimeSettings = RuntimeSettings(),
-                   manifest_file: str = "manifest.json") -> Scheduler:
-    """A scheduler over a sliced model directory, one onnxruntime engine per stage.
-
-    `model_dir` holds the manifest, or is a Triton model folder whose version folder `1/` does.
-    """
-    model_dir = Path(model_dir)
-    if not (model_dir / manifest_file).exists() and (model_dir / "1" / manifest_file).exists():
-        model_dir = model_dir / "1"
-    manifest = Manifest.load(model_dir / manifest_file)
-    engines = [OrtStageEngine(model_dir / s.file, settings.threads_per_stage) for s in manifest.stages]
-    return Scheduler(manifest, engines, policy, settings)
-
-
-def _stage_times(manifest: Manifest) -> tuple[dict[int, float], ...]:
-    profile = manifest.extra.get("stage_times")
-    if not isinstance(profile, list) or len(profile) != manifest.num_stages:
-        return ()
-    return tuple({int(bs): float(t) for bs, t in stage.items()} for stage in profile)
-
-
-def _stage_times_by_length(manifest: Manifest) -> dict[int, tuple[dict[int, float], ...]]:
-    by_length = manifest.extra.get("stage_times_by_length")
-    if not isinstance(by_length, dict):
-        return {}
-    out = {}
-    for length, stages in by_length.items():
-        if isinstance(stages, list) and len(stages) == manifest.num_stages:
-            out[int(length)] = tuple({int(bs): float(t) for bs, t in stage.items()} for stage in stages)
-    return out
 
 
 def _is_int(value: object) -> bool:

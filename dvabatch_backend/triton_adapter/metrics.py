@@ -10,7 +10,7 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
-from ..runtime.scheduler import Scheduler
+from ..runtime.pipeline import Pipeline
 
 _COUNTERS = {
     "dvabatch_stage_batches_total": "Batch items run by each stage",
@@ -21,7 +21,7 @@ _OPERATIONS = ("new", "stretch", "split", "early_exits", "stretch_refused", "spl
 
 
 class StageMetrics:
-    def __init__(self, scheduler: Scheduler, model: str, period: float = 0.25) -> None:
+    def __init__(self, scheduler: Pipeline, model: str, period: float = 0.25) -> None:
         self._scheduler = scheduler
         self._period = period
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE

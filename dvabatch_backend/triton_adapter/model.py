@@ -28,7 +28,9 @@ import triton_python_backend_utils as pb_utils
 from ..runtime.errors import QueryError
 from ..runtime.manifest import Manifest
 from ..runtime.query import Answer
-from ..runtime.scheduler import RuntimeSettings, Scheduler, load_scheduler
+from ..runtime.loading import load_pipeline
+from ..runtime.pipeline import Pipeline
+from ..runtime.scheduler import RuntimeSettings
 from .metrics import StageMetrics
 
 
@@ -154,7 +156,7 @@ class TritonPythonModel:
         manifest = Manifest.load(settings.manifest)
         policy = load_policy(settings.policy, settings.policy_params, model_dir)
         self._manifest = manifest
-        self._scheduler: Scheduler = load_scheduler(
+        self._scheduler: Pipeline = load_pipeline(
             settings.manifest.parent, policy, settings.runtime, manifest_file=settings.manifest.name
         ).start()
         self._output_names = [t.name for t in manifest.outputs]

@@ -1,0 +1,31 @@
+"""Loading a sliced model folder: its manifest, one onnxruntime engine per stage, the pipeline."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .decisions import Policy
+from .engine import OrtStageEngine
+from .manifest import Manifest
+from .pipeline import Pipeline
+from .scheduler import RuntimeSettings
+
+
+def find_version_dir(model_dir: str | Path, manifest_file: str = "manifest.json") -> Path:
+    """`model_dir` holds the manifest, or is a Triton model folder whose version folder `1/` does."""
+    model_dir = Path(model_dir)
+    if not (model_dir / manifest_file).exists() and (model_dir / "1" / manifest_file).exists():
+        return model_dir / "1"
+    return model_dir
+
+
+def load_pipeline(model_dir: str | Path, policy: Policy, settings: RuntimeSettings = RuntimeSettings(),
+                  manifest_file: str = "manifest.json") -> Pipeline:
+    """A pipeline (not started) over a sliced model folder, one onnxruntime engine per stage."""
+    version_dir = find_version_dir(model_dir, manifest_file)
+    manifest = Manifest.load(version_dir / manifest_file)
+    engines = [OrtStageEngine(version_dir / s.file, settings.threads_per_stage) for s in manifest.stages]
+    return Pipeline.create(manifest, engines, policy, settings)
+
+
+# the name earlier releases used; it returns a Pipeline (which has the old Scheduler's methods)
+load_scheduler = load_pipeline

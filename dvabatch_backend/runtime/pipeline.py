@@ -1,0 +1,175 @@
+"""The pipeline: a `Scheduler` with one `StageExecutor` thread per stage and a `BatchWindow` thread.
+
+This is what serves: `start` starts the threads, `submit` hands queries to the scheduler, `stop`
+answers what is left ("shutting down") and joins every thread. The scheduler owns the state; the
+pipeline owns the threads and is the scheduler's `WorkListener`, turning its signals into wake-ups.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from .batch_table import TableSnapshot
+from .buffers import BufferState
+from .decisions import Policy, PolicyContext
+from .engine import StageEngine
+from .executor import BatchWindow, StageExecutor
+from .manifest import Manifest
+from .query import QueryState, Reply
+from .scheduler import Clock, ExecutorState, RuntimeSettings, Scheduler, WorkListener
+from .stats import RuntimeStats, TraceEvent
+
+log = logging.getLogger(__name__)
+
+
+class Pipeline(WorkListener):
+    """Threads around a `Scheduler`: one `StageExecutor` per stage engine and a `BatchWindow`.
+
+    `Pipeline.create(manifest, engines, policy, settings)` makes the scheduler too.
+    """
+
+    def __init__(self, scheduler: Scheduler, engines: Sequence[StageEngine]) -> None:
+        if len(engines) != scheduler.num_stages:
+            raise ValueError(f"{len(engines)} engines for {scheduler.num_stages} stages")
+        self.scheduler = scheduler
+        self._executors = [StageExecutor(i, e, scheduler) for i, e in enumerate(engines)]
+        self._window = BatchWindow(scheduler)
+        self._state_lock = threading.Lock()  # guards _started and _stop_called
+        self._started = False
+        self._stop_called = False
+        self._stopped = threading.Event()
+        scheduler.listener = self
+
+    @classmethod
+    def create(
+        cls,
+        manifest: Manifest,
+        engines: Sequence[StageEngine],
+        policy: Policy,
+        settings: RuntimeSettings = RuntimeSettings(),
+        context: PolicyContext | None = None,
+        clock: Clock = time.perf_counter,
+    ) -> "Pipeline":
+        return cls(Scheduler(manifest, policy, settings, context, clock), engines)
+
+    # -- WorkListener: called under the scheduler's lock, so only signal ----------------
+
+    def stage_ready(self, stage: int) -> None:
+        self._executors[stage].wake()
+
+    def window_moved(self) -> None:
+        self._window.moved()
+
+    def stopping(self) -> None:
+        for ex in self._executors:
+            ex.wake()
+        self._window.close()
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> "Pipeline":
+        with self._state_lock:
+            if self._started or self._stop_called:
+                return self
+            self._started = True
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Answer every query not yet answered with "shutting down" and join every thread."""
+        with self._state_lock:
+            already, self._stop_called = self._stop_called, True
+            started = self._started
+        self.scheduler.stop()
+        if threading.current_thread() in self.threads:  # stop() called from a reply callback
+            return
+        if already:
+            self._stopped.wait(timeout)
+            return
+        if started:
+            for thread in self.threads:
+                thread.join(timeout)
+                if thread.is_alive():
+                    log.error("thread %s did not stop within %.1fs", thread.name, timeout)
+        self._stopped.set()
+
+    def __enter__(self) -> "Pipeline":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def executors(self) -> list[StageExecutor]:
+        return list(self._executors)
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return [ex.thread for ex in self._executors] + [self._window.thread]
+
+    # -- the scheduler's entry points and observations ----------------------------------
+
+    def submit(self, inputs: Mapping[str, np.ndarray], reply: Reply) -> int:
+        return self.scheduler.submit(inputs, reply)
+
+    def submit_many(self, requests: Sequence[tuple[Mapping[str, np.ndarray], Reply]]) -> list[int]:
+        return self.scheduler.submit_many(requests)
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.scheduler.manifest
+
+    @property
+    def num_stages(self) -> int:
+        return self.scheduler.num_stages
+
+    @property
+    def bs_max(self) -> int:
+        return self.scheduler.bs_max
+
+    @property
+    def settings(self) -> RuntimeSettings:
+        return self.scheduler.settings
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self.scheduler.lock
+
+    @property
+    def stats(self) -> RuntimeStats:
+        return self.scheduler.stats
+
+    @property
+    def trace(self) -> list[TraceEvent]:
+        return self.scheduler.trace
+
+    @property
+    def buffer_violations(self) -> list[str]:
+        return self.scheduler.buffer_violations
+
+    @property
+    def pending_count(self) -> int:
+        return self.scheduler.pending_count
+
+    def observe(self) -> tuple[RuntimeStats, list[int]]:
+        return self.scheduler.observe()
+
+    def executor_states(self) -> list[ExecutorState]:
+        return self.scheduler.executor_states()
+
+    def buffer_states(self) -> list[list[BufferState]]:
+        return self.scheduler.buffer_states()
+
+    def query_states(self) -> dict[int, QueryState]:
+        return self.scheduler.query_states()
+
+    def snapshot(self) -> TableSnapshot:
+        return self.scheduler.snapshot()
+
+    def wait_until(self, predicate: Callable[[Scheduler], bool], timeout: float) -> bool:
+        return self.scheduler.wait_until(predicate, timeout)
