@@ -27,37 +27,19 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from dvabatch_backend.runtime.manifest import SEQ, Manifest, TensorSpec
-from slicer.triton_files import TRITON_DTYPES, VERSION_DIR
+from dvabatch_backend.runtime.manifest import Manifest
+from slicer.triton_files import VERSION_DIR, python_model_config
 
 MODEL_SOURCE = Path(__file__).with_name("baseline_model.py")
 DEFAULT_DELAYS_US = (0, 500, 1000, 2000, 5000, 10000)
-CLIENT_DTYPES = {"float32": "FP32", "float16": "FP16", "float64": "FP64", "int64": "INT64", "int32": "INT32",
-                 "int8": "INT8", "uint8": "UINT8", "bool": "BOOL"}
 
 MakeQuery = Callable[[np.random.Generator], Mapping[str, np.ndarray]]
-
-
-def _tensor(spec: TensorSpec, ragged: bool) -> str:
-    dims = ", ".join("-1" if d == SEQ else str(d) for d in spec.dims[1:])
-    flag = " allow_ragged_batch: true" if ragged else ""
-    return f'  {{ name: "{spec.name}" data_type: {TRITON_DTYPES[spec.dtype]} dims: [ {dims} ]{flag} }}'
 
 
 def config_pbtxt(manifest: Manifest, name: str, delay_us: int, threads: int, bs_max: int,
                  onnx_model: str, manifest_file: str = "manifest.json") -> str:
     parameters = {"onnx_model": onnx_model, "manifest": manifest_file, "threads": str(threads)}
-    lines = [
-        f'name: "{name}"',
-        'backend: "python"',
-        f"max_batch_size: {bs_max}",
-        "input [\n" + ",\n".join(_tensor(t, ragged=True) for t in manifest.inputs) + "\n]",
-        "output [\n" + ",\n".join(_tensor(t, ragged=False) for t in manifest.outputs) + "\n]",
-        f"dynamic_batching {{ max_queue_delay_microseconds: {delay_us} }}",
-        "instance_group [ { kind: KIND_CPU count: 1 } ]",
-    ]
-    lines += [f'parameters: {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in parameters.items()]
-    return "\n".join(lines) + "\n"
+    return python_model_config(manifest, name, parameters, bs_max=bs_max, delay_us=delay_us)
 
 
 def add_baseline(repository: Path, version_dir: Path, name: str, delay_us: int, threads: int = 1,
@@ -171,15 +153,10 @@ def measure_throughput(grpc_url: str, model: str, make_query: MakeQuery, concurr
 
 
 def _request(module, query: Mapping[str, np.ndarray]) -> tuple[list, int]:
-    inputs = []
-    rows = 0
-    for name, arr in query.items():
-        arr = np.ascontiguousarray(arr)
-        tensor = module.InferInput(name, list(arr.shape), CLIENT_DTYPES[arr.dtype.name])
-        tensor.set_data_from_numpy(arr)
-        inputs.append(tensor)
-        rows = arr.shape[0]
-    return inputs, rows
+    """A request of the rows of `query` (batch dim included), and its row count."""
+    from dvabatch_backend.tools.serve import infer_inputs
+
+    return infer_inputs(module, query, add_batch_dim=False), len(next(iter(query.values())))
 
 
 def tune_delay(server_grpc_url: str, model_names_by_delay: Mapping[int, str], make_query: MakeQuery,

@@ -243,16 +243,15 @@ class TritonServer:
         shutil.rmtree(self._work, ignore_errors=True)
 
 
-TRITON_DTYPES = {"float32": "FP32", "float16": "FP16", "float64": "FP64", "int64": "INT64", "int32": "INT32",
-                 "int8": "INT8", "uint8": "UINT8", "bool": "BOOL"}
+def infer_inputs(client_module: Any, query: Mapping[str, np.ndarray], add_batch_dim: bool = True) -> list[Any]:
+    """A request's inputs for `tritonclient.http` or `tritonclient.grpc` (`client_module`): one
+    query's arrays sent as one row (`add_batch_dim`), or arrays that already have their batch dim."""
+    from tritonclient.utils import np_to_triton_dtype
 
-
-def infer_inputs(client_module: Any, query: Mapping[str, np.ndarray]) -> list[Any]:
-    """A one-row request's inputs for `tritonclient.http` or `tritonclient.grpc` (`client_module`)."""
     inputs = []
     for name, arr in query.items():
-        batch = np.ascontiguousarray(arr[None])
-        tensor = client_module.InferInput(name, list(batch.shape), TRITON_DTYPES[batch.dtype.name])
+        batch = np.ascontiguousarray(arr[None] if add_batch_dim else arr)
+        tensor = client_module.InferInput(name, list(batch.shape), np_to_triton_dtype(batch.dtype))
         tensor.set_data_from_numpy(batch)
         inputs.append(tensor)
     return inputs

@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from dvabatch_backend.tools.serve import TRITON_DTYPES, TritonServer
+from dvabatch_backend.tools.serve import TritonServer, infer_inputs
 
 from ..triton_support import ServedModel, add_variant, control_client, slice_zoo_model, stub_pids
 
@@ -86,12 +86,7 @@ class Sender:
         assert self._client.is_server_live()  # the connection is up before any query
 
     def send(self, model: str, query: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        inputs = []
-        for name, arr in query.items():
-            batch = np.ascontiguousarray(arr[None])
-            tensor = self._module.InferInput(name, list(batch.shape), TRITON_DTYPES[batch.dtype.name])
-            tensor.set_data_from_numpy(batch)
-            inputs.append(tensor)
+        inputs = infer_inputs(self._module, query)
         if self.mode == "http":
             result = self._client.infer(model, inputs)
         elif self.mode == "http-async":

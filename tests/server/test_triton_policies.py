@@ -106,12 +106,8 @@ def test_a_query_arriving_while_a_batch_is_in_flight_joins_it(server) -> None:
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     client.infer("tm_load", Clients.inputs(grpcclient, model.query(rng, LONG)))  # warm: the first run is slow
     before = _metric(triton, "tm_load", "stretch")
-    inputs = []
-    for name in first[0]:
-        rows = np.stack([q[name] for q in first])
-        tensor = grpcclient.InferInput(name, list(rows.shape), "FP32")
-        tensor.set_data_from_numpy(rows)
-        inputs.append(tensor)
+    inputs = Clients.inputs(grpcclient, {name: np.stack([q[name] for q in first]) for name in first[0]},
+                            add_batch_dim=False)
     box: list = []
     first_done = threading.Event()
     client.async_infer("tm_load", inputs, lambda result, error: (box.append((result, error)), first_done.set()),
