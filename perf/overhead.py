@@ -80,10 +80,7 @@ Inputs = Mapping[str, np.ndarray]
 def slice_model(model, layer_tensors: Sequence[str], num_stages: int, out_dir: Path, name: str,
                 bs_max: int, max_length: int) -> Path:
     """Cut `model` into `num_stages` stages of about equal numbers of layers (as the demo does)."""
-    n = len(layer_tensors)
-    if not 1 <= num_stages <= n:
-        raise ValueError(f"cannot cut {n} layers into {num_stages} stages")
-    at = [layer_tensors[round(i * n / num_stages) - 1] for i in range(1, num_stages)]
+    at = cut.even_cuts(layer_tensors, num_stages)
     cut.cut_model(model, cut.cut_positions_after(model, at), out_dir, name, bs_max, max_length)
     return out_dir
 

@@ -77,6 +77,16 @@ def cut_positions_after(model: onnx.ModelProto, tensor_names: Sequence[str]) -> 
     return positions
 
 
+def even_cuts(layers: Sequence[str], num_stages: int) -> list[str]:
+    """The `num_stages - 1` layers to cut after (for `cut_positions_after`) so that every stage
+    holds about as many of `layers` (the layer outputs, in order) as the next: a cut by count,
+    not by measured time (`slicer.slice_model` balances by time)."""
+    n = len(layers)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot cut {n} layers into {num_stages} stages")
+    return [layers[round(i * n / num_stages) - 1] for i in range(1, num_stages)]
+
+
 def cut_model(
     model: onnx.ModelProto,
     cut_positions: Sequence[int],

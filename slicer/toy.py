@@ -34,6 +34,18 @@ def _linear(
     ]
 
 
+def _relu_layers(rng: np.random.Generator, ks: range, src: str, size: int,
+                 inits: list[onnx.TensorProto]) -> tuple[list[onnx.NodeProto], str]:
+    """Nodes for h{k} = Relu(h{k-1} @ W_k + b_k), k in `ks`, from `src`; and the last tensor's name."""
+    nodes: list[onnx.NodeProto] = []
+    prev = src
+    for k in ks:
+        nodes += _linear(rng, k, prev, f"lin{k}", size, inits)
+        nodes.append(helper.make_node("Relu", [f"lin{k}"], [f"h{k}"], name=f"relu{k}"))
+        prev = f"h{k}"
+    return nodes, prev
+
+
 def token_mlp(hidden: int = 8, layers: int = 4, seed: int = 0) -> onnx.ModelProto:
     """A per-token MLP with a masked mean pool.
 
@@ -46,12 +58,7 @@ def token_mlp(hidden: int = 8, layers: int = 4, seed: int = 0) -> onnx.ModelProt
         raise ValueError(f"hidden and layers must be >= 1, got hidden={hidden}, layers={layers}")
     rng = np.random.default_rng(seed)
     inits: list[onnx.TensorProto] = []
-    nodes: list[onnx.NodeProto] = []
-    prev = "x"
-    for k in range(1, layers + 1):
-        nodes += _linear(rng, k, prev, f"lin{k}", hidden, inits)
-        nodes.append(helper.make_node("Relu", [f"lin{k}"], [f"h{k}"], name=f"relu{k}"))
-        prev = f"h{k}"
+    nodes, prev = _relu_layers(rng, range(1, layers + 1), "x", hidden, inits)
     inits += [
         numpy_helper.from_array(np.array([-1], dtype=np.int64), "axis_last"),
         numpy_helper.from_array(np.array([1], dtype=np.int64), "axis_seq"),
@@ -91,12 +98,7 @@ def dense_mlp(features: int = 16, layers: int = 4, seed: int = 0) -> onnx.ModelP
         raise ValueError(f"features and layers must be >= 1, got features={features}, layers={layers}")
     rng = np.random.default_rng(seed)
     inits: list[onnx.TensorProto] = []
-    nodes: list[onnx.NodeProto] = []
-    prev = "x"
-    for k in range(1, layers):
-        nodes += _linear(rng, k, prev, f"lin{k}", features, inits)
-        nodes.append(helper.make_node("Relu", [f"lin{k}"], [f"h{k}"], name=f"relu{k}"))
-        prev = f"h{k}"
+    nodes, prev = _relu_layers(rng, range(1, layers), "x", features, inits)
     nodes += _linear(rng, layers, prev, "y", features, inits)
     graph = helper.make_graph(
         nodes,
@@ -128,19 +130,15 @@ def cascade_mlp(features: int = 16, classes: int = 4, layers: int = 4, seed: int
         raise ValueError(f"need features, classes >= 1 and layers >= 2, got {features}, {classes}, {layers}")
     rng = np.random.default_rng(seed)
     inits: list[onnx.TensorProto] = []
-    nodes = _linear(rng, 1, "x", "lin1", features, inits)
-    nodes.append(helper.make_node("Relu", ["lin1"], ["h1"], name="relu1"))
+    nodes, _ = _relu_layers(rng, range(1, 2), "x", features, inits)
     head_w = (rng.standard_normal((features, classes)) * 2 / np.sqrt(features)).astype(np.float32)
     inits += [numpy_helper.from_array(head_w, "We"), numpy_helper.from_array(np.zeros(classes, np.float32), "be")]
     nodes += [
         helper.make_node("MatMul", ["h1", "We"], ["early_mm"], name="exit_matmul"),
         helper.make_node("Add", ["early_mm", "be"], ["early_logits"], name="exit_add"),
     ]
-    prev = "h1"
-    for k in range(2, layers + 1):
-        nodes += _linear(rng, k, prev, f"lin{k}", features, inits)
-        nodes.append(helper.make_node("Relu", [f"lin{k}"], [f"h{k}"], name=f"relu{k}"))
-        prev = f"h{k}"
+    rest, prev = _relu_layers(rng, range(2, layers + 1), "h1", features, inits)
+    nodes += rest
     inits += [numpy_helper.from_array(head_w[::-1].copy(), "Wc"), numpy_helper.from_array(np.zeros(classes, np.float32), "bc")]
     nodes += [
         helper.make_node("MatMul", [prev, "Wc"], ["final_mm"], name="final_matmul"),

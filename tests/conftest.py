@@ -114,8 +114,7 @@ class ModelZoo:
     def stages(self, kind: str, n: int) -> SlicedModel:
         """`n` stages cut after evenly spread hidden layers."""
         layers = [f"h{k}" for k in range(1, 6)]
-        picks = tuple(layers[round(i * 5 / n) - 1] for i in range(1, n)) if n > 1 else ()
-        return self.get(kind, picks)
+        return self.get(kind, tuple(cut.even_cuts(layers, n)))
 
 
 @pytest.fixture(scope="session")

@@ -158,7 +158,7 @@ def run_demo(args: argparse.Namespace) -> int:
         out = args.out or Path(tmp) / "token_mlp"
         model = toy.token_mlp(hidden=args.hidden, layers=args.layers)
         layers = [f"h{k}" for k in range(1, args.layers + 1)]
-        at = [layers[round(i * args.layers / args.stages) - 1] for i in range(1, args.stages)]
+        at = cut.even_cuts(layers, args.stages)
         manifest = cut.cut_model(model, cut.cut_positions_after(model, at), out, "token_mlp", args.bs_max, args.max_length)
         print(f"sliced token_mlp (hidden {args.hidden}, {args.layers} layers) into {manifest.num_stages} stages "
               f"after {at}: {out}")
