@@ -5,7 +5,7 @@ experiment in `perf.experiments` shares.
                System("DVABatch", "dvabatch", {"policy": "input"})]
     with Bench("bert", "bench", out_dir, systems) as bench:      # slice, register, serve, warm up
         queries, lengths = bench.queries(200, seed=1)
-        run = bench.open_loop("DVABatch", queries, perf.load.poisson(50.0, 200), lengths)
+        run = bench.open_loop("DVABatch", queries, perf.arrivals.poisson(50.0, 200), lengths)
 
 A `System` is a label and how it is served: `dvabatch` (a variant of the sliced model with its
 settings: policy, buffer pairs, ...; `stages` asks for its own slicing into that many stages),
@@ -238,7 +238,7 @@ class Bench:
                              "concurrency": self.bs_max, "seconds": self.tune_seconds}
 
     def _warm_up(self) -> None:
-        from perf.load import run_closed_loop
+        from perf.drivers import run_closed_loop
 
         pool = self.pool()
         for label, name in self.names.items():
@@ -258,14 +258,14 @@ class Bench:
         return sample_queries(self.manifest, self.int_high, n, seed)
 
     def closed_loop(self, label: str, concurrency: int, seconds: float, pool: Sequence[dict] | None = None) -> Any:
-        from perf.load import run_closed_loop
+        from perf.drivers import run_closed_loop
 
         return run_closed_loop(self.url, self.names[label], list(pool or self.pool()), concurrency=concurrency,
                                duration=seconds, timeout=self.timeout, params={"system": label})
 
     def open_loop(self, label: str, queries: Sequence[dict], offsets: Any, lengths: Sequence[int] | None = None,
                   **params: Any) -> Any:
-        from perf.load import run_open_loop
+        from perf.drivers import run_open_loop
 
         return run_open_loop(self.url, self.names[label], queries, offsets, timeout=self.timeout, lengths=lengths,
                              params={"system": label, **params})

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from perf.bench import LENGTH_PRESET, Bench, System, slug as _slug
-from perf.load import jsonable
+from perf.stats import jsonable
 
 __all__ = ["DEFAULT_FRACTIONS", "DEFAULT_MODELS", "DEFAULT_POLICIES", "EXPERIMENTS", "DVA", "SYSTEMS",
            "ExperimentSettings", "compute_bound", "figure14", "figure15", "figure18", "figure19", "figure20",
@@ -147,7 +147,7 @@ def _loads(bench: Bench, labels: Sequence[str], peak_qps: float, fractions: Sequ
            settings: ExperimentSettings, bar: Any, subject: str = DVA) -> list[dict[str, Any]]:
     """Open loop at each fraction of `peak_qps`: one seeded Poisson schedule and one seeded list of
     queries per level, sent to each system in turn (the order rotating per level)."""
-    from perf.load import poisson
+    from perf.arrivals import poisson
 
     levels = []
     for k, fraction in enumerate(fractions):
@@ -258,7 +258,8 @@ def figure15(models: Sequence[str], out_dir: Path, settings: ExperimentSettings)
     """Figure 15: the same stepping load (Poisson, the rate raised every `step_queries` queries from
     1/4 of ZeroBatch's peak to 1.5x it) to each system; the peak load is the highest step whose p99
     stays within the latency target."""
-    from perf.load import peak_load, step_summaries, stepping, stepping_rates
+    from perf.arrivals import stepping, stepping_rates
+    from perf.stats import peak_load, step_summaries
 
     results = _results("figure15", settings)
     bar = _bar(len(models) * (2 + len(SYSTEMS)), settings.progress)

@@ -27,7 +27,7 @@ import numpy as np
 if TYPE_CHECKING:
     from dvabatch_backend.runtime.manifest import Manifest
     from dvabatch_backend.tools.serve import TritonServer
-    from perf.load import LoadResult
+    from perf.stats import LoadResult
 
 SENTENCES = [
     "Hi.",
@@ -202,7 +202,8 @@ def _side_by_side(server: TritonServer, dva_name: str, zero_name: str, manifest:
     peak, within about `seconds` in all; prints a table and returns how many queries failed
     (an error, or no answer)."""
     from perf.bench import sample_queries
-    from perf.load import poisson, run_open_loop
+    from perf.arrivals import poisson
+    from perf.drivers import run_open_loop
 
     began = time.perf_counter()
     bs_max = manifest.max_batch_size
@@ -239,7 +240,7 @@ def _warm_up_and_peak(url: str, models: Sequence[str], manifest: Manifest, int_h
     """Warms every model up (a short closed loop each, as perf.experiments.figure14 does), then
     measures ZeroBatch's (the last model's) peak throughput closed loop at bs_max clients."""
     from perf.bench import sample_queries
-    from perf.load import run_closed_loop
+    from perf.drivers import run_closed_loop
 
     bs_max = manifest.max_batch_size
     pool, _ = sample_queries(manifest, int_high, max(4 * bs_max, 32), seed + 1)
