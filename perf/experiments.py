@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -419,66 +418,17 @@ def _latency_stats(latencies_ms: Sequence[float]) -> dict[str, float | None]:
 
 def overhead_breakdown(bench: Bench, queries: Sequence[dict], dva_settings: Mapping[str, Any],
                        repeats: int = 20) -> dict[str, float]:
-    """Where DVABatch's single-query latency goes, measured in this process one query at a time
-    (median ms over the queries x `repeats`): the unsliced model (the baselines' threads), its
-    stages run one after another (each stage's threads), and the runtime (Scheduler) with the
-    served policy; `slicing_ms` and `handoffs_ms` are the differences."""
-    import onnxruntime as ort
-
-    from dvabatch_backend.runtime.engine import ort_session_options
-    from dvabatch_backend.runtime.scheduler import RuntimeSettings, load_scheduler
+    """Where DVABatch's single-query latency goes (`perf.inprocess.overhead_breakdown`: the
+    unsliced model with the baselines' threads, its stages in a row and the runtime with each
+    stage's threads and the served policy, built as Triton does from string parameters)."""
+    from perf.inprocess import overhead_breakdown as in_process
     from policies import load_policy
 
-    version_dir, manifest, _ = bench.slices[None]
-    full = ort.InferenceSession(str(version_dir / (manifest.full_model or "model.onnx")),
-                                ort_session_options(bench.baseline_threads))
-    stages = [ort.InferenceSession(str(version_dir / s.file), ort_session_options(bench.threads))
-              for s in manifest.stages]
+    version_dir, _, _ = bench.slices[None]
     params = {k: str(v) for k, v in dict(dva_settings.get("policy_params", {})).items()}
-    scheduler = load_scheduler(version_dir, load_policy(str(dva_settings["policy"]), params, version_dir),
-                               RuntimeSettings(num_buffer_pairs=int(dva_settings.get("num_buffer_pairs", 2)),
-                                               threads_per_stage=bench.threads)).start()
-
-    def unsliced(query: dict) -> None:
-        full.run(None, {k: v[None] for k, v in query.items()})
-
-    def in_a_row(query: dict) -> None:
-        tensors = {k: v[None] for k, v in query.items()}
-        for stage in stages:
-            outputs = stage.run(None, {i.name: tensors[i.name] for i in stage.get_inputs()})
-            tensors.update({o.name: v for o, v in zip(stage.get_outputs(), outputs)})
-
-    def runtime(query: dict) -> None:
-        done = threading.Event()
-        answers: list[Any] = []
-
-        def reply(answer: Any) -> None:
-            answers.append(answer)
-            done.set()
-
-        scheduler.submit(query, reply)
-        if not done.wait(60):
-            raise RuntimeError("the runtime did not answer within 60 s")
-        if answers[0].error is not None:
-            raise RuntimeError(f"the runtime answered with an error: {answers[0].error}")
-
-    def median_ms(run: Callable[[dict], None]) -> float:
-        times = []
-        for k in range(repeats + 2):
-            for query in queries:
-                t0 = time.perf_counter()
-                run(query)
-                if k >= 2:  # the first two rounds warm up
-                    times.append(time.perf_counter() - t0)
-        return float(np.median(times) * 1e3)
-
-    try:
-        # interleaved rounds: whatever else the machine does falls on all three alike
-        rounds = [[median_ms(f) for f in (unsliced, in_a_row, runtime)] for _ in range(3)]
-    finally:
-        scheduler.stop()
-    a, b, c = (float(np.median([r[i] for r in rounds])) for i in range(3))
-    return {"unsliced_ms": a, "stages_in_a_row_ms": b, "runtime_ms": c, "slicing_ms": b - a, "handoffs_ms": c - b}
+    policy = load_policy(str(dva_settings["policy"]), params, version_dir)
+    return in_process(version_dir, queries, policy, pairs=int(dva_settings.get("num_buffer_pairs", 2)),
+                      threads=bench.threads, unsliced_threads=bench.baseline_threads, repeats=repeats)
 
 
 # in the order `all` runs them (figure21 first: it is quick and slices every model for the rest)

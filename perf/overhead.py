@@ -23,7 +23,9 @@
    directly on the unsliced model.onnx at batch size 1 with the same session options
    (`ort_session_options(1)`). Both are timed per query, inputs copy included: dvabatch from
    `submit` to the reply callback, the baseline around `np.copy` of the inputs + `session.run`.
-   Target: <= 0.3 ms added per query (mean and median) for 4 stages.
+   Target: <= 0.3 ms added per query (mean and median) for 4 stages. The 4 stages also run one
+   after another without the runtime, for the overhead breakdown figure 21 reports too
+   (`perf.inprocess.breakdown_ms`: unsliced + slicing + hand-offs = runtime, medians).
 
 3. Breakdown (skip with --no-breakdown): where a hand-off's time goes. The 8-stage pipeline is
    (a) driven synchronously from one thread through `Scheduler.next_work`/`finish_work` (the
@@ -47,12 +49,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Mapping, Sequence
@@ -64,6 +64,19 @@ from dvabatch_backend.runtime.executor import gather_inputs, scatter_outputs
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.runtime.query import Answer
 from dvabatch_backend.runtime.scheduler import RuntimeSettings, Scheduler
+from perf.inprocess import (
+    IN_A_ROW,
+    DirectRunner,
+    Inputs,
+    Runner,
+    ServedRunner,
+    StagesRunner,
+    breakdown_ms,
+    q,
+    run_interleaved,
+    summary,
+    us,
+)
 from policies.pipelined import PipelinedPolicy
 from slicer import cut, toy
 
@@ -71,7 +84,6 @@ HANDOFF_TARGET_US = 50.0
 ADDED_TARGET_MS = 0.3
 
 perf = time.perf_counter
-Inputs = Mapping[str, np.ndarray]
 
 
 # --- models ----------------------------------------------------------------------------
@@ -85,159 +97,17 @@ def slice_model(model, layer_tensors: Sequence[str], num_stages: int, out_dir: P
     return out_dir
 
 
-# --- runners ---------------------------------------------------------------------------
+# --- runners (perf.inprocess) ----------------------------------------------------------
 
 
-class TimedEngine:
-    """A stage engine that adds up the time spent in the real engine's `run`.
-
-    With `marks` set, also keeps (start, end) of every call (for the breakdown).
-    """
-
-    def __init__(self, engine, marks: list | None = None) -> None:
-        self.engine = engine
-        self.seconds = 0.0
-        self.calls = 0
-        self.marks = marks
-
-    def run(self, inputs: Inputs, outputs: Inputs) -> None:
-        t0 = perf()
-        try:
-            self.engine.run(inputs, outputs)
-        finally:
-            t1 = perf()
-            self.seconds += t1 - t0
-            self.calls += 1
-            if self.marks is not None:
-                self.marks.append((t0, t1))
-
-
-@dataclass
-class Sample:
-    latency: float  # submit -> answer (reply callback), or the baseline's copy + session.run
-    engine: float  # time inside the stage engines (the baseline: = latency)
-    client: float  # submit -> the submitting thread runs again with the answer
-
-
-class ServedRunner:
-    """A Scheduler over timed OrtStageEngines, queried closed loop, one query at a time."""
-
-    def __init__(self, model_dir: Path, pairs: int, scheduler_cls: type[Scheduler] = Scheduler,
-                 engine_marks: bool = False) -> None:
-        manifest = Manifest.load(model_dir / "manifest.json")
-        self.engines = [
-            TimedEngine(OrtStageEngine(model_dir / s.file, 1), [] if engine_marks else None) for s in manifest.stages
-        ]
-        settings = RuntimeSettings(num_buffer_pairs=pairs, threads_per_stage=1)
-        self.scheduler = scheduler_cls(manifest, self.engines, PipelinedPolicy(), settings)
-        self.num_stages = manifest.num_stages
-        self._done = threading.Event()
-        self._answer: Answer | None = None
-        self._t_answer = 0.0
-
-    def start(self) -> "ServedRunner":
-        self.scheduler.start()
-        return self
-
-    def stop(self) -> None:
-        self.scheduler.stop()
-
-    def _reply(self, answer: Answer) -> None:
-        self._t_answer = perf()
-        self._answer = answer
-        self._done.set()
-
-    def query(self, inputs: Inputs) -> Sample:
-        engines = self.engines
-        e0 = sum(e.seconds for e in engines)
-        self._done.clear()
-        t0 = perf()
-        self.scheduler.submit(inputs, self._reply)
-        if not self._done.wait(10.0):
-            raise RuntimeError("no answer within 10 s")
-        t2 = perf()
-        answer = self._answer
-        if answer is None or answer.error is not None:
-            raise RuntimeError(f"query failed: {answer}")
-        return Sample(self._t_answer - t0, sum(e.seconds for e in engines) - e0, t2 - t0)
-
-    def answer_of(self, inputs: Inputs) -> dict[str, np.ndarray]:
-        self.query(inputs)
-        assert self._answer is not None and self._answer.outputs is not None
-        return self._answer.outputs
-
-
-class DirectRunner:
-    """onnxruntime on the unsliced model, batch size 1, the runtime's session options."""
-
-    def __init__(self, model_path: Path) -> None:
-        import onnxruntime as ort
-
-        self.session = ort.InferenceSession(str(model_path), ort_session_options(1), providers=["CPUExecutionProvider"])
-
-    def start(self) -> "DirectRunner":
-        return self
-
-    def stop(self) -> None:
-        pass
-
-    def query(self, inputs: Inputs) -> Sample:
-        t0 = perf()
-        feeds = {k: v[None].copy() for k, v in inputs.items()}
-        self.session.run(None, feeds)
-        t = perf() - t0
-        return Sample(t, t, t)
-
-    def answer_of(self, inputs: Inputs) -> dict[str, np.ndarray]:
-        names = [o.name for o in self.session.get_outputs()]
-        return {n: r[0] for n, r in zip(names, self.session.run(None, {k: v[None] for k, v in inputs.items()}))}
-
-
-def run_interleaved(runners: Mapping[str, ServedRunner | DirectRunner], queries: Sequence[Inputs], rounds: int,
-                    block: int, warmup: int, seed: int = 0) -> dict[str, list[Sample]]:
-    """Warm every runner up, then run `rounds` rounds of one `block` per runner, in shuffled order.
-
-    Every runner gets the same query sequence.
-    """
-    rng = random.Random(seed)
-    for runner in runners.values():
-        for i in range(warmup):
-            runner.query(queries[i % len(queries)])
-    samples: dict[str, list[Sample]] = {label: [] for label in runners}
-    for r in range(rounds):
-        order = list(runners)
-        rng.shuffle(order)
-        for label in order:
-            runner, out = runners[label], samples[label]
-            for i in range(block):
-                out.append(runner.query(queries[(r * block + i) % len(queries)]))
-    return samples
-
-
-def check_answers(runners: Mapping[str, ServedRunner | DirectRunner], queries: Sequence[Inputs], ref: DirectRunner,
+def check_answers(runners: Mapping[str, Runner], queries: Sequence[Inputs], ref: DirectRunner,
                   tol: float = 1e-4) -> None:
     for label, runner in runners.items():
-        for q in queries[:3]:
-            got, want = runner.answer_of(q), ref.answer_of(q)
+        for query in queries[:3]:
+            got, want = runner.answer_of(query), ref.answer_of(query)
             err = max(float(np.max(np.abs(got[k] - want[k]))) for k in want)
             if not err <= tol:
                 raise RuntimeError(f"{label}: answer differs from the unsliced model by {err:.2e}")
-
-
-# --- statistics ------------------------------------------------------------------------
-
-
-def us(x: float) -> float:
-    return x * 1e6
-
-
-def q(values: Sequence[float] | np.ndarray, p: float) -> float:
-    return float(np.percentile(np.asarray(values, dtype=float), p))
-
-
-def summary(values: Sequence[float] | np.ndarray, scale: float = 1e6) -> dict[str, float]:
-    a = np.asarray(values, dtype=float) * scale
-    return {"mean": float(a.mean()), "p50": float(np.median(a)), "p90": q(a, 90), "p99": q(a, 99)}
 
 
 # --- part 1: per hand-off --------------------------------------------------------------
@@ -315,7 +185,8 @@ def part_end_to_end(tmp: Path, rounds: int, block: int, warmup: int) -> dict:
     queries = [{"x": rng.standard_normal((length, hidden)).astype(np.float32), "mask": np.ones(length, np.float32)}
                for _ in range(64)]
     baseline = DirectRunner(dirs[4] / "model.onnx")
-    runners: dict[str, ServedRunner | DirectRunner] = {"unsliced onnxruntime": baseline}
+    in_a_row = f"4 {IN_A_ROW}"  # the slicing alone, for the breakdown of the target config
+    runners: dict[str, Runner] = {"unsliced onnxruntime": baseline, in_a_row: StagesRunner(dirs[4])}
     runners.update({label: ServedRunner(dirs[n], p).start() for label, n, p in E2E_CONFIGS})
     try:
         check_answers(runners, queries, baseline)
@@ -348,6 +219,8 @@ def part_end_to_end(tmp: Path, rounds: int, block: int, warmup: int) -> dict:
             entry["target_ms"] = ADDED_TARGET_MS
             entry["holds"] = added_mean <= ADDED_TARGET_MS and added_p50 <= ADDED_TARGET_MS
         result["configs"].append(entry)
+    result["breakdown"] = {"config": E2E_TARGET_CONFIG, **breakdown_ms(
+        samples["unsliced onnxruntime"], samples[in_a_row], samples[E2E_TARGET_CONFIG])}
     return result
 
 
@@ -369,6 +242,10 @@ def print_end_to_end(res: dict) -> None:
         if "holds" in c:
             print(f"target: {c['config']} adds <= {ADDED_TARGET_MS} ms per query (mean and p50): "
                   f"{'holds' if c['holds'] else 'MISSED'} (mean {c['added_mean_ms']:.3f}, p50 {c['added_p50_ms']:.3f})")
+    d = res["breakdown"]
+    print(f"breakdown of {d['config']} (medians, as figure 21's): unsliced {d['unsliced_ms']:.3f} + slicing "
+          f"{d['slicing_ms']:.3f} (stages in a row {d['stages_in_a_row_ms']:.3f}) + hand-offs {d['handoffs_ms']:.3f} "
+          f"= runtime {d['runtime_ms']:.3f}")
     print("engines = time inside the stage engines (the baseline: its whole call); runtime = e2e - engines;")
     print("client = submit until the submitting thread runs again (adds the Event wake-up to e2e)")
 

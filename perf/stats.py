@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LoadResult", "QueryRecord", "jsonable", "latency_stats_ms", "peak_load", "step_summaries"]
+__all__ = ["Floats", "LoadResult", "QueryRecord", "jsonable", "peak_load", "step_summaries"]
 
 Floats = Sequence[float] | np.ndarray
 
