@@ -4,30 +4,22 @@ mixed-length queries with tritonclient, and show each answer's latency and what 
 With MiniLM (the default) the queries are real sentences, tokenized with the model's own
 tokenizer; every answer is checked against the unsliced model run on the query alone.
 
-The demo ends with a short side-by-side run (`_side_by_side`) against ZeroBatch, the unsliced
-model behind Triton's own dynamic batcher with no queue delay (`perf.baselines.zero_batch`),
-served by the same server: ZeroBatch's peak throughput is measured closed loop, then the same
-seeded Poisson schedule and variable-length queries go open loop to both systems at two fractions
-of that peak, and the latency ratios DVABatch/ZeroBatch are printed (< 1: DVABatch is faster).
+`--out DIR` keeps the model repository (the sliced model in DIR/.sliced/MODEL/1, the served
+variant in DIR/MODEL_POLICY, and `demo.json`, which names them); `python -m perf.side_by_side DIR`
+then serves it beside ZeroBatch under the same load.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from dvabatch_backend.runtime.manifest import Manifest
-    from dvabatch_backend.tools.serve import TritonServer
-    from perf.stats import LoadResult
 
 SENTENCES = [
     "Hi.",
@@ -50,13 +42,7 @@ SENTENCES = [
     "Load changes all the time, from a trickle of queries at night to bursts during the day.",
 ]
 
-# the side-by-side run: fractions of ZeroBatch's peak, and bounds on the queries of one open-loop
-# run (enough for a p99 to mean something, few enough to stay within the time budget)
-SIDE_BY_SIDE_LOADS = (0.3, 0.8)
-SIDE_BY_SIDE_SECONDS = 45.0
-MIN_QUERIES_PER_RUN = 30
-MAX_QUERIES_PER_RUN = 150
-QUERY_TIMEOUT_S = 30.0
+RECORD = "demo.json"  # in the repository: what the demo served, for perf.side_by_side
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,16 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=float, default=0.0,
                         help="input policy: batch window, seconds (0: none; on a CPU a window costs more than it buys)")
     parser.add_argument("--rounds", type=int, default=2, help="bursts to send")
-    parser.add_argument("--out", type=Path, help="model repository to write (default: a temporary one)")
-    parser.add_argument("--side-by-side-seconds", type=float, default=SIDE_BY_SIDE_SECONDS, metavar="SECONDS",
-                        help="time budget of the closing side-by-side run against ZeroBatch (0: skip it)")
-    # one thread by default, as each dvabatch stage: on a small machine the load generator shares
-    # the cores, and ZeroBatch measured a higher peak with one thread than with every core
-    parser.add_argument("--baseline-threads", type=int, default=1, metavar="N",
-                        help="onnxruntime threads of ZeroBatch's unsliced model (default: 1)")
-    # same destination: --no-side-by-side is the readable spelling of --side-by-side-seconds 0
-    parser.add_argument("--no-side-by-side", dest="side_by_side_seconds", action="store_const", const=0.0,
-                        help="skip the side-by-side run against ZeroBatch")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="keep the model repository there (default: a temporary one, removed at the end)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,30 +76,19 @@ def run(args: argparse.Namespace) -> int:
         name = f"{args.model}_{args.policy}"
         params = {"window": args.window} if args.policy == "input" else {}
         add_model_variant(repo, report.out_dir / "1", name, policy=args.policy, policy_params=params)
-        side_by_side = args.side_by_side_seconds > 0
-        zero_name = f"{args.model}_zerobatch"
-        if side_by_side:
-            from perf.baselines import zero_batch
-
-            zero_batch(repo, report.out_dir / "1", zero_name, threads=args.baseline_threads,
-                       bs_max=report.manifest.max_batch_size)
-        int_high = int_bounds(model)
-        queries = _queries(args.model, report.manifest, int_high, max_length)
+        write_record(repo, args.model, name, report.out_dir / "1")
+        queries = _queries(args.model, report.manifest, int_bounds(model), max_length)
         with TritonServer(repo) as server:
-            names = [name, zero_name] if side_by_side else [name]
-            print(f"\ntritonserver up (HTTP {server.http_url}, gRPC {server.grpc_url}); "
-                  f"loading {', '.join(names)}...", flush=True)
-            for served in names:
-                server.wait_model_ready(served, timeout=300)
+            print(f"\ntritonserver up (HTTP {server.http_url}, gRPC {server.grpc_url}); loading {name}...", flush=True)
+            server.wait_model_ready(name, timeout=300)
             failures = 0
             for round_ in range(args.rounds):
                 failures += _burst(server, name, queries, report.out_dir / "1" / "model.onnx", round_)
             print("\nmeta operations done by the backend (Triton metrics endpoint):")
             for line in _meta_operations(server.metrics_url, name):
                 print(f"  {line}")
-            if side_by_side:
-                failures += _side_by_side(server, name, zero_name, report.manifest, int_high,
-                                          seconds=args.side_by_side_seconds)
+        if args.out:
+            print(f"\nthe model repository is in {repo}: python -m perf.side_by_side {repo} serves it beside ZeroBatch")
     return 1 if failures else 0
 
 
@@ -190,122 +157,19 @@ def _meta_operations(metrics_url: str, model: str) -> list[str]:
     return sorted(lines)
 
 
-# ----------------------------------------------------------------------------------------------
-# the side-by-side run against ZeroBatch
+def write_record(repo: Path, zoo_model: str, served: str, version_dir: Path) -> Path:
+    """repo/demo.json: the zoo model, the served model's name and its version folder (relative to
+    the repository)."""
+    record = {"zoo_model": zoo_model, "served": served,
+              "version_dir": str(version_dir.resolve().relative_to(repo.resolve()))}
+    path = repo / RECORD
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
 
 
-def _side_by_side(server: TritonServer, dva_name: str, zero_name: str, manifest: Manifest,
-                  int_high: Mapping[str, int], seconds: float = SIDE_BY_SIDE_SECONDS,
-                  loads: Sequence[float] = SIDE_BY_SIDE_LOADS, seed: int = 0,
-                  timeout: float = QUERY_TIMEOUT_S) -> int:
-    """Both served models under the same open-loop Poisson load at each fraction of ZeroBatch's
-    peak, within about `seconds` in all; prints a table and returns how many queries failed
-    (an error, or no answer)."""
-    from perf.bench import sample_queries
-    from perf.arrivals import poisson
-    from perf.drivers import run_open_loop
-
-    began = time.perf_counter()
-    bs_max = manifest.max_batch_size
-    print(f"\nside by side with ZeroBatch ({zero_name}: the unsliced model behind Triton's dynamic batcher, "
-          f"no queue delay, bs_max {bs_max}), the same queries at the same times; about {seconds:.0f} s",
-          flush=True)
-    # the peak takes a fifteenth of the budget (3 s by default): the open-loop runs need the rest
-    peak_qps = _warm_up_and_peak(server.grpc_url, (dva_name, zero_name), manifest, int_high,
-                                 peak_seconds=min(3.0, max(0.5, seconds / 15)), seed=seed, timeout=timeout)
-    rates = [fraction * peak_qps for fraction in loads]
-    n = _queries_per_run(rates, seconds - (time.perf_counter() - began))
-    print(f"ZeroBatch peak {peak_qps:.1f} qps (closed loop, {bs_max} clients); "
-          f"{n} queries per run, RTE-like lengths up to {manifest.max_length} tokens", flush=True)
-    rows = []
-    for k, (fraction, rate) in enumerate(zip(loads, rates)):
-        offsets = poisson(rate, n, rng=seed + 100 + k)
-        queries, lengths = sample_queries(manifest, int_high, n, seed + 200 + k)
-        # alternate which system goes first, so neither always meets a server warmed by the other
-        order = [(dva_name, zero_name), (zero_name, dva_name)][k % 2]
-        results = {model: run_open_loop(server.grpc_url, model, queries, offsets, timeout=timeout, lengths=lengths)
-                   for model in order}
-        rows.append(_Row(fraction, rate, results[dva_name], results[zero_name]))
-    for line in _side_by_side_table(rows):
-        print(line)
-    failed = sum(len(row.dva.errors()) + len(row.zero.errors()) for row in rows)
-    for line in _error_lines(rows):
-        print(line)
-    print(f"side by side took {time.perf_counter() - began:.1f} s", flush=True)
-    return failed
-
-
-def _warm_up_and_peak(url: str, models: Sequence[str], manifest: Manifest, int_high: Mapping[str, int],
-                      peak_seconds: float, seed: int, timeout: float) -> float:
-    """Warms every model up (a short closed loop each, as perf.experiments.figure14 does), then
-    measures ZeroBatch's (the last model's) peak throughput closed loop at bs_max clients."""
-    from perf.bench import sample_queries
-    from perf.drivers import run_closed_loop
-
-    bs_max = manifest.max_batch_size
-    pool, _ = sample_queries(manifest, int_high, max(4 * bs_max, 32), seed + 1)
-    for model in models:
-        warm = run_closed_loop(url, model, pool, concurrency=bs_max, n=2 * bs_max, timeout=timeout)
-        if warm.errors():
-            raise RuntimeError(f"{model}: warm-up failed: {warm.errors()[0].error}")
-    peak = run_closed_loop(url, models[-1], pool, concurrency=bs_max, duration=peak_seconds, timeout=timeout)
-    peak_qps = peak.throughput()
-    if peak.errors() or not peak_qps > 0:
-        first = peak.errors()[0].error if peak.errors() else "no query answered"
-        raise RuntimeError(f"{models[-1]}: peak measurement failed ({len(peak.errors())} errors, "
-                           f"{peak_qps:.1f} qps): {first}")
-    return peak_qps
-
-
-def _queries_per_run(rates: Sequence[float], seconds_left: float) -> int:
-    """Queries per open-loop run so that every run (each load, both systems) fits in
-    `seconds_left`: a run of n queries at rate r lasts about n / r seconds. A margin of 20 % is
-    kept for the drain of the last answers and the serialization before each run."""
-    n = int(0.8 * max(seconds_left, 0.0) / (2 * sum(1.0 / rate for rate in rates)))
-    return max(MIN_QUERIES_PER_RUN, min(MAX_QUERIES_PER_RUN, n))
-
-
-class _Row:
-    """One load level: both systems' runs and their summaries."""
-
-    def __init__(self, fraction: float, rate: float, dva: LoadResult, zero: LoadResult) -> None:
-        from perf.experiments import DVA, ZERO, ratios
-
-        self.fraction, self.rate, self.dva, self.zero = fraction, rate, dva, zero
-        self.dva_summary, self.zero_summary = dva.summary(), zero.summary()
-        both = ratios({DVA: self.dva_summary, ZERO: self.zero_summary}, subject=DVA)
-        self.mean_ratio = both["dvabatch_vs_zerobatch_mean"]
-        self.p99_ratio = both["dvabatch_vs_zerobatch_p99"]
-
-
-def _side_by_side_table(rows: Sequence[_Row]) -> list[str]:
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value:.1f}"
-
-    def ratio(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f}"
-
-    def system(s: Mapping[str, Any]) -> str:
-        return f"{ms(s['latency_mean_ms']):>8} {ms(s['latency_p99_ms']):>8} {s['answered']:>4}/{s['queries']:<4}"
-
-    header = f"{'mean ms':>8} {'p99 ms':>8} {'answered':>9}"
-    lines = [f"{'':>14} | {'DVABatch':^27} | {'ZeroBatch':^27} | {'DVABatch/ZeroBatch':^18}",
-             f"{'load':>5} {'rate qps':>8} | {header} | {header} | {'mean':>8} {'p99':>8}"]
-    for row in rows:
-        lines.append(f"{row.fraction:>4g}x {row.rate:>8.1f} | {system(row.dva_summary)} | {system(row.zero_summary)} "
-                     f"| {ratio(row.mean_ratio):>8} {ratio(row.p99_ratio):>8}")
-    lines.append("ratios below 1: DVABatch answers faster than ZeroBatch at that load")
-    return lines
-
-
-def _error_lines(rows: Sequence[_Row]) -> list[str]:
-    """One line per system and load with failed queries, with its first distinct messages."""
-    lines = []
-    for row in rows:
-        for label, result in (("DVABatch", row.dva), ("ZeroBatch", row.zero)):
-            errors = result.errors()
-            if errors:
-                messages = "; ".join(sorted({str(r.error) for r in errors})[:3])
-                lines.append(f"ERROR {label} at {row.fraction:g}x: {len(errors)} of {len(result.records)} "
-                             f"queries failed or were not answered: {messages}")
-    return lines
+def read_record(repo: Path) -> dict[str, str]:
+    """What `write_record` wrote; FileNotFoundError (with a hint) when `repo` holds no demo."""
+    path = Path(repo) / RECORD
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found; write the repository first with dvabatch demo --out {repo}")
+    return dict(json.loads(path.read_text()))

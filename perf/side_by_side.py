@@ -1,0 +1,194 @@
+"""DVABatch side by side with ZeroBatch on the model `dvabatch demo --out DIR` wrote:
+
+    dvabatch demo --out work/demo && python -m perf.side_by_side work/demo [--seconds 45] [--baseline-threads 1]
+
+serves the demo's model (DIR/demo.json names it) beside ZeroBatch, the unsliced `model.onnx` of
+its version folder behind Triton's own dynamic batcher with no queue delay (`perf.baselines.zero_batch`),
+from one tritonserver over a scratch repository (DIR is left as it is). ZeroBatch's peak
+throughput is measured closed loop at bs_max clients; then the same seeded Poisson schedule of
+variable-length queries (RTE-like lengths) goes open loop to both systems at each fraction of that
+peak (`LOADS`), the order alternating, within about `--seconds` in all. A table shows each
+system's mean and p99 latency, answered/sent, and the ratios DVABatch/ZeroBatch of mean and p99
+latency (< 1: DVABatch answers faster). Any failed or unanswered query is printed and makes the
+command exit with 1.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dvabatch_backend.runtime.manifest import Manifest
+from dvabatch_backend.tools.demo import read_record
+from dvabatch_backend.tools.serve import TritonServer
+from perf.arrivals import poisson
+from perf.bench import sample_queries
+from perf.drivers import run_closed_loop, run_open_loop
+from perf.experiments import DVA, ZERO, ratios
+from perf.stats import LoadResult
+
+# fractions of ZeroBatch's peak, and bounds on the queries of one open-loop run (enough for a p99
+# to mean something, few enough to stay within the time budget)
+LOADS = (0.3, 0.8)
+SECONDS = 45.0
+MIN_QUERIES_PER_RUN = 30
+MAX_QUERIES_PER_RUN = 150
+QUERY_TIMEOUT_S = 30.0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.side_by_side", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", type=Path, metavar="DIR", help="the model repository dvabatch demo --out DIR wrote")
+    parser.add_argument("--seconds", type=float, default=SECONDS, help="time budget of the runs (default: %(default)s)")
+    # one thread by default, as each dvabatch stage: on a small machine the load generator shares
+    # the cores, and ZeroBatch measured a higher peak with one thread than with every core
+    parser.add_argument("--baseline-threads", type=int, default=1, metavar="N",
+                        help="onnxruntime threads of ZeroBatch's unsliced model (default: 1)")
+    args = parser.parse_args(argv)
+    try:
+        return run(args.dir, args.seconds, args.baseline_threads)
+    except FileNotFoundError as exc:  # not a folder the demo wrote
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(repo: Path, seconds: float = SECONDS, baseline_threads: int = 1) -> int:
+    """Serves the demo's model in `repo` beside ZeroBatch and runs `side_by_side`; 1 if any query
+    failed, else 0."""
+    import onnx
+
+    from perf.baselines import zero_batch
+    from slicer.profiler import int_bounds
+
+    record = read_record(repo)
+    dva_name, version_dir = record["served"], (repo / record["version_dir"]).resolve()
+    manifest = Manifest.load(version_dir / "manifest.json")
+    full = onnx.load(str(version_dir / (manifest.full_model or "model.onnx")), load_external_data=False)
+    int_high = int_bounds(full)
+    zero_name = f"{record['zoo_model']}_zerobatch"
+    with tempfile.TemporaryDirectory(prefix="dvabatch-side-by-side-") as tmp:
+        scratch = Path(tmp)
+        shutil.copytree(repo / dva_name, scratch / dva_name, symlinks=True)  # config.pbtxt, and 1/ a link
+        zero_batch(scratch, version_dir, zero_name, threads=baseline_threads, bs_max=manifest.max_batch_size)
+        with TritonServer(scratch) as server:
+            print(f"tritonserver up (gRPC {server.grpc_url}); loading {dva_name} and {zero_name}...", flush=True)
+            for name in (dva_name, zero_name):
+                server.wait_model_ready(name, timeout=300)
+            failed = side_by_side(server, dva_name, zero_name, manifest, int_high, seconds=seconds)
+    return 1 if failed else 0
+
+
+def side_by_side(server: TritonServer, dva_name: str, zero_name: str, manifest: Manifest,
+                 int_high: Mapping[str, int], seconds: float = SECONDS, loads: Sequence[float] = LOADS,
+                 seed: int = 0, timeout: float = QUERY_TIMEOUT_S) -> int:
+    """Both served models under the same open-loop Poisson load at each fraction of ZeroBatch's
+    peak, within about `seconds` in all; prints a table and returns how many queries failed
+    (an error, or no answer)."""
+    began = time.perf_counter()
+    bs_max = manifest.max_batch_size
+    print(f"\nside by side with ZeroBatch ({zero_name}: the unsliced model behind Triton's dynamic batcher, "
+          f"no queue delay, bs_max {bs_max}), the same queries at the same times; about {seconds:.0f} s",
+          flush=True)
+    # the peak takes a fifteenth of the budget (3 s by default): the open-loop runs need the rest
+    peak_qps = warm_up_and_peak(server.grpc_url, (dva_name, zero_name), manifest, int_high,
+                                peak_seconds=min(3.0, max(0.5, seconds / 15)), seed=seed, timeout=timeout)
+    rates = [fraction * peak_qps for fraction in loads]
+    n = queries_per_run(rates, seconds - (time.perf_counter() - began))
+    print(f"ZeroBatch peak {peak_qps:.1f} qps (closed loop, {bs_max} clients); "
+          f"{n} queries per run, RTE-like lengths up to {manifest.max_length} tokens", flush=True)
+    rows = []
+    for k, (fraction, rate) in enumerate(zip(loads, rates)):
+        offsets = poisson(rate, n, rng=seed + 100 + k)
+        queries, lengths = sample_queries(manifest, int_high, n, seed + 200 + k)
+        # alternate which system goes first, so neither always meets a server warmed by the other
+        order = [(dva_name, zero_name), (zero_name, dva_name)][k % 2]
+        results = {model: run_open_loop(server.grpc_url, model, queries, offsets, timeout=timeout, lengths=lengths)
+                   for model in order}
+        rows.append(Row(fraction, rate, results[dva_name], results[zero_name]))
+    for line in table(rows):
+        print(line)
+    failed = sum(len(row.dva.errors()) + len(row.zero.errors()) for row in rows)
+    for line in error_lines(rows):
+        print(line)
+    print(f"side by side took {time.perf_counter() - began:.1f} s", flush=True)
+    return failed
+
+
+def warm_up_and_peak(url: str, models: Sequence[str], manifest: Manifest, int_high: Mapping[str, int],
+                     peak_seconds: float, seed: int, timeout: float) -> float:
+    """Warms every model up (a short closed loop each, as perf.experiments.figure14 does), then
+    measures ZeroBatch's (the last model's) peak throughput closed loop at bs_max clients."""
+    bs_max = manifest.max_batch_size
+    pool, _ = sample_queries(manifest, int_high, max(4 * bs_max, 32), seed + 1)
+    for model in models:
+        warm = run_closed_loop(url, model, pool, concurrency=bs_max, n=2 * bs_max, timeout=timeout)
+        if warm.errors():
+            raise RuntimeError(f"{model}: warm-up failed: {warm.errors()[0].error}")
+    peak = run_closed_loop(url, models[-1], pool, concurrency=bs_max, duration=peak_seconds, timeout=timeout)
+    peak_qps = peak.throughput()
+    if peak.errors() or not peak_qps > 0:
+        first = peak.errors()[0].error if peak.errors() else "no query answered"
+        raise RuntimeError(f"{models[-1]}: peak measurement failed ({len(peak.errors())} errors, "
+                           f"{peak_qps:.1f} qps): {first}")
+    return peak_qps
+
+
+def queries_per_run(rates: Sequence[float], seconds_left: float) -> int:
+    """Queries per open-loop run so that every run (each load, both systems) fits in
+    `seconds_left`: a run of n queries at rate r lasts about n / r seconds. A margin of 20 % is
+    kept for the drain of the last answers and the serialization before each run."""
+    n = int(0.8 * max(seconds_left, 0.0) / (2 * sum(1.0 / rate for rate in rates)))
+    return max(MIN_QUERIES_PER_RUN, min(MAX_QUERIES_PER_RUN, n))
+
+
+class Row:
+    """One load level: both systems' runs and their summaries."""
+
+    def __init__(self, fraction: float, rate: float, dva: LoadResult, zero: LoadResult) -> None:
+        self.fraction, self.rate, self.dva, self.zero = fraction, rate, dva, zero
+        self.dva_summary, self.zero_summary = dva.summary(), zero.summary()
+        both = ratios({DVA: self.dva_summary, ZERO: self.zero_summary}, subject=DVA)
+        self.mean_ratio = both["dvabatch_vs_zerobatch_mean"]
+        self.p99_ratio = both["dvabatch_vs_zerobatch_p99"]
+
+
+def table(rows: Sequence[Row]) -> list[str]:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    def system(s: Mapping[str, Any]) -> str:
+        return f"{ms(s['latency_mean_ms']):>8} {ms(s['latency_p99_ms']):>8} {s['answered']:>4}/{s['queries']:<4}"
+
+    header = f"{'mean ms':>8} {'p99 ms':>8} {'answered':>9}"
+    lines = [f"{'':>14} | {'DVABatch':^27} | {'ZeroBatch':^27} | {'DVABatch/ZeroBatch':^18}",
+             f"{'load':>5} {'rate qps':>8} | {header} | {header} | {'mean':>8} {'p99':>8}"]
+    for row in rows:
+        lines.append(f"{row.fraction:>4g}x {row.rate:>8.1f} | {system(row.dva_summary)} | {system(row.zero_summary)} "
+                     f"| {ratio(row.mean_ratio):>8} {ratio(row.p99_ratio):>8}")
+    lines.append("ratios below 1: DVABatch answers faster than ZeroBatch at that load")
+    return lines
+
+
+def error_lines(rows: Sequence[Row]) -> list[str]:
+    """One line per system and load with failed queries, with its first distinct messages."""
+    lines = []
+    for row in rows:
+        for label, result in (("DVABatch", row.dva), ("ZeroBatch", row.zero)):
+            errors = result.errors()
+            if errors:
+                messages = "; ".join(sorted({str(r.error) for r in errors})[:3])
+                lines.append(f"ERROR {label} at {row.fraction:g}x: {len(errors)} of {len(result.records)} "
+                             f"queries failed or were not answered: {messages}")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

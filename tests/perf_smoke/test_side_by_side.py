@@ -1,0 +1,66 @@
+"""`python -m perf.side_by_side DIR` on a repository as `dvabatch demo --out DIR` leaves it (the
+test-size BERT sliced under DIR/.sliced, a served variant, DIR/demo.json), served by the real
+tritonserver beside ZeroBatch with a few seconds of budget: every query sent to either system is
+answered, the ratios are finite, the table shows them, and DIR is left as it was."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dvabatch_backend.tools import demo
+from perf import side_by_side
+
+from ..triton_support import add_variant, slice_zoo_model
+
+DVA_NAME = "bert_input"
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("demo")
+    base = slice_zoo_model(repo / ".sliced", "bert")
+    add_variant(repo, base, DVA_NAME, policy="input", policy_params={"window": 0.02})
+    demo.write_record(repo, "bert", DVA_NAME, base.version_dir)
+    return repo
+
+
+@pytest.mark.server
+def test_every_query_is_answered_and_ratios_are_finite(demo_dir, monkeypatch, capsys) -> None:
+    before = sorted(p.name for p in demo_dir.iterdir())
+    seen: list = []
+    table = side_by_side.table
+
+    def recording_table(rows):
+        seen.extend(rows)
+        return table(rows)
+
+    monkeypatch.setattr(side_by_side, "table", recording_table)
+    code = side_by_side.main([str(demo_dir), "--seconds", "6"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert [row.fraction for row in seen] == list(side_by_side.LOADS)
+    for row in seen:
+        sent = len(row.dva.records)
+        assert sent >= side_by_side.MIN_QUERIES_PER_RUN and len(row.zero.records) == sent
+        assert row.dva_summary["answered"] == sent == row.zero_summary["answered"], out
+        assert row.rate > 0
+        for ratio in (row.mean_ratio, row.p99_ratio):
+            assert ratio is not None and math.isfinite(ratio) and ratio > 0
+        assert f"{row.mean_ratio:.2f}" in out and f"{sent}/{sent}" in out
+    assert "DVABatch/ZeroBatch" in out and "ERROR" not in out
+    assert sorted(p.name for p in demo_dir.iterdir()) == before  # ZeroBatch went to a scratch repository
+
+
+def test_queries_per_run_fits_the_budget_within_bounds() -> None:
+    rates = [30.0, 80.0]
+    n = side_by_side.queries_per_run(rates, 20.0)
+    assert side_by_side.MIN_QUERIES_PER_RUN <= n <= side_by_side.MAX_QUERIES_PER_RUN
+    assert 2 * sum(n / r for r in rates) <= 20.0  # both systems at each load, within the time left
+    assert side_by_side.queries_per_run(rates, 0.0) == side_by_side.MIN_QUERIES_PER_RUN
+    assert side_by_side.queries_per_run([1e4, 1e4], 60.0) == side_by_side.MAX_QUERIES_PER_RUN
+
+
+def test_a_folder_the_demo_did_not_write_is_refused(tmp_path, capsys) -> None:
+    assert side_by_side.main([str(tmp_path)]) == 2
+    assert "dvabatch demo --out" in capsys.readouterr().err
