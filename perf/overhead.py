@@ -29,14 +29,12 @@
 
 3. Breakdown (skip with --no-breakdown): where a hand-off's time goes. The 8-stage pipeline is
    (a) driven synchronously from one thread through `Scheduler.next_work`/`finish_work` (the
-   pure CPU cost of the bookkeeping, no thread switch), (b) served normally under a
-   `Scheduler` subclass that timestamps those calls (engine end -> finish_work -> wake-up and
-   next_work of the next stage -> engine start) and counts the executors' wake-ups, plus (c) a
-   CPython thread-to-thread wake-up through a Condition over a shared lock (the pattern the
-   executors use), and (d) the cost of one onnxruntime call with and without building the
-   IOBinding each time. (a) and (b) lean on runtime internals (`_executors`, calling
-   next_work/finish_work directly); if those change, part 3 reports that it failed and the
-   rest still runs.
+   pure CPU cost of the bookkeeping, no thread switch: the scheduler owns no thread), (b) served
+   by a `Pipeline` around a `Scheduler` subclass that timestamps those calls (engine end ->
+   finish_work -> wake-up and next_work of the next stage -> engine start), with the executors'
+   own wake-up counts, plus (c) a bare CPython thread-to-thread wake-up through a Condition over
+   a shared lock, and (d) the cost of one onnxruntime call with and without building the
+   IOBinding each time.
 
 Every configuration of a part runs in the same process; blocks of queries alternate between
 them in shuffled order (rounds), so machine noise falls on all of them alike. The figures are
@@ -60,10 +58,9 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from dvabatch_backend.runtime.engine import OrtStageEngine, ort_session_options
-from dvabatch_backend.runtime.executor import gather_inputs, scatter_outputs
 from dvabatch_backend.runtime.manifest import Manifest
-from dvabatch_backend.runtime.query import Answer
-from dvabatch_backend.runtime.scheduler import RuntimeSettings, Scheduler
+from dvabatch_backend.runtime.query import Answer, gather_inputs, scatter_outputs
+from dvabatch_backend.runtime.scheduler import RuntimeSettings, Scheduler, WorkResult
 from perf.inprocess import (
     IN_A_ROW,
     DirectRunner,
@@ -253,20 +250,8 @@ def print_end_to_end(res: dict) -> None:
 # --- part 3: breakdown -----------------------------------------------------------------
 
 
-class CountingCondition(threading.Condition):
-    """A Condition that counts how often a wait returned (the executor was woken)."""
-
-    wakeups = 0
-
-    def wait(self, timeout: float | None = None) -> bool:
-        woken = super().wait(timeout)
-        self.wakeups += 1
-        return woken
-
-
 def _instrumented_scheduler(num_stages: int) -> type[Scheduler]:
-    """A Scheduler subclass that timestamps next_work returns and finish_work calls, per stage,
-    and counts the executors' wake-ups."""
+    """A Scheduler subclass that timestamps submit calls, next_work returns and finish_work calls, per stage."""
 
     class InstrumentedScheduler(Scheduler):
         def __init__(self, *args, **kwargs) -> None:
@@ -274,11 +259,6 @@ def _instrumented_scheduler(num_stages: int) -> type[Scheduler]:
             self.fw_marks: list[list[tuple[float, float]]] = [[] for _ in range(num_stages)]
             self.submit_marks: list[tuple[float, float]] = []
             super().__init__(*args, **kwargs)
-            for ex in self._executors:  # runtime internals: before start, no thread waits yet
-                ex.wakeup = CountingCondition(self.lock)
-
-        def wakeups(self) -> int:
-            return sum(ex.wakeup.wakeups for ex in self._executors)
 
         def submit(self, inputs, reply):
             t0 = perf()
@@ -286,15 +266,15 @@ def _instrumented_scheduler(num_stages: int) -> type[Scheduler]:
             self.submit_marks.append((t0, perf()))
             return qid
 
-        def next_work(self, ex):
-            work = super().next_work(ex)
+        def next_work(self, stage):
+            work = super().next_work(stage)
             if work is not None:
-                self.nw_marks[ex.stage].append(perf())
+                self.nw_marks[stage].append(perf())
             return work
 
-        def finish_work(self, ex, work, error, results):
+        def finish_work(self, work, result):
             t0 = perf()
-            super().finish_work(ex, work, error, results)
+            super().finish_work(work, result)
             self.fw_marks[work.stage].append((t0, perf()))
 
     return InstrumentedScheduler
@@ -305,8 +285,7 @@ def _sync_drive(model_dir: Path, pairs: int, queries: Sequence[Inputs], n_querie
     manifest = Manifest.load(model_dir / "manifest.json")
     n = manifest.num_stages
     engines = [OrtStageEngine(model_dir / s.file, 1) for s in manifest.stages]
-    sched = Scheduler(manifest, engines, PipelinedPolicy(), RuntimeSettings(num_buffer_pairs=pairs))  # never started
-    fake = [SimpleNamespace(stage=k, state=None) for k in range(n)]
+    sched = Scheduler(manifest, PipelinedPolicy(), RuntimeSettings(num_buffer_pairs=pairs))  # no thread at all
     got: list[Answer] = []
     submit_t, nw_t, fw_t, gather_t, scatter_t = [], [[] for _ in range(n)], [[] for _ in range(n)], [], []
     for i in range(n_queries):
@@ -315,20 +294,22 @@ def _sync_drive(model_dir: Path, pairs: int, queries: Sequence[Inputs], n_querie
         submit_t.append(perf() - t0)
         for k in range(n):
             t0 = perf()
-            work = sched.next_work(fake[k])
+            work = sched.next_work(k)
             t1 = perf()
             nw_t[k].append(t1 - t0)
+            if work is None:
+                raise RuntimeError(f"synchronous drive: stage {k} had no work")
             if k == 0:
                 gather_inputs(work.queries, work.inputs, sched.input_specs)
                 gather_t.append(perf() - t1)
             engines[k].run(work.inputs, work.outputs)
-            results = None
+            answers = None
             if k == n - 1:
                 t2 = perf()
-                results = scatter_outputs(work.queries, work.outputs, sched.output_specs)
+                answers = scatter_outputs(work.queries, work.outputs, sched.output_specs)
                 scatter_t.append(perf() - t2)
             t3 = perf()
-            sched.finish_work(fake[k], work, None, results)
+            sched.finish_work(work, WorkResult(answers=answers))
             fw_t[k].append(perf() - t3)
     if len(got) != n_queries or any(a.error is not None for a in got):
         raise RuntimeError("synchronous drive: not every query was answered ok")
@@ -349,16 +330,20 @@ def _threaded_breakdown(model_dir: Path, pairs: int, queries: Sequence[Inputs], 
     n = manifest.num_stages
     runner = ServedRunner(model_dir, pairs, _instrumented_scheduler(n), engine_marks=True)
     sched = runner.scheduler
+
+    def wakeups() -> int:
+        return sum(ex.wakeups for ex in runner.pipeline.executors)
+
     runner.start()
     client, reply_t = [], []
     try:
         for i in range(warmup + n_queries):
             if i == warmup:
-                wakeups0 = sched.wakeups()
+                wakeups0 = wakeups()
             s = runner.query(queries[i % len(queries)])
             client.append(s.client - s.latency)
             reply_t.append(runner._t_answer)
-        wakeups = (sched.wakeups() - wakeups0) / n_queries
+        wakeups_per_query = (wakeups() - wakeups0) / n_queries
     finally:
         runner.stop()
     nw = np.array(sched.nw_marks)  # [stage, query]
@@ -378,7 +363,7 @@ def _threaded_breakdown(model_dir: Path, pairs: int, queries: Sequence[Inputs], 
     p90 = lambda a: us(q(a, 90))  # noqa: E731
     return {
         "pairs": pairs,
-        "executor_wakeups_per_query": wakeups,
+        "executor_wakeups_per_query": wakeups_per_query,
         "stage_runs_per_query": n,
         "handoff_gap_us": {"p50": med(gap), "p90": p90(gap)},
         "engine_end_to_finish_work_us": med(to_fw),
@@ -555,12 +540,8 @@ def main(argv: list[str] | None = None) -> int:
         report["end_to_end"] = part_end_to_end(tmp, **p2)
         print_end_to_end(report["end_to_end"])
         if not args.no_breakdown:
-            try:
-                report["breakdown"] = part_breakdown(tmp, **p3)
-            except Exception as exc:  # instrumentation leans on runtime internals that may change
-                print(f"\n== 3. breakdown failed: {type(exc).__name__}: {exc}")
-            else:
-                print_breakdown(report["breakdown"])
+            report["breakdown"] = part_breakdown(tmp, **p3)
+            print_breakdown(report["breakdown"])
     report["seconds"] = perf() - t_start
     handoff_ok = all(h["holds"] for h in report["handoff"]["handoff"])
     e2e_ok = all(c.get("holds", True) for c in report["end_to_end"]["configs"])
