@@ -294,10 +294,10 @@ def verify_stages(model: onnx.ModelProto, folder: Path, manifest: Manifest, leng
 def measure_pipeline(folder: Path, manifest: Manifest, length: int, threads: int, int_high: dict[str, int],
                      seconds: float = 0.6, concurrency: int = 8) -> float:
     """Queries per second through the runtime, closed loop at `concurrency` queries in flight."""
-    from dvabatch_backend.runtime.scheduler import RuntimeSettings, load_scheduler
+    from dvabatch_backend.runtime import RuntimeSettings, load_pipeline
     from policies import create_policy
 
-    scheduler = load_scheduler(folder, create_policy("pipelined"), RuntimeSettings(threads_per_stage=threads))
+    scheduler = load_pipeline(folder, create_policy("pipelined"), RuntimeSettings(threads_per_stage=threads))
     rng = np.random.default_rng(3)
     pool = [{k: v[0] for k, v in random_inputs(manifest.inputs, 1, length, rng, int_high).items()} for _ in range(16)]
     done = threading.Semaphore(0)

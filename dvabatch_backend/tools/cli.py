@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime.query import Answer
-from ..runtime.scheduler import RuntimeSettings, load_scheduler
+from ..runtime.loading import load_pipeline
+from ..runtime.scheduler import RuntimeSettings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +198,7 @@ def _serve(model_dir: Path, policy_name: str, args: argparse.Namespace,
 
     settings = RuntimeSettings(num_buffer_pairs=args.pairs, bs_max=args.bs_max, threads_per_stage=args.threads,
                                record_trace=True)
-    scheduler = load_scheduler(model_dir, create_policy(policy_name), settings)
+    scheduler = load_pipeline(model_dir, create_policy(policy_name), settings)
     answers: dict[int, tuple[float, Answer]] = {}
     all_done = threading.Event()
 
