@@ -18,7 +18,7 @@ Neither package is needed to import this module: they are imported inside the fu
 that use them, and `tensorrt_available()` tells whether TensorRT can be used. cuda-python
 ships no type information for its runtime module, so every CUDA call goes through
 `_check`/`_cudart` and is typed `Any` there; the TensorRT calls are checked against the
-`tensorrt-stubs` package (see tests/test_trt_typecheck.py).
+`tensorrt-stubs` package (see tests/slicer/test_trt_typecheck.py).
 """
 from __future__ import annotations
 
