@@ -8,7 +8,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import onnxruntime as ort
@@ -163,8 +163,13 @@ class GatedEngine:
     def wait_started(self, timeout: float = 10.0) -> None:
         assert self.started.acquire(timeout=timeout), "stage did not start"
 
-    def release(self) -> None:
-        self._permits.release()
+    def release(self, runs: int = 1) -> None:
+        """Let the next `runs` runs through."""
+        self._permits.release(runs)
+
+    def open(self) -> None:
+        """Stop gating: every later run goes through."""
+        self.release(1_000_000)
 
 
 class SlowEngine:
@@ -178,9 +183,12 @@ class SlowEngine:
         time.sleep(self.delay)
 
 
-def make_scheduler(model: SlicedModel, policy: Policy, engines: list | None = None, **settings: object) -> Pipeline:
+def make_scheduler(model: SlicedModel, policy: Policy, engines: list | None = None, clock: Callable[[], float] | None = None,
+                   **settings: object) -> Pipeline:
+    """A pipeline over the model (tracing on); `clock` replaces the wall clock (e.g. a frozen one)."""
     options = {"record_trace": True, **settings}
-    return Pipeline.create(model.manifest, engines or model.engines(), policy, RuntimeSettings(**options))  # type: ignore[arg-type]
+    extra = {} if clock is None else {"clock": clock}
+    return Pipeline.create(model.manifest, engines or model.engines(), policy, RuntimeSettings(**options), **extra)  # type: ignore[arg-type]
 
 
 def assert_matches_reference(model: SlicedModel, inputs: Mapping[str, np.ndarray], answer: Answer) -> None:

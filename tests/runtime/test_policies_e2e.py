@@ -17,7 +17,7 @@ from policies.input_diversity import InputDiversityPolicy
 from policies.load_diversity import LoadDiversityPolicy
 from policies.operator_diversity import OperatorDiversityPolicy
 
-from ..conftest import Collector, SlicedModel, SlowEngine, assert_matches_reference, make_scheduler
+from ..conftest import Collector, GatedEngine, SlicedModel, SlowEngine, assert_matches_reference, make_scheduler
 
 MS = 1e-3
 # Saturates at bs 2: T(1) = T(2), then per-query time is flat (T linear in bs). Splitting pays
@@ -103,6 +103,45 @@ def run_queries(model: SlicedModel, policy: Policy, rounds: Sequence[Sequence[in
     return scheduler
 
 
+def run_gated(model: SlicedModel, policy: Policy, rounds: Sequence[Sequence[int]], hold: int,
+              clock: Callable[[], float] | None = None, **settings: object):
+    """Submit the first round, hold its batch in stage `hold` (gated engines), submit the other
+    rounds one after another (each is dispatched before submit returns), then let everything run;
+    check every answer. No timing: what the policy sees is fixed by the gates (and `clock`)."""
+    gates = [GatedEngine(e) for e in model.engines()]
+    scheduler = make_scheduler(model, policy, gates, clock=clock, **settings)
+    collector = Collector()
+    rng = np.random.default_rng(0)
+    sent: dict[int, dict[str, np.ndarray]] = {}
+
+    def submit(lengths: Sequence[int]) -> None:
+        batch = [model.query(rng, n) for n in lengths]
+        sent.update(zip(scheduler.submit_many([(q, collector) for q in batch]), batch))
+
+    with scheduler:
+        submit(rounds[0])
+        for stage in range(hold):
+            gates[stage].wait_started()
+            gates[stage].release()
+        gates[hold].wait_started()  # the first batch is running stage `hold`, and held there
+        for lengths in rounds[1:]:
+            submit(lengths)
+        for gate in gates:
+            gate.open()
+        assert collector.wait_for(set(sent), timeout=30), f"unanswered: {set(sent) - set(collector.answers)}"
+    for qid, inputs in sent.items():
+        assert_matches_reference(model, inputs, collector.one(qid))
+    assert scheduler.buffer_violations == []
+    assert scheduler.stats.policy_errors == 0
+    assert scheduler.stats.answered_ok == len(sent)
+    return scheduler
+
+
+def frozen_clock() -> float:
+    """A clock that never moves: a batch's age is always 0, whatever the machine's speed."""
+    return 0.0
+
+
 POLICIES: dict[str, Callable[[], Policy]] = {
     "input": lambda: CheckedInput(),
     "operator": lambda: OperatorDiversityPolicy(),
@@ -139,10 +178,11 @@ def test_operator_policy_splits_with_a_profile_that_pays(zoo) -> None:
 
 
 def test_load_policy_stretches_a_batch_in_flight(zoo) -> None:
-    # T_comp_wait defaults to stage 0's profiled time at bs 1: half a second here
+    # T_comp_wait defaults to stage 0's profiled time at bs 1 (half a second here); the clock is
+    # frozen, so the batch held in stage 1 is always younger than that
     model = with_profile(zoo.stages("token", 4), [{1: 0.5, 8: 0.6}] * 4)
-    scheduler = run_queries(model, LoadDiversityPolicy(), [[12, 4], [5, 6, 7], [2]], delay=0.01)
-    assert scheduler.stats.stretch > 0 and scheduler.stats.stretch_refused == 0
+    scheduler = run_gated(model, LoadDiversityPolicy(), [[12, 4], [5, 6, 7], [2]], hold=1, clock=frozen_clock)
+    assert scheduler.stats.stretch == 2 and scheduler.stats.stretch_refused == 0
     assert scheduler.stats.new == 1  # every later query joined the first batch
 
 
@@ -150,8 +190,7 @@ def test_load_policy_grows_the_batch_that_waits_for_a_busy_stage_0(zoo) -> None:
     # T_comp_wait 0: a started batch never takes more; the queries arriving one by one while stage 0
     # runs the first batch join the second, queued one, which stage 0 then runs as ONE item
     model = zoo.stages("token", 4)
-    scheduler = run_queries(model, LoadDiversityPolicy(t_comp_wait=0.0), [[12], [7], [5], [6], [4], [2]],
-                            delay=0.2, gap=lambda r: 0.01)
+    scheduler = run_gated(model, LoadDiversityPolicy(t_comp_wait=0.0), [[12], [7], [5], [6], [4], [2]], hold=0)
     assert scheduler.stats.new == 2 and scheduler.stats.stretch == 4
     assert scheduler.stats.stages[0].batches == 2 and scheduler.stats.stages[0].rows == 6
     assert [e.detail for e in scheduler.trace if e.kind == "stretch"]
@@ -159,7 +198,7 @@ def test_load_policy_grows_the_batch_that_waits_for_a_busy_stage_0(zoo) -> None:
 
 def test_hybrid_policy_stretches_then_splits(zoo) -> None:
     model = with_profile(zoo.stages("token", 4), [SPLITS] * 4)
-    scheduler = run_queries(model, HybridPolicy(t_comp_wait=1.0), [[12, 3], [4, 5, 6, 7]], delay=0.01)
+    scheduler = run_gated(model, HybridPolicy(t_comp_wait=1.0), [[12, 3], [4, 5, 6, 7]], hold=0, clock=frozen_clock)
     assert scheduler.stats.stretch == 1 and scheduler.stats.new == 1
     assert scheduler.stats.split > 0  # the stretched batch of 6 splits into 3 + 3
     assert [e.detail.split(" ->")[0] for e in scheduler.trace if e.kind == "split"] == ["into [3, 3]"]

@@ -1,6 +1,7 @@
 """A buggy policy cannot lose queries: bad decisions are answered with errors, stalls are broken."""
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -10,7 +11,7 @@ from dvabatch_backend import ArrivalPlan, New, Policy
 from dvabatch_backend.runtime.decisions import BatchTableView, QueryInfo
 from dvabatch_backend.runtime.errors import PolicyError
 
-from ..conftest import Collector, assert_matches_reference, make_scheduler
+from ..conftest import Collector, GatedEngine, assert_matches_reference, make_scheduler
 
 
 class PadTooShort(Policy):
@@ -86,22 +87,34 @@ class HoldsIntoThePast(Policy):
 
     name = "window-in-the-past"
 
+    def __init__(self) -> None:
+        self.called_past_deadline = threading.Event()
+
     def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
         if len(table) == 0:
             return ArrivalPlan((New(tuple(q.id for q in waiting[: self.context.bs_max])),))
-        return ArrivalPlan((), wake_at=min(q.arrival for q in waiting) + 0.001)
+        deadline = min(q.arrival for q in waiting) + 0.001
+        if now >= deadline:
+            self.called_past_deadline.set()  # woken at its deadline, busy still: asks again, in the past
+        return ArrivalPlan((), wake_at=deadline)
 
 
 def test_a_wake_up_in_the_past_does_not_starve_the_pipeline(zoo) -> None:
-    from ..conftest import SlowEngine
-
     model = zoo.stages("token", 2)
     rng = np.random.default_rng(8)
     queries = [model.query(rng) for _ in range(3)]
     collector = Collector()
-    engines = [SlowEngine(e, 0.02) for e in model.engines()]
-    with make_scheduler(model, HoldsIntoThePast(), engines) as scheduler:
-        ids = [scheduler.submit(q, collector) for q in queries]
+    gates = [GatedEngine(e) for e in model.engines()]
+    policy = HoldsIntoThePast()
+    with make_scheduler(model, policy, gates) as scheduler:
+        ids = [scheduler.submit(queries[0], collector)]
+        gates[0].wait_started()  # the pipeline is busy with the first query
+        ids += [scheduler.submit(q, collector) for q in queries[1:]]
+        # the window's deadline passes while the first query is held: the policy is asked again
+        # and answers with a wake-up in the past
+        assert policy.called_past_deadline.wait(10)
+        for gate in gates:
+            gate.open()
         assert collector.wait_for(ids, timeout=10)
     for qid, inputs in zip(ids, queries):
         assert_matches_reference(model, inputs, collector.one(qid))
