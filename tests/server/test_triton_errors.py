@@ -232,9 +232,12 @@ def test_bad_requests_do_not_disturb_a_concurrent_good_stream(served) -> None:
     good = [(name, mode, served["models"][name].query(rng)) for name, mode, _ in good]
     good_failures: list[str] = []
     answered = [0]
+    overlapped = threading.Event()  # set once a bad request went out while the stream was running
 
     def stream() -> None:
-        for name, (mode, call), query in good:
+        for i, (name, (mode, call), query) in enumerate(good):
+            if i == len(good) // 2:  # the second half goes out only once the bad ones are under way
+                overlapped.wait(60)
             try:
                 got = call(name, query)
                 for out, ref in served["models"][name].reference(query).items():
@@ -257,6 +260,8 @@ def test_bad_requests_do_not_disturb_a_concurrent_good_stream(served) -> None:
                 if failure:
                     bad_failures.append(failure)
                 sent_while_streaming += alive
+                if alive:
+                    overlapped.set()
         rounds += 1
     thread.join(60)
     assert not thread.is_alive(), "the good stream hung"

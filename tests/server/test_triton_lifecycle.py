@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
 import urllib.request
@@ -25,6 +26,7 @@ from ..triton_support import ServedModel, add_variant, control_client, slice_zoo
 TIMEOUT = 30.0  # client timeout of every request
 THREAD_SLACK = 8  # threads the server may keep beyond its count before the first load (it has ~35 more per model)
 CYCLE, FLIGHT = "bert_cycle", "minilm_flight"
+GATE_POLICY = Path(__file__).with_name("gate_policy.py")  # holds arrivals until a file exists
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -179,14 +181,18 @@ def unload_and_check_gone(server: TritonServer, client, model: str, threads_befo
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> dict:
     repo = tmp_path_factory.mktemp("lifecycle_repository")
+    gate = tmp_path_factory.mktemp("gates") / "flight"
+    minilm = slice_zoo_model(repo / ".sliced", "minilm")
+    shutil.copy(GATE_POLICY, minilm.version_dir / GATE_POLICY.name)
     models = {
         CYCLE: add_variant(repo, slice_zoo_model(repo / ".sliced", "bert"), CYCLE),
-        # MiniLM's real weights: slower per batch, so that requests are still in flight at the unload
-        FLIGHT: add_variant(repo, slice_zoo_model(repo / ".sliced", "minilm"), FLIGHT),
+        # pipelined behind a gate: the test holds the requests in the model until it unloads it
+        FLIGHT: add_variant(repo, minilm, FLIGHT, policy=f"{GATE_POLICY.name}:GatePolicy",
+                            policy_params={"gate": gate, "inner": "pipelined"}),
     }
     server = TritonServer(repo, explicit=True).start()
     try:
-        yield {"server": server, "models": models}
+        yield {"server": server, "models": models, "gate": gate}
     finally:
         server.stop()
 
@@ -221,12 +227,15 @@ def test_unload_with_requests_in_flight_answers_every_request(served) -> None:
     model: ServedModel = served["models"][FLIGHT]
     model_dir = server.model_repository / FLIGHT
     rng = np.random.default_rng(2)
+    gate: Path = served["gate"]
     threads_before_load = server_threads(server)
     client = control_client(server, "http")
     try:
+        gate.touch()
         client.load_model(FLIGHT)
         server.wait_model_ready(FLIGHT, timeout=60)
         check_serves(server, model, rng, per_mode=1)
+        gate.unlink()  # from now on the requests wait in the model
 
         n = 64
         queries = [model.query(rng, model.max_length) for _ in range(n)]
@@ -254,16 +263,17 @@ def test_unload_with_requests_in_flight_answers_every_request(served) -> None:
             t.start()
         ready.wait(30)  # every client connected
         go.set()
-        # every request has reached the model before the unload
+        # every request has reached the model before the unload, and none can have been answered
         assert poll(lambda: admitted(server, FLIGHT) >= before + n, TIMEOUT), admitted(server, FLIGHT) - before
         unload_at = time.monotonic()
         in_flight = sum(o is None for o in outcomes)
+        assert in_flight == n, "answered behind a shut gate"
+        gate.touch()  # they start through the pipeline: the unload finds some mid-run, others waiting
         client.unload_model(FLIGHT)  # returns at once; Triton finishes the unload in the background
         for t in threads:
             t.join(TIMEOUT + 10)
         assert not any(t.is_alive() for t in threads), "a request hung across the unload"
         assert all(o is not None for o in outcomes)
-        assert in_flight > 0, "every request was answered before the unload: nothing was in flight"
 
         unclear = []
         for i, (kind, value, at) in enumerate(outcomes):  # type: ignore[misc]
