@@ -36,6 +36,8 @@ MAX_LENGTH = 16
 BS_MAX = 8
 DELAY_US = 2000
 ZERO, DELAY, DVABATCH = "tm_zerobatch", "tm_delaybatch", "tm_dvabatch"
+# a DelayBatch whose queue delay never runs out in a test: a batch goes when it is full (BS_MAX)
+FULL, FULL_DELAY_US = "tm_fullbatch", 600_000_000
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +54,10 @@ def served(sliced: ServedModel):
     zero_batch(repo, sliced.version_dir)
     delay_batch(repo, sliced.version_dir, DELAY_US)
     add_variant(repo, sliced, DVABATCH, policy="input")
+    delay_batch(repo, sliced.version_dir, FULL_DELAY_US, name=FULL)
     server = TritonServer(repo).start()
     try:
-        for name in (ZERO, DELAY, DVABATCH):
+        for name in (ZERO, DELAY, DVABATCH, FULL):
             server.wait_model_ready(name, timeout=120)
         yield server
     finally:
@@ -187,8 +190,8 @@ def test_concurrent_mixed_lengths_over_http_and_grpc_equal_the_unsliced_model(se
 @pytest.mark.server
 def test_the_delay_baseline_batches_requests_of_different_lengths(served, sliced) -> None:
     rng = np.random.default_rng(7)
-    queries = [sliced.query(rng, n) for n in (1, 9, 3, 16, 5, 12, 2, 7)]
-    inferences, executions, _ = _stats(served, DELAY)
+    queries = [sliced.query(rng, n) for n in (1, 9, 3, 16, 5, 12, 2, 7)]  # BS_MAX of them
+    inferences, executions, batches_before = _stats(served, FULL)
     answers: list = [None] * len(queries)
     done = threading.Semaphore(0)
     client = grpcclient.InferenceServerClient(served.grpc_url)
@@ -200,7 +203,7 @@ def test_the_delay_baseline_batches_requests_of_different_lengths(served, sliced
         return record
 
     for i, query in enumerate(queries):
-        client.async_infer(DELAY, Clients.inputs(grpcclient, query), callback(i), client_timeout=60)
+        client.async_infer(FULL, Clients.inputs(grpcclient, query), callback(i), client_timeout=60)
     for _ in queries:
         assert done.acquire(timeout=60), "an answer did not come"
     client.close()
@@ -208,10 +211,11 @@ def test_the_delay_baseline_batches_requests_of_different_lengths(served, sliced
         assert not isinstance(answer, Exception), answer
         got = {name: answer.as_numpy(name) for name in ("tokens", "pooled")}
         _check_rows(sliced, {k: v[None] for k, v in query.items()}, got)
-    after_inferences, after_executions, batches = _stats(served, DELAY)
+    # the queue delay cannot run out first: one execute of all eight lengths, whatever the timing
+    after_inferences, after_executions, batches = _stats(served, FULL)
     assert after_inferences - inferences == len(queries)
-    assert after_executions - executions < len(queries), "no two requests of different lengths shared an execute"
-    assert max(batches) > 1, batches
+    assert after_executions - executions == 1, "the requests of different lengths did not share one execute"
+    assert batches.get(BS_MAX, 0) - batches_before.get(BS_MAX, 0) == 1, (batches_before, batches)
 
 
 @pytest.mark.server
