@@ -38,7 +38,6 @@ class Pipeline(WorkListener):
         self._state_lock = threading.Lock()  # guards _started and _stop_called
         self._started = False
         self._stop_called = False
-        self._stopped = threading.Event()
         scheduler.listener = self
 
     @classmethod
@@ -78,22 +77,22 @@ class Pipeline(WorkListener):
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Answer every query not yet answered with "shutting down" and join every thread."""
+        """Answer every query not yet answered with "shutting down" and join every thread.
+
+        Safe to call more than once and from several threads: each caller outside the pipeline
+        joins the threads. From a reply callback (a pipeline thread) it cannot join itself and
+        returns at once; the threads end on their own.
+        """
         with self._state_lock:
-            already, self._stop_called = self._stop_called, True
+            self._stop_called = True
             started = self._started
         self.scheduler.stop()
-        if threading.current_thread() in self.threads:  # stop() called from a reply callback
+        if not started or threading.current_thread() in self.threads:
             return
-        if already:
-            self._stopped.wait(timeout)
-            return
-        if started:
-            for thread in self.threads:
-                thread.join(timeout)
-                if thread.is_alive():
-                    log.error("thread %s did not stop within %.1fs", thread.name, timeout)
-        self._stopped.set()
+        for thread in self.threads:
+            thread.join(timeout)
+            if thread.is_alive():
+                log.error("thread %s did not stop within %.1fs", thread.name, timeout)
 
     def __enter__(self) -> "Pipeline":
         return self.start()
