@@ -12,7 +12,8 @@ Here:
   longer than (1 + pad_tolerance) x the cluster's shortest, or the cluster has bs_max queries.
   Each cluster is one `New`, padded to its longest, so before any merging no query is padded by
   more than pad_tolerance of its length (queries of length 0, models without a sequence axis,
-  cluster together). With a per-length profile (two or more lengths), neighbouring clusters (in length order) are then merged,
+  cluster together). A model that is not pad-safe (`context.pad_safe` False) is clustered exactly by
+  length, with no merging: padding would change its answers. With a per-length profile (two or more lengths), neighbouring clusters (in length order) are then merged,
   the most profitable first, while one merged batch is cheaper than the two apart (profiled
   seconds over all stages, `BatchCost`) and within bs_max: on hardware where small batches are
   inefficient (a CPU at short lengths), a little padding buys more than it costs.
@@ -64,13 +65,15 @@ class InputDiversityPolicy(Policy):
     def clusters(self, waiting: Sequence[QueryInfo]) -> list[list[QueryInfo]]:
         """Waiting queries clustered by length, each sorted by length; oldest cluster first."""
         bs_max = self.context.bs_max
+        # a model that is not pad-safe: exactly one length per cluster, never merged
+        tolerance = self.pad_tolerance if self.context.pad_safe else 0.0
         out: list[list[QueryInfo]] = []
         for q in sorted(waiting, key=lambda q: (q.length, q.arrival, q.id)):
-            if out and len(out[-1]) < bs_max and q.length <= (1 + self.pad_tolerance) * out[-1][0].length:
+            if out and len(out[-1]) < bs_max and q.length <= (1 + tolerance) * out[-1][0].length:
                 out[-1].append(q)
             else:
                 out.append([q])
-        if self.cost.available:
+        if self.cost.available and self.context.pad_safe:
             out = self._merge_by_cost(out)
         out.sort(key=lambda c: min((q.arrival, q.id) for q in c))
         return out

@@ -152,3 +152,36 @@ def cascade_mlp(features: int = 16, classes: int = 4, layers: int = 4, seed: int
         initializer=inits,
     )
     return _model(graph)
+
+
+def conv_pool(hidden: int = 8, layers: int = 2, kernel: int = 3, seed: int = 0) -> onnx.ModelProto:
+    """A model that zero-padding changes: per-token layers, a 1-D conv over the sequence, a plain mean.
+
+    Input ``x`` float32 [batch, seq, hidden], no mask. Layer k computes ``h{k} = Relu(h{k-1} @ W_k + b_k)``
+    (cut points), then ``conv = Conv1d(h{layers})`` over the sequence (``kernel`` taps, 'same' padding,
+    a bias) and ``pooled = mean_seq(conv)`` [batch, hidden]. Padded positions hold the conv's bias
+    and the last tokens' taps, and the mean divides by the padded length: a query padded to a longer
+    length gets another answer, so it must only be batched with queries of its own length.
+    """
+    if hidden < 1 or layers < 1 or kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"need hidden, layers >= 1 and an odd kernel, got {hidden}, {layers}, {kernel}")
+    rng = np.random.default_rng(seed)
+    inits: list[onnx.TensorProto] = []
+    nodes, prev = _relu_layers(rng, range(1, layers + 1), "x", hidden, inits)
+    w = (rng.standard_normal((hidden, hidden, kernel)) / np.sqrt(hidden * kernel)).astype(np.float32)
+    b = (0.5 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+    inits += [numpy_helper.from_array(w, "Wconv"), numpy_helper.from_array(b, "bconv")]
+    nodes += [
+        helper.make_node("Transpose", [prev], ["channels"], perm=[0, 2, 1], name="to_channels"),
+        helper.make_node("Conv", ["channels", "Wconv", "bconv"], ["conv"], kernel_shape=[kernel],
+                         pads=[kernel // 2, kernel // 2], name="conv_seq"),
+        helper.make_node("ReduceMean", ["conv"], ["pooled"], axes=[2], keepdims=0, name="mean_seq"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "conv_pool",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", hidden])],
+        [helper.make_tensor_value_info("pooled", TensorProto.FLOAT, ["batch", hidden])],
+        initializer=inits,
+    )
+    return _model(graph)

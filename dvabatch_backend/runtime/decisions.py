@@ -79,6 +79,9 @@ class PolicyContext:
     # the same per profiled sequence length (models with a sequence axis): {length: per stage {bs: s}}
     stage_times_by_length: Mapping[int, tuple[dict[int, float], ...]] = field(default_factory=dict)
     output_names: tuple[str, ...] = ()  # the model's outputs, which an early exit must answer
+    # zero-padding a query to a longer length leaves its answer unchanged (the manifest's pad_safe);
+    # when False the runtime carries out only same-length batches, whatever the policy decides
+    pad_safe: bool = True
 
 
 class BatchTableView:

@@ -77,6 +77,9 @@ class Manifest:
     stages: tuple[StageSpec, ...]
     full_model: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    # zero-padding a query to a longer batch length leaves its answer unchanged (measured by the
+    # slicer); when False the runtime batches only queries of the same length and never pads them
+    pad_safe: bool = True
 
     @property
     def num_stages(self) -> int:
@@ -116,6 +119,7 @@ class Manifest:
             "outputs": [t.to_json() for t in self.outputs],
             "stages": [s.to_json() for s in self.stages],
             "full_model": self.full_model,
+            "pad_safe": self.pad_safe,
         }
         doc.update(self.extra)
         return doc
@@ -161,9 +165,13 @@ class Manifest:
         full = doc.get("full_model")
         if full is not None and not isinstance(full, str):
             raise ManifestError("full_model", "must be a string or null")
-        known = {"schema_version", "name", "max_batch_size", "max_length", "inputs", "outputs", "stages", "full_model"}
+        pad_safe = doc.get("pad_safe", True)  # manifests written before it was measured: True
+        if not isinstance(pad_safe, bool):
+            raise ManifestError("pad_safe", f"must be true or false, got {pad_safe!r}")
+        known = {"schema_version", "name", "max_batch_size", "max_length", "inputs", "outputs", "stages", "full_model",
+                 "pad_safe"}
         extra = {k: v for k, v in doc.items() if k not in known}
-        manifest = cls(name, max_bs, max_len, inputs, outputs, stages, full, extra)
+        manifest = cls(name, max_bs, max_len, inputs, outputs, stages, full, extra, pad_safe)
         _check_chain(manifest)
         return manifest
 

@@ -152,7 +152,7 @@ class Scheduler:
             num_stages=self.num_stages, bs_max=bs_max, max_length=manifest.max_length,
             num_buffer_pairs=settings.num_buffer_pairs, stage_times=manifest.stage_times(),
             stage_times_by_length=manifest.stage_times_by_length(),
-            output_names=tuple(t.name for t in manifest.outputs),
+            output_names=tuple(t.name for t in manifest.outputs), pad_safe=manifest.pad_safe,
         ))
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -272,6 +272,8 @@ class Scheduler:
             q.state = QueryState.BATCHED
         if isinstance(decision, Stretch):
             why = self._table.stretch_refusal(decision.batch_id, [q.length for q in queries])
+            if why is None and not self.manifest.pad_safe:
+                why = self._pad_unsafe_stretch(decision.batch_id, queries)
             if why is None:
                 item = self._table.stretch(decision.batch_id, queries)
                 self.stats.stretch += 1
@@ -281,12 +283,40 @@ class Scheduler:
             self.stats.stretch_refused += 1
             log.debug("stretch refused, new batch instead: %s", why)
             decision = New(ids)
+        if not self.manifest.pad_safe:
+            for group in self._by_length(decision, queries):
+                self._new(group, group[0].length, decision.no_stretch, now)
+            return []
         pad = max(q.length for q in queries) if decision.pad_length is None else decision.pad_length
-        item = self._table.new(queries, pad, pair=-1, now=now, no_stretch=decision.no_stretch)
+        self._new(queries, pad, decision.no_stretch, now)
+        return []
+
+    def _new(self, queries: list[Query], pad: int, no_stretch: bool, now: float) -> None:
+        item = self._table.new(queries, pad, pair=-1, now=now, no_stretch=no_stretch)
         self.stats.new += 1
         self._record("new", now, None, item, f"pad={pad}")
         self._push(0, item, now)
-        return []
+
+    def _by_length(self, decision: New, queries: list[Query]) -> list[list[Query]]:
+        """A model that is not pad-safe: the `New`'s queries as one batch per length (in order of first
+        appearance), each at its own length, whatever pad length the policy asked for."""
+        groups: dict[int, list[Query]] = {}
+        for q in queries:
+            groups.setdefault(q.length, []).append(q)
+        if len(groups) > 1 or (decision.pad_length is not None and decision.pad_length != queries[0].length):
+            self.stats.pad_unsafe_splits += 1
+            log.debug("model not pad-safe: %s carried out as batches of lengths %s", decision, list(groups))
+        return list(groups.values())
+
+    def _pad_unsafe_stretch(self, batch_id: int, queries: list[Query]) -> str | None:
+        """A model that is not pad-safe: why these queries may not join the batch (a length other than
+        the batch's pad length), or None."""
+        pad = self._table.get(batch_id).pad_length
+        other = sorted({q.length for q in queries if q.length != pad})
+        if not other:
+            return None
+        self.stats.pad_unsafe_splits += 1
+        return f"the model is not pad-safe: queries of lengths {other} cannot join batch {batch_id} of length {pad}"
 
     def _is_waiting(self, query_id: int) -> bool:
         q = self._queries.get(query_id)

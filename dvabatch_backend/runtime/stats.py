@@ -23,6 +23,9 @@ class RuntimeStats:
     split_refused: int = 0
     early_exits: int = 0
     policy_errors: int = 0
+    # decisions re-shaped because the model is not pad-safe (manifest.pad_safe False): a New mixing
+    # lengths carried out as one batch per length, a pad length ignored, a Stretch across lengths refused
+    pad_unsafe_splits: int = 0
     handoffs: int = 0
     stages: list[StageStats] = field(default_factory=list)
 
