@@ -19,7 +19,7 @@ import onnx
 
 from dvabatch_backend.runtime.manifest import TensorSpec
 
-from .cut import _initializer_names, probe_specs
+from .cut import _initializer_names, probe_specs, recomputable_tensors
 
 
 @dataclass(frozen=True)
@@ -74,16 +74,27 @@ def crossing_tensors(model: onnx.ModelProto) -> list[tuple[str, ...]]:
 
 
 def legal_cut_points(model: onnx.ModelProto, reference_length: int, max_tensors: int = 8) -> list[CutPoint]:
-    """Every legal internal cut position, with its crossing tensors and their bytes per query."""
+    """Every legal internal cut position, with its crossing row tensors and their bytes per query.
+
+    Batch-independent tensors crossing a position (shape arithmetic, constants) do not count:
+    the later stage remakes them (`slicer.cut.recomputable_tensors`), provided a row tensor with
+    the length dim crosses too where they depend on the length.
+    """
+    recomp = recomputable_tensors(model)
     live = crossing_tensors(model)
     n = len(model.graph.node)
-    candidates = {p: ts for p, ts in enumerate(live) if 0 < p < n and 0 < len(ts) <= max_tensors}
+    rows = {p: tuple(t for t in ts if t not in recomp.tensors) for p, ts in enumerate(live) if 0 < p < n}
+    candidates = {p: ts for p, ts in rows.items() if 0 < len(ts) <= max_tensors}
     specs = probe_specs(model, sorted({t for ts in candidates.values() for t in ts}))
     points = []
     for p, tensors in sorted(candidates.items()):
         found = [specs[t] for t in tensors]
-        if all(isinstance(s, TensorSpec) for s in found):
-            points.append(CutPoint(p, tensors, sum(_row_bytes(s, reference_length) for s in found)))  # type: ignore[arg-type]
+        if not all(isinstance(s, TensorSpec) for s in found):
+            continue
+        needs_seq = any(recomp.needs_seq[t] for t in live[p] if t in recomp.tensors)
+        if needs_seq and not any(s.has_seq for s in found):  # type: ignore[union-attr]
+            continue
+        points.append(CutPoint(p, tensors, sum(_row_bytes(s, reference_length) for s in found)))  # type: ignore[arg-type]
     return points
 
 

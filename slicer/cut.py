@@ -12,16 +12,26 @@ k it is called ``f"{orig}__{k}"``, the stage before adds an ``Identity`` that fo
 the stage after reads the renamed tensor. A model output made before the last stage is
 renamed the same way at every internal boundary, so the last stage can restore its name.
 
-Boundary dtypes and dims come from running the full model in onnxruntime at two batch and
-seq settings, not from shape inference.
+Boundary dtypes and dims come from running the full model in onnxruntime at three (batch, seq)
+settings (two batch sizes at one length, two lengths at one batch size), not from shape
+inference. The lengths are the model's own (`slicer.axes.probe_lengths`, kept in the model's
+metadata under `PROBE_LENGTHS_KEY`).
+
+Batch-independent tensors (shape arithmetic such as ``Shape -> Gather -> Concat``, constants,
+``Range`` over the length: anything computed from constants and the *shapes* of row tensors)
+never cross a cut: each stage that reads one recomputes it (`recomputable_tensors`), with every
+``Shape`` of a tensor it does not have rebuilt from the shape of one it has. So they do not make
+a position illegal.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 import onnxruntime as ort
 from onnx import helper
 
@@ -29,7 +39,66 @@ from dvabatch_backend.runtime.manifest import BATCH, SEQ, SUPPORTED_DTYPES, Mani
 
 FULL_MODEL_FILE = "model.onnx"
 MANIFEST_FILE = "manifest.json"
-PROBE_SETTINGS = ((2, 3), (3, 5))  # (batch, seq) pairs the full model is run at
+PROBE_BATCHES = (2, 3)
+DEFAULT_PROBE_LENGTHS = (3, 5)
+PROBE_LENGTHS_KEY = "dvabatch.probe_lengths"
+# ops whose output differs between two runs: never recomputed
+_NONDETERMINISTIC = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
+
+
+def probe_settings(model: onnx.ModelProto) -> tuple[tuple[int, int], ...]:
+    """The (batch, seq) settings the model is probed at: (b1, L1), (b2, L1), (b1, L2)."""
+    raw = next((p.value for p in model.metadata_props if p.key == PROBE_LENGTHS_KEY), None)
+    l1, l2 = (int(v) for v in raw.split(",")) if raw else DEFAULT_PROBE_LENGTHS
+    b1, b2 = PROBE_BATCHES
+    return ((b1, l1), (b2, l1), (b1, l2))
+
+
+def set_probe_lengths(model: onnx.ModelProto, lengths: Sequence[int]) -> None:
+    for prop in list(model.metadata_props):
+        if prop.key == PROBE_LENGTHS_KEY:
+            model.metadata_props.remove(prop)
+    helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
+                                   PROBE_LENGTHS_KEY: ",".join(str(int(n)) for n in lengths)})
+
+
+@dataclass(frozen=True)
+class Recomputable:
+    """Batch-independent tensors and how to remake them: `shape_of[t]` is the row tensor whose
+    shape a `Shape` node read (with that node), `needs_seq[t]` whether `t` depends on the length."""
+
+    tensors: frozenset[str]
+    shape_leaves: Mapping[str, str]  # Shape node output -> the row tensor it reads
+    needs_seq: Mapping[str, bool]
+
+
+def recomputable_tensors(model: onnx.ModelProto) -> Recomputable:
+    """Tensors computed only from constants and the shapes of row tensors (see the module doc)."""
+    graph = model.graph
+    inits = _initializer_names(graph)
+    candidates = [n.input[0] for n in graph.node if n.op_type == "Shape" and n.input]
+    specs = probe_specs(model, [t for t in dict.fromkeys(candidates) if t not in inits])
+    ok: set[str] = set(inits)
+    needs_seq: dict[str, bool] = {t: False for t in inits}
+    leaves: dict[str, str] = {}
+    for node in graph.node:
+        if any(True for _ in _subgraphs(node)) or node.op_type in _NONDETERMINISTIC or not node.output:
+            continue
+        ins = [i for i in node.input if i]
+        if node.op_type == "Shape" and ins[0] not in ok:
+            spec = specs.get(ins[0])
+            if not isinstance(spec, TensorSpec):
+                continue
+            ok.add(node.output[0])
+            leaves[node.output[0]] = ins[0]
+            needs_seq[node.output[0]] = spec.has_seq
+        elif all(i in ok for i in ins):
+            for o in node.output:
+                if o:
+                    ok.add(o)
+                    needs_seq[o] = any(needs_seq[i] for i in ins)
+    tensors = frozenset(ok - inits - {o.name for o in graph.output})
+    return Recomputable(tensors, leaves, {t: needs_seq[t] for t in tensors})
 
 
 def boundary_tensors(model: onnx.ModelProto, cut_positions: Sequence[int]) -> list[list[str]]:
@@ -102,23 +171,30 @@ def cut_model(
     built and checked.
     """
     graph = model.graph
-    bounds = boundary_tensors(model, cut_positions)
-    n_stages = len(bounds) - 1
+    recomp = recomputable_tensors(model)
+    crossing = boundary_tensors(model, cut_positions)
+    n_stages = len(crossing) - 1
+    bounds = [crossing[0]] + [[t for t in b if t not in recomp.tensors] for b in crossing[1:-1]] + [crossing[-1]]
+    remade = [[]] + [[t for t in b if t in recomp.tensors] for b in crossing[1:-1]]
     starts = [0, *cut_positions]
     ends = [*cut_positions, len(graph.node)]
 
     for k, bound in enumerate(bounds[1:-1], start=1):
         if not bound:
-            raise ValueError(f"nothing crosses the cut at position {starts[k]} (boundary {k})")
+            raise ValueError(f"no batch-carrying tensor crosses the cut at position {starts[k]} (boundary {k})")
     names = _boundary_names(model, bounds, starts, ends)
     specs = _tensor_specs(model, bounds)
     boundary_specs = [
         tuple(_renamed_spec(specs[t], names[k][t]) for t in bound) for k, bound in enumerate(bounds)
     ]
+    leaf_specs = {t: spec for t, spec in probe_specs(model, sorted(set(recomp.shape_leaves.values()))).items()
+                  if isinstance(spec, TensorSpec)}
 
-    stage_models = [
-        _build_stage(model, k, starts[k], ends[k], bounds, names, boundary_specs) for k in range(n_stages)
-    ]
+    stage_models = []
+    for k in range(n_stages):
+        replicas, constants = _remake_nodes(model, k, remade[k], recomp, names[k], boundary_specs[k], leaf_specs)
+        stage_models.append(_build_stage(model, k, starts[k], ends[k], bounds, names, boundary_specs,
+                                         replicas, constants))
     manifest = Manifest(
         name=name,
         max_batch_size=max_batch_size,
@@ -308,36 +384,38 @@ def probe_specs(model: onnx.ModelProto, tensors: Sequence[str]) -> dict[str, Ten
     session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     inputs = [s for s in specs.values() if isinstance(s, TensorSpec)]
-    runs = [session.run(wanted, {s.name: _probe_feed(s, b, q, rng) for s in inputs}) for b, q in PROBE_SETTINGS]
+    settings = probe_settings(model)
+    runs = [session.run(wanted, {s.name: _probe_feed(s, b, q, rng) for s in inputs}) for b, q in settings]
     for j, t in enumerate(wanted):
-        specs[t] = _probed_spec(t, np.asarray(runs[0][j]), np.asarray(runs[1][j]), has_seq)
+        specs[t] = _probed_spec(t, [np.asarray(run[j]) for run in runs], settings, has_seq)
     return specs
 
 
-def _probed_spec(t: str, a1: np.ndarray, a2: np.ndarray, has_seq: bool) -> TensorSpec | str:
-    (b1, s1), (b2, s2) = PROBE_SETTINGS
-    dtype = a1.dtype.name
+def _probed_spec(t: str, arrays: list[np.ndarray], settings: tuple[tuple[int, int], ...], has_seq: bool) -> TensorSpec | str:
+    """Dims from three runs: a dim that follows the batch size is `batch`, one that follows the
+    length is `seq`, one that follows neither is a constant."""
+    dtype = arrays[0].dtype.name
     if dtype not in SUPPORTED_DTYPES:
         return f"boundary tensor {t!r} has dtype {dtype}, not one of {SUPPORTED_DTYPES}"
-    if a1.ndim != a2.ndim:
-        return f"boundary tensor {t!r} changes rank with the input shape: {a1.shape} vs {a2.shape}"
+    if len({a.ndim for a in arrays}) != 1:
+        return f"boundary tensor {t!r} changes rank with the input shape: {[a.shape for a in arrays]}"
+    batches = tuple(b for b, _ in settings)
+    lengths = tuple(n for _, n in settings)
     dims: list[int | str] = []
-    for i, (d1, d2) in enumerate(zip(a1.shape, a2.shape)):
-        if (d1, d2) == (b1, b2):
+    for i, sizes in enumerate(zip(*(a.shape for a in arrays))):
+        if sizes == batches:
             dims.append(BATCH)
-        elif has_seq and (d1, d2) == (s1, s2):
+        elif has_seq and sizes == lengths:
             dims.append(SEQ)
-        elif d1 == d2 and d1 > 0:
-            dims.append(int(d1))
+        elif len(set(sizes)) == 1 and sizes[0] > 0:
+            dims.append(int(sizes[0]))
         else:
-            return (
-                f"boundary tensor {t!r} dim {i} is {d1} at (batch={b1}, seq={s1}) and {d2} at "
-                f"(batch={b2}, seq={s2}): neither {BATCH!r}, {SEQ!r} nor a positive constant"
-            )
+            at = ", ".join(f"{d} at (batch={b}, seq={n})" for d, (b, n) in zip(sizes, settings))
+            return f"boundary tensor {t!r} dim {i} is {at}: neither {BATCH!r}, {SEQ!r} nor a positive constant"
     if not dims or dims[0] != BATCH or BATCH in dims[1:]:
         return (
-            f"boundary tensor {t!r} has shape {a1.shape} at batch={b1}: its first and only its first dim "
-            f"must be {BATCH!r}, got {dims}"
+            f"boundary tensor {t!r} has shape {arrays[0].shape} at batch={batches[0]}: its first and only its "
+            f"first dim must be {BATCH!r}, got {dims}"
         )
     return TensorSpec(t, dtype, tuple(dims))
 
@@ -358,9 +436,11 @@ def _build_stage(
     bounds: list[list[str]],
     names: list[dict[str, str]],
     boundary_specs: list[tuple[TensorSpec, ...]],
+    replicas: Sequence[onnx.NodeProto] = (),
+    constants: Sequence[onnx.TensorProto] = (),
 ) -> onnx.ModelProto:
     graph = model.graph
-    nodes = []
+    nodes = list(replicas)
     for src in graph.node[start:end]:
         node = onnx.NodeProto()
         node.CopyFrom(src)
@@ -381,7 +461,7 @@ def _build_stage(
             nodes.append(helper.make_node("Identity", [source], [target], name=f"forward_{target}"))
 
     used = {name for node in nodes for name in _node_inputs(node)}
-    initializers = [t for t in graph.initializer if t.name in used]
+    initializers = [t for t in graph.initializer if t.name in used] + list(constants)
     sparse = [t for t in graph.sparse_initializer if t.values.name in used]
     boundary_names = {s.name for s in boundary_specs[k]} | {s.name for s in boundary_specs[k + 1]}
     value_info = [vi for vi in graph.value_info if vi.name in produced and vi.name not in boundary_names]
@@ -403,3 +483,96 @@ def _build_stage(
     except onnx.checker.ValidationError as exc:
         raise ValueError(f"stage {k} (nodes {start}..{end - 1}) is not a valid ONNX model: {exc}") from exc
     return stage
+
+
+# --- batch-independent tensors, remade in the stage that reads them ---------------------
+
+
+def _remake_nodes(
+    model: onnx.ModelProto,
+    k: int,
+    wanted: Sequence[str],
+    recomp: Recomputable,
+    names: Mapping[str, str],
+    in_specs: Sequence[TensorSpec],
+    leaf_specs: Mapping[str, TensorSpec],
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """Nodes (in graph order) that remake `wanted` inside stage `k`, and the constants they add.
+
+    A `Shape` of a row tensor the stage receives reads it under its boundary name; a `Shape` of
+    one it does not is rebuilt from the shape of a row tensor it does receive (a donor with the
+    batch and, where needed, the length dim): the value is the same for the batch being run.
+    """
+    if not wanted:
+        return [], []
+    graph = model.graph
+    producer = {o: i for i, node in enumerate(graph.node) for o in node.output if o}
+    chosen: set[int] = set()
+    leaves: dict[int, str] = {}  # node index -> the row tensor its Shape reads
+    stack = list(wanted)
+    seen: set[str] = set()
+    while stack:
+        t = stack.pop()
+        if t in seen or t not in recomp.tensors:
+            continue
+        seen.add(t)
+        idx = producer[t]
+        if t in recomp.shape_leaves:
+            leaves[idx] = recomp.shape_leaves[t]
+            continue
+        chosen.add(idx)
+        stack.extend(i for i in graph.node[idx].input if i)
+    nodes: list[onnx.NodeProto] = []
+    constants: list[onnx.TensorProto] = []
+    for idx in sorted(chosen | set(leaves)):
+        src = graph.node[idx]
+        if idx not in leaves:
+            node = onnx.NodeProto()
+            node.CopyFrom(src)
+            node.name = f"{src.name or src.op_type}__remade{k}"
+            nodes.append(node)
+            continue
+        x = leaves[idx]
+        if x in names:  # the stage receives x itself
+            node = onnx.NodeProto()
+            node.CopyFrom(src)
+            node.input[0] = names[x]
+            node.name = f"{src.name or 'shape'}__remade{k}"
+            nodes.append(node)
+            continue
+        added, consts = _shape_from_donor(src, leaf_specs[x], in_specs, k)
+        nodes += added
+        constants += consts
+    return nodes, constants
+
+
+def _shape_from_donor(shape_node: onnx.NodeProto, x: TensorSpec, in_specs: Sequence[TensorSpec],
+                      k: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """`Shape(x)` (with its start/end) rebuilt as pieces of `Shape(donor)` and constants."""
+    out = shape_node.output[0]
+    donor = next((s for s in in_specs if not x.has_seq or s.has_seq), None)
+    if donor is None:
+        raise ValueError(f"stage {k} cannot remake {out!r}: it depends on the length and no tensor with a "
+                         f"length dim enters the stage")
+    attrs = {a.name: helper.get_attribute_value(a) for a in shape_node.attribute}
+    rank = len(x.dims)
+    start, end = int(attrs.get("start", 0)), int(attrs.get("end", rank))
+    dims = list(x.dims)[slice(start, end)]
+    donor_shape = f"{out}__donor_shape{k}"
+    nodes = [helper.make_node("Shape", [donor.name], [donor_shape], name=f"{donor_shape}_node")]
+    constants: list[onnx.TensorProto] = []
+    pieces = []
+    for j, dim in enumerate(dims):
+        piece = f"{out}__piece{k}_{j}"
+        if isinstance(dim, str):
+            index = f"{piece}_index"
+            constants.append(onnx.numpy_helper.from_array(np.array([donor.dims.index(dim)], np.int64), index))
+            nodes.append(helper.make_node("Gather", [donor_shape, index], [piece], axis=0, name=f"{piece}_node"))
+        else:
+            constants.append(onnx.numpy_helper.from_array(np.array([dim], np.int64), piece))
+        pieces.append(piece)
+    if not pieces:
+        constants.append(onnx.numpy_helper.from_array(np.zeros(0, np.int64), out))
+        return [], constants
+    nodes.append(helper.make_node("Concat", pieces, [out], axis=0, name=f"{out}__concat{k}"))
+    return nodes, constants

@@ -25,17 +25,17 @@ import onnxruntime as ort
 from dvabatch_backend.runtime.manifest import Manifest
 
 from .analysis import CutPoint, legal_cut_points, name_nodes
-from .cut import cut_model, input_specs
+from .axes import AxisOverrides, canonical_model, discover_axes, probe_lengths, runnable_lengths
+from .cut import cut_model, input_specs, set_probe_lengths
+from .errors import SliceError
+from .pad_safety import PadSafety, check_pad_safety
 from .partition import NoLegalCut, Partition, balanced_partition
+from .preflight import check_proto, full_session, probe_max_length, read_model
 from .profiler import Setting, int_bounds, node_costs, random_inputs, time_stages
 from .stage_profile import default_batch_sizes, default_lengths, profile_stages, stage_times_at
 from .triton_files import VERSION_DIR, write_triton_files
 
 Progress = Callable[[str], None]
-
-
-class SliceError(ValueError):
-    """The model cannot be sliced as asked; the message names the problem."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class SliceOptions:
     calibration_rounds: int = 6
     balance_goal: float = 1.10  # stop re-balancing once the slowest stage is within 10% of the mean
     force: bool = False  # replace an existing output directory
+    axes: AxisOverrides = AxisOverrides()  # --batch-axis, --variable-axis, --fixed
 
 
 @dataclass
@@ -93,6 +94,9 @@ class SliceReport:
             + ", ".join(f"{t * 1e3:.3f} ms" for t in c.stage_seconds)
             + f"  (slowest / mean = {c.balance:.2f})",
             f"  verified against the original: max |error| {c.verify_error:.2e}",
+            "  pad-safe: " + ("yes" if self.manifest.pad_safe
+                              else "NO — queries are batched only with queries of the same length "
+                                   f"({self.manifest.extra.get('slicing', {}).get('pad_check', '')})"),
         ]
         for stage in self.profile["stages"]:
             lines.append(f"  {stage['file']}: preferred batch size {stage['preferred_bs']}")
@@ -110,20 +114,9 @@ def load_model(source: str | Path | onnx.ModelProto) -> onnx.ModelProto:
     if isinstance(source, onnx.ModelProto):
         model = onnx.ModelProto()
         model.CopyFrom(source)
+        check_proto(model)
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise SliceError(f"{path}: no such file")
-        try:
-            model = onnx.load(str(path))
-        except Exception as exc:  # protobuf's DecodeError and friends
-            raise SliceError(f"{path} is not an ONNX model (or is truncated): {exc}") from exc
-        if not model.graph.node:
-            raise SliceError(f"{path} is not an ONNX model: it has no graph nodes")
-    try:
-        onnx.checker.check_model(model)
-    except onnx.checker.ValidationError as exc:
-        raise SliceError(f"the model does not pass the ONNX checker: {exc}") from exc
+        model = read_model(Path(source))  # external data loaded; opset and checker (by path over 2 GB)
     return name_nodes(model)
 
 
@@ -136,12 +129,20 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
     model = load_model(source)
     name = options.name or out_dir.name
     try:
+        axes = discover_axes(model, options.axes)
+        model = canonical_model(model, axes)
         inputs = list(input_specs(model).values())
+        has_seq = any(s.has_seq for s in inputs)
+        max_length = options.max_length if has_seq else 0
+        if has_seq:
+            set_probe_lengths(model, probe_lengths(model, max_length))
     except ValueError as exc:
         raise SliceError(str(exc)) from exc
-    has_seq = any(s.has_seq for s in inputs)
-    max_length = options.max_length if has_seq else 0
-    lengths = list(options.lengths or default_lengths(max_length))
+    say(f"axes: {axes.describe()}")
+    full = full_session(model, None if isinstance(source, onnx.ModelProto) else Path(source), options.threads)
+    say(f"running one query at length {max_length}" if has_seq else "running one query")
+    probe_max_length(full, inputs, max_length, int_bounds(model))
+    lengths = list(options.lengths or runnable_lengths(model, default_lengths(max_length)))
     batch_sizes = list(options.batch_sizes or default_batch_sizes(options.max_batch_size))
     ref = Setting(min(options.reference_batch, options.max_batch_size),
                   options.reference_length or (lengths[len(lengths) // 2] if has_seq else 0))
@@ -166,9 +167,11 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
                 say(f"measuring the {cand.stages}-stage pipeline")
                 cand.throughput = measure_pipeline(cand.dir, cand.manifest, ref.length, options.threads, int_bounds(model))
         chosen = max(candidates, key=lambda c: c.throughput or 0.0)
+        say("checking that padding leaves answers unchanged")
+        pad = check_pad_safety(full, inputs, chosen.manifest.outputs, max_length, options.atol, int_bounds(model))
         profile = profile_stages(chosen.dir, chosen.manifest, batch_sizes, lengths, options.threads,
                                  max(3, options.repeats // 2), int_bounds(model), say)
-        manifest = _final_manifest(chosen, profile, ref, options)
+        manifest = _final_manifest(chosen, profile, ref, options, pad)
         _write_profile(chosen.dir, manifest, profile)
         write_triton_files(chosen.dir.parent, manifest, threads_per_stage=options.threads)
         if out_dir.exists():
@@ -315,8 +318,10 @@ def measure_pipeline(folder: Path, manifest: Manifest, length: int, threads: int
     return count / elapsed
 
 
-def _final_manifest(chosen: Candidate, profile: dict[str, Any], ref: Setting, options: SliceOptions) -> Manifest:
+def _final_manifest(chosen: Candidate, profile: dict[str, Any], ref: Setting, options: SliceOptions,
+                    pad: PadSafety) -> Manifest:
     doc = chosen.manifest.to_json()
+    doc["pad_safe"] = pad.safe
     doc["stage_times"] = stage_times_at(profile, ref.length)
     if chosen.manifest.has_seq:
         doc["stage_times_by_length"] = {str(n): stage_times_at(profile, n) for n in profile["lengths"]}
@@ -327,6 +332,7 @@ def _final_manifest(chosen: Candidate, profile: dict[str, Any], ref: Setting, op
         "cuts": [{"position": c.position, "tensors": list(c.tensors)} for c in chosen.partition.cuts],
         "verify_max_error": chosen.verify_error,
         "threads": options.threads,
+        "pad_check": pad.detail,
     }
     manifest = Manifest.from_json(doc)
     manifest.dump(chosen.dir / "manifest.json")

@@ -8,6 +8,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from slicer import toy
+from slicer.analysis import legal_cut_points
 from slicer.slice_model import SliceError, SliceOptions, slice_model
 
 QUICK = SliceOptions(max_batch_size=4, max_length=8, repeats=2, calibration_rounds=0, batch_sizes=(1, 2))
@@ -47,22 +48,43 @@ def test_more_stages_than_nodes(tmp_path) -> None:
 
 
 def test_no_legal_cut_for_the_stages_asked(tmp_path) -> None:
-    # x -> Shape-dependent reshapes: the only crossing tensors between nodes have no batch dim
+    # a sum over the batch crosses every position: it mixes rows, so no cut can carry it
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
     nodes = [
-        helper.make_node("Shape", ["x"], ["s"], name="shape"),
-        helper.make_node("Cast", ["s"], ["sf"], to=TensorProto.FLOAT, name="cast"),
-        helper.make_node("ReduceSum", ["sf"], ["total"], keepdims=1, name="sum"),
-        helper.make_node("Add", ["x", "total"], ["y"], name="add"),
+        helper.make_node("ReduceSum", ["x", "axes"], ["total"], keepdims=1, name="sum"),
+        helper.make_node("Mul", ["total", "two"], ["twice"], name="mul"),
+        helper.make_node("Add", ["x", "twice"], ["y"], name="add"),
     ]
-    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 17)])
+    inits = [helper.make_tensor("axes", TensorProto.INT64, [1], [0]), helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits), opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 10
     out_parent = tmp_path / "out"
     out_parent.mkdir()
     with pytest.raises(SliceError, match="legal cut point"):
         slice_model(model, out_parent / "m", SliceOptions(**{**QUICK.__dict__, "stages": 3}))
     _no_leftovers(out_parent, out_parent / "m")
+
+
+def test_shape_arithmetic_crossing_a_cut_is_remade_not_refused(tmp_path) -> None:
+    # Shape -> Cast -> ReduceSum: a tensor with no batch dim crosses every position; the later
+    # stage remakes it from the shape of the rows it receives, so every position is legal
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"], name="shape"),
+        helper.make_node("Cast", ["s"], ["sf"], to=TensorProto.FLOAT, name="cast"),
+        helper.make_node("ReduceSum", ["sf"], ["total"], keepdims=1, name="sum"),
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Add", ["r", "total"], ["y"], name="add"),
+    ]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    assert [p.position for p in legal_cut_points(model, 0)] == [1, 2, 3, 4]
+    report = slice_model(model, tmp_path / "m", SliceOptions(**{**QUICK.__dict__, "stages": 3}))
+    assert report.manifest.num_stages == 3  # verified against the original inside slice_model
+    for stage in report.manifest.stages:
+        assert all(t.dims[0] == "batch" for t in stage.inputs + stage.outputs)
 
 
 def test_existing_output_is_not_overwritten_without_force(tmp_path) -> None:
