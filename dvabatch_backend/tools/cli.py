@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     slice_.add_argument("--operator-diversity-cuts", action="store_true",
                         help="move cuts to where the preferred batch size changes")
     slice_.add_argument("--force", action="store_true", help="replace an existing output directory")
+    slice_.add_argument("--batch-axis", action="append", default=[], metavar="INPUT:AXIS",
+                        help="the batch axis of an input, where discovery gets it wrong (must be 0)")
+    slice_.add_argument("--variable-axis", action="append", default=[], metavar="INPUT:AXIS",
+                        help="the variable axis (length, width, frames) of an input with several dynamic dims")
+    slice_.add_argument("--fixed", action="append", default=[], metavar="DIM=VALUE",
+                        help="a dim that is dynamic in the graph but fixed in use (a dim name, or INPUT:AXIS)")
     serve = sub.add_parser("serve", help="run the real tritonserver over a model repository until interrupted")
     serve.add_argument("--model-repository", type=Path, required=True)
     serve.add_argument("--http-port", type=int, default=8000)
@@ -106,13 +112,20 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_slice(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from slicer.axes import AxisOverrides
     from slicer.slice_model import SliceError, SliceOptions, slice_model
 
     stages = None if args.stages == "auto" else int(args.stages)
+    try:
+        axes = AxisOverrides.parse(args.batch_axis, args.variable_axis, args.fixed)
+    except ValueError as exc:
+        print(f"dvabatch slice: {exc}", file=sys.stderr)
+        return 2
     options = SliceOptions(
         stages=stages, candidates=tuple(int(n) for n in args.candidates.split(",")), name=args.name,
         max_batch_size=args.bs_max, max_length=args.max_length, threads=args.threads, repeats=args.repeats,
         operator_diversity_cuts=args.operator_diversity_cuts, force=args.force,
+        axes=axes,
     )
     with tqdm(desc="slicing", unit="step", bar_format="{desc}: {n} steps [{elapsed}]") as bar:
         def progress(message: str) -> None:
