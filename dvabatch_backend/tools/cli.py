@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     slice_.add_argument("--operator-diversity-cuts", action="store_true",
                         help="move cuts to where the preferred batch size changes")
     slice_.add_argument("--force", action="store_true", help="replace an existing output directory")
+    slice_.add_argument("-v", "--verbose", action="store_true", help="on an error, print its traceback too")
     slice_.add_argument("--batch-axis", action="append", default=[], metavar="INPUT:AXIS",
                         help="the batch axis of an input, where discovery gets it wrong (must be 0)")
     slice_.add_argument("--variable-axis", action="append", default=[], metavar="INPUT:AXIS",
@@ -110,36 +111,83 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_slice(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    """Slice; any failure is one line on stderr (the traceback too with --verbose): a SliceError, the
+    model's problem, exits 1; anything else 2."""
+    import traceback
 
     from slicer.axes import AxisOverrides
+    from slicer.errors import one_line
     from slicer.slice_model import SliceError, SliceOptions, slice_model
 
-    stages = None if args.stages == "auto" else int(args.stages)
+    try:
+        stages = None if args.stages == "auto" else int(args.stages)
+        candidates = tuple(int(n) for n in args.candidates.split(","))
+    except ValueError:
+        print(f"dvabatch slice: --stages must be a number or 'auto' and --candidates numbers separated by commas, "
+              f"got {args.stages!r} and {args.candidates!r}", file=sys.stderr)
+        return 2
     try:
         axes = AxisOverrides.parse(args.batch_axis, args.variable_axis, args.fixed)
     except ValueError as exc:
         print(f"dvabatch slice: {exc}", file=sys.stderr)
         return 2
     options = SliceOptions(
-        stages=stages, candidates=tuple(int(n) for n in args.candidates.split(",")), name=args.name,
+        stages=stages, candidates=candidates, name=args.name,
         max_batch_size=args.bs_max, max_length=args.max_length, threads=args.threads, repeats=args.repeats,
         operator_diversity_cuts=args.operator_diversity_cuts, force=args.force,
         axes=axes,
     )
-    with tqdm(desc="slicing", unit="step", bar_format="{desc}: {n} steps [{elapsed}]") as bar:
-        def progress(message: str) -> None:
-            bar.set_description(message)
-            bar.update()
+    if not args.verbose:  # onnxruntime's own log lines around a failure: the one line below says it
+        import onnxruntime as ort
 
-        try:
-            report = slice_model(args.model, args.out, options, progress)
-        except (SliceError, ValueError) as exc:
-            bar.close()
-            print(f"dvabatch slice: {exc}", file=sys.stderr)
+        ort.set_default_logger_severity(4)
+    steps = SliceProgress(sys.stderr)
+    try:
+        report = slice_model(args.model, args.out, options, steps)
+    except KeyboardInterrupt:
+        steps.close()
+        print("dvabatch slice: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        steps.close()
+        if args.verbose:
+            traceback.print_exc()
+        if isinstance(exc, SliceError):
+            print(f"dvabatch slice: {one_line(exc)}", file=sys.stderr)
             return 1
+        print(f"dvabatch slice: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    steps.close()
     print(report.summary())
     return 0
+
+
+class SliceProgress:
+    """The slicer's steps: a bar on a terminal; elsewhere (CI logs, pipes) one line per step."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.steps = 0
+        self.start = time.perf_counter()
+        self.bar = None
+        if getattr(stream, "isatty", lambda: False)():
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc="slicing", unit="step", bar_format="{desc}: {n} steps [{elapsed}]", file=stream)
+
+    def __call__(self, message: str) -> None:
+        self.steps += 1
+        if self.bar is not None:
+            self.bar.set_description(message)
+            self.bar.update()
+        else:
+            elapsed = time.perf_counter() - self.start
+            print(f"slicing: step {self.steps} ({elapsed:.1f} s): {message}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def run_zoo(args: argparse.Namespace) -> int:
