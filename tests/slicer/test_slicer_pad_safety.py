@@ -73,3 +73,15 @@ def test_the_check_at_another_max_length() -> None:
     conv_outputs = [probe_specs(conv, ["pooled"])["pooled"]]
     result = check_pad_safety(full_session(conv), conv_specs, conv_outputs, 32, 1e-4)
     assert not result.safe and "'pooled'" in result.detail
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "conv_mean"])
+def test_exporter_written_models_are_measured_as_the_corpus_expects(tmp_path_factory, name: str) -> None:
+    """Models torch.onnx.export wrote (tests/slicer/corpus.py): BERT and GPT-2 with their attention
+    masks are pad-safe, a conv over the sequence then a mean is not."""
+    from .corpus import build_corpus
+
+    m = build_corpus(tmp_path_factory.getbasetemp() / "pad_corpus", [name])[name]
+    options = SliceOptions(**{**QUICK.__dict__, "max_length": min(m.max_length, 32)})
+    report = slice_model(m.path, tmp_path_factory.mktemp(name) / name, options)
+    assert report.manifest.pad_safe is m.pad_safe_expected, report.manifest.extra["slicing"]["pad_check"]
