@@ -64,7 +64,7 @@ def _run(model: SlicedModel, policy: Policy, rounds: Sequence[Sequence[int]] = R
         assert answer.error is None, answer.error
         for name, ref in model.reference(inputs).items():
             err = float(np.max(np.abs(answer.outputs[name] - ref)))
-            if err > 1e-5:
+            if err > 1e-5:  # bitwise equal here; padding would change them by ~0.1
                 wrong[qid] = (len(inputs["x"]), err)
     assert scheduler.buffer_violations == []
     assert scheduler.stats.policy_errors == 0
