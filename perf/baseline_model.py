@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dvabatch_backend.runtime.engine import ort_session_options  # noqa: E402
-from dvabatch_backend.runtime.manifest import SEQ, Manifest, TensorSpec  # noqa: E402
+from dvabatch_backend.runtime.manifest import SEQ, Manifest, TensorSpec, dim_size, is_length_dim  # noqa: E402
 
 try:
     import triton_python_backend_utils as pb_utils
@@ -149,7 +149,7 @@ def split_outputs(outputs: Mapping[str, np.ndarray], specs: Sequence[TensorSpec]
         answer = {}
         for spec in specs:
             index = (slice(start, start + request.rows),
-                     *(slice(0, request.length) if d == SEQ else slice(None) for d in spec.dims[1:]))
+                     *(slice(0, dim_size(d, request.length)) if is_length_dim(d) else slice(None) for d in spec.dims[1:]))
             answer[spec.name] = np.ascontiguousarray(outputs[spec.name][index])
         answers.append(answer)
         start += request.rows

@@ -17,9 +17,9 @@ from typing import Iterator
 
 import onnx
 
-from dvabatch_backend.runtime.manifest import TensorSpec
+from dvabatch_backend.runtime.manifest import BATCH, TensorSpec
 
-from .cut import _initializer_names, probe_specs, recomputable_tensors
+from .cut import _initializer_names, length_source, probe_specs, recomputable_tensors
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,8 @@ def legal_cut_points(model: onnx.ModelProto, reference_length: int, max_tensors:
     """Every legal internal cut position, with its crossing row tensors and their bytes per query.
 
     Batch-independent tensors crossing a position (shape arithmetic, constants) do not count:
-    the later stage remakes them (`slicer.cut.recomputable_tensors`), provided a row tensor with
-    the length dim crosses too where they depend on the length.
+    the later stage remakes them (`slicer.cut.recomputable_tensors`), provided the row tensors
+    crossing give every length dim they depend on.
     """
     recomp = recomputable_tensors(model)
     live = crossing_tensors(model)
@@ -91,8 +91,8 @@ def legal_cut_points(model: onnx.ModelProto, reference_length: int, max_tensors:
         found = [specs[t] for t in tensors]
         if not all(isinstance(s, TensorSpec) for s in found):
             continue
-        needs_seq = any(recomp.needs_seq[t] for t in live[p] if t in recomp.tensors)
-        if needs_seq and not any(s.has_seq for s in found):  # type: ignore[union-attr]
+        needed = set().union(*(recomp.length_dims[t] for t in live[p] if t in recomp.tensors)) - {BATCH}
+        if any(length_source(d, found) is None for d in needed):  # type: ignore[arg-type]
             continue
         points.append(CutPoint(p, tensors, sum(_row_bytes(s, reference_length) for s in found)))  # type: ignore[arg-type]
     return points

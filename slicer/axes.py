@@ -21,6 +21,8 @@ from onnx import helper
 
 from dvabatch_backend.runtime.manifest import BATCH, SEQ
 
+from .cut import OUTPUT_BATCH_AXES_KEY
+
 # lengths tried, in order, to find the ones the model accepts (small first: probing is cheap)
 _LENGTH_TRIALS = (5, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
@@ -160,32 +162,70 @@ def canonical_model(model: onnx.ModelProto, axes: Axes) -> onnx.ModelProto:
     return out
 
 
-def probe_lengths(model: onnx.ModelProto, max_length: int, count: int = 2) -> list[int]:
-    """The `count` smallest lengths (at most `max_length`) the canonical model runs at, batch 2.
+def batch_first_outputs(model: onnx.ModelProto, length: int) -> dict[str, int]:
+    """Make every output batch-first in place (a `Transpose` after an output whose batch axis is
+    not the first, e.g. an RNN's time-major [T, N, C]); return {output: its own batch axis}.
+
+    The batch axis is the one that follows the batch size when the model runs at two of them.
+    """
+    session = _session(model)
+    names = [o.name for o in model.graph.output]
+    runs = [session.run(names, _feeds(model, batch, length)) for batch in (2, 3)]
+    moved: dict[str, int] = {}
+    for name, a2, a3 in zip(names, *runs):
+        axes = [i for i, (d2, d3) in enumerate(zip(np.shape(a2), np.shape(a3))) if (d2, d3) == (2, 3)]
+        if axes == [0]:
+            continue
+        if len(axes) != 1:
+            raise AxisError(f"output {name!r} has no single batch axis (shapes {np.shape(a2)} at batch 2, "
+                            f"{np.shape(a3)} at batch 3): every output must carry one row per query")
+        axis = axes[0]
+        rank = np.ndim(a2)
+        inner = f"{name}__model_layout"
+        for node in model.graph.node:
+            node.output[:] = [inner if o == name else o for o in node.output]
+            node.input[:] = [inner if i == name else i for i in node.input]
+        perm = [axis] + [i for i in range(rank) if i != axis]
+        model.graph.node.append(helper.make_node("Transpose", [inner], [name], perm=perm, name=f"{name}__batch_first"))
+        moved[name] = axis
+    for out in model.graph.output:
+        if out.name in moved:
+            out.type.tensor_type.ClearField("shape")
+    if moved:
+        helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
+                                       OUTPUT_BATCH_AXES_KEY: ",".join(f"{k}={v}" for k, v in moved.items())})
+    return moved
+
+
+def probe_lengths(model: onnx.ModelProto, max_length: int, count: int = 5) -> list[int]:
+    """Up to `count` lengths (at most `max_length`) the canonical model runs at, batch 2: the three
+    smallest and two spread above them (for fitting a derived length such as ``seq//4``).
 
     A model that needs a minimum size or a multiple of some step (a detector's 32) shows it here.
     """
     session = _session(model)
-    found: list[int] = []
-    for length in sorted({*(t for t in _LENGTH_TRIALS if t <= max_length), max_length}):
-        if _runs(session, model, 2, length):
-            found.append(length)
-            if len(found) == count:
-                return found
-    raise AxisError(
-        f"the model runs at none of the lengths {sorted(set(t for t in _LENGTH_TRIALS if t <= max_length))} "
-        f"(up to --max-length {max_length}); pass --max-length, or --fixed for the variable axis")
+    trials = sorted({*(t for t in _LENGTH_TRIALS if t <= max_length), max_length})
+    runnable = [n for n in trials if _runs(session, model, 2, n)]
+    if len(runnable) < 2:
+        raise AxisError(
+            f"the model runs at {len(runnable)} of the lengths {trials} (up to --max-length {max_length}): "
+            f"it needs two; pass --max-length, or --fixed for the variable axis")
+    picked = runnable[:3] + runnable[3:][len(runnable[3:]) // 2: len(runnable[3:]) // 2 + 1] + runnable[-1:]
+    return sorted(set(picked))[:count]
 
 
-def runnable_lengths(model: onnx.ModelProto, lengths: Sequence[int]) -> list[int]:
-    """Those of `lengths` the canonical model runs at (all of them for most models); at least one."""
+def runnable_lengths(model: onnx.ModelProto, lengths: Sequence[int], multiple: int = 1) -> list[int]:
+    """Those of `lengths` the canonical model runs at, rounded up to a multiple of `multiple`
+    (within the largest); at least one."""
+    top = max(lengths)
+    wanted = sorted({min(-(-n // multiple) * multiple, top - top % multiple) for n in lengths} - {0})
     if not any(vi.type.tensor_type.shape.dim and any(d.dim_param == SEQ for d in vi.type.tensor_type.shape.dim)
                for vi in _model_inputs(model)):
         return list(lengths)
     session = _session(model)
-    ok = [n for n in lengths if _runs(session, model, 2, n)]
+    ok = [n for n in wanted if _runs(session, model, 2, n)]
     if not ok:
-        ok = probe_lengths(model, max(lengths), count=1)
+        raise AxisError(f"the model runs at none of the lengths {wanted}; pass --max-length or --fixed")
     return ok
 
 
@@ -195,7 +235,7 @@ def _session(model: onnx.ModelProto) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _runs(session: ort.InferenceSession, model: onnx.ModelProto, batch: int, length: int) -> bool:
+def _feeds(model: onnx.ModelProto, batch: int, length: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     feeds = {}
     for vi in _model_inputs(model):
@@ -204,11 +244,17 @@ def _runs(session: ort.InferenceSession, model: onnx.ModelProto, batch: int, len
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type))
         feeds[vi.name] = (rng.standard_normal(shape).astype(dtype) if np.issubdtype(dtype, np.floating)
                           else np.ones(shape, dtype))
+    return feeds
+
+
+def _runs(session: ort.InferenceSession, model: onnx.ModelProto, batch: int, length: int) -> bool:
+    """The model takes this length: it runs, and no output comes back empty (a detector's grid of
+    width // 32 cells at a width under 32)."""
     try:
-        session.run(None, feeds)
+        outputs = session.run(None, _feeds(model, batch, length))
     except Exception:  # onnxruntime's errors for shapes a model cannot take
         return False
-    return True
+    return all(0 not in np.shape(o) for o in outputs)
 
 
 def _model_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:

@@ -25,6 +25,7 @@ a position illegal.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
@@ -35,23 +36,50 @@ import onnx.numpy_helper
 import onnxruntime as ort
 from onnx import helper
 
-from dvabatch_backend.runtime.manifest import BATCH, SEQ, SUPPORTED_DTYPES, Manifest, StageSpec, TensorSpec
+from dvabatch_backend.runtime.manifest import (
+    BATCH,
+    SEQ,
+    SUPPORTED_DTYPES,
+    Manifest,
+    StageSpec,
+    TensorSpec,
+    derived_dim,
+    is_length_dim,
+    length_dim_terms,
+)
 
 FULL_MODEL_FILE = "model.onnx"
 MANIFEST_FILE = "manifest.json"
 PROBE_BATCHES = (2, 3)
-DEFAULT_PROBE_LENGTHS = (3, 5)
+DEFAULT_PROBE_LENGTHS = (3, 5, 7)
 PROBE_LENGTHS_KEY = "dvabatch.probe_lengths"
+OUTPUT_BATCH_AXES_KEY = "dvabatch.output_batch_axes"
 # ops whose output differs between two runs: never recomputed
 _NONDETERMINISTIC = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
+def length_multiple(model: onnx.ModelProto) -> int:
+    """The lengths a model with derived length outputs is built for are multiples of this: the lcm
+    of the divisors K of its outputs' ``seq//K`` dims (1 without any)."""
+    outputs = [o.name for o in model.graph.output]
+    specs = probe_specs(model, outputs)
+    divisors = [length_dim_terms(d)[1] for t in outputs if isinstance(specs[t], TensorSpec)
+                for d in specs[t].dims[1:] if isinstance(d, str) and is_length_dim(d)]  # type: ignore[union-attr]
+    return math.lcm(1, *divisors)
+
+
+def output_batch_axes(model: onnx.ModelProto) -> dict[str, int]:
+    """The outputs `slicer.axes.batch_first_outputs` made batch-first, with their own batch axis."""
+    raw = next((p.value for p in model.metadata_props if p.key == OUTPUT_BATCH_AXES_KEY), "")
+    return {k: int(v) for k, _, v in (item.rpartition("=") for item in raw.split(",") if item)}
+
+
 def probe_settings(model: onnx.ModelProto) -> tuple[tuple[int, int], ...]:
-    """The (batch, seq) settings the model is probed at: (b1, L1), (b2, L1), (b1, L2)."""
+    """The (batch, seq) settings the model is probed at: (b1, L1), (b2, L1), (b1, L2), (b1, L3)."""
     raw = next((p.value for p in model.metadata_props if p.key == PROBE_LENGTHS_KEY), None)
-    l1, l2 = (int(v) for v in raw.split(",")) if raw else DEFAULT_PROBE_LENGTHS
+    lengths = [int(v) for v in raw.split(",")] if raw else list(DEFAULT_PROBE_LENGTHS)
     b1, b2 = PROBE_BATCHES
-    return ((b1, l1), (b2, l1), (b1, l2))
+    return ((b1, lengths[0]), (b2, lengths[0]), *((b1, n) for n in lengths[1:]))
 
 
 def set_probe_lengths(model: onnx.ModelProto, lengths: Sequence[int]) -> None:
@@ -64,12 +92,32 @@ def set_probe_lengths(model: onnx.ModelProto, lengths: Sequence[int]) -> None:
 
 @dataclass(frozen=True)
 class Recomputable:
-    """Batch-independent tensors and how to remake them: `shape_of[t]` is the row tensor whose
-    shape a `Shape` node read (with that node), `needs_seq[t]` whether `t` depends on the length."""
+    """Batch-independent tensors and how to remake them: `shape_leaves` maps a `Shape` node's
+    output to the row tensor it reads, `length_dims[t]` the length dims (`seq`, `seq//K`) `t`
+    depends on, which the stage remaking it must be able to read off a row tensor it receives."""
 
     tensors: frozenset[str]
     shape_leaves: Mapping[str, str]  # Shape node output -> the row tensor it reads
-    needs_seq: Mapping[str, bool]
+    length_dims: Mapping[str, frozenset[str]]
+
+
+def length_source(dim: str, specs: Sequence[TensorSpec]) -> tuple[TensorSpec, int, int, int] | None:
+    """A row tensor whose shape gives length dim `dim`: (spec, axis, A, K) with
+    ``dim == floor((shape[axis] + A) / K)``; or None."""
+    add, divisor = length_dim_terms(dim)
+    for spec in specs:
+        if dim in spec.dims:
+            return spec, spec.dims.index(dim), 0, 1
+    for spec in specs:
+        if SEQ in spec.dims:
+            return spec, spec.dims.index(SEQ), add, divisor
+    for spec in specs:  # floor(floor(seq / K1) / (K2 / K1)) == floor(seq / K2)
+        for axis, d in enumerate(spec.dims):
+            if add == 0 and isinstance(d, str) and is_length_dim(d):
+                a1, k1 = length_dim_terms(d)
+                if a1 == 0 and divisor % k1 == 0:
+                    return spec, axis, 0, divisor // k1
+    return None
 
 
 def recomputable_tensors(model: onnx.ModelProto) -> Recomputable:
@@ -79,7 +127,7 @@ def recomputable_tensors(model: onnx.ModelProto) -> Recomputable:
     candidates = [n.input[0] for n in graph.node if n.op_type == "Shape" and n.input]
     specs = probe_specs(model, [t for t in dict.fromkeys(candidates) if t not in inits])
     ok: set[str] = set(inits)
-    needs_seq: dict[str, bool] = {t: False for t in inits}
+    needs: dict[str, frozenset[str]] = {t: frozenset() for t in inits}
     leaves: dict[str, str] = {}
     for node in graph.node:
         if any(True for _ in _subgraphs(node)) or node.op_type in _NONDETERMINISTIC or not node.output:
@@ -91,14 +139,14 @@ def recomputable_tensors(model: onnx.ModelProto) -> Recomputable:
                 continue
             ok.add(node.output[0])
             leaves[node.output[0]] = ins[0]
-            needs_seq[node.output[0]] = spec.has_seq
+            needs[node.output[0]] = frozenset(d for d in spec.dims[1:] if isinstance(d, str))
         elif all(i in ok for i in ins):
             for o in node.output:
                 if o:
                     ok.add(o)
-                    needs_seq[o] = any(needs_seq[i] for i in ins)
+                    needs[o] = frozenset().union(*(needs[i] for i in ins))
     tensors = frozenset(ok - inits - {o.name for o in graph.output})
-    return Recomputable(tensors, leaves, {t: needs_seq[t] for t in tensors})
+    return Recomputable(tensors, leaves, {t: needs[t] for t in tensors})
 
 
 def boundary_tensors(model: onnx.ModelProto, cut_positions: Sequence[int]) -> list[list[str]]:
@@ -205,6 +253,8 @@ def cut_model(
             StageSpec(f"stage{k}.onnx", boundary_specs[k], boundary_specs[k + 1]) for k in range(n_stages)
         ),
         full_model=FULL_MODEL_FILE,
+        output_batch_axes=output_batch_axes(model),
+        length_multiple=length_multiple(model) if any(s.has_seq for s in boundary_specs[0]) else 1,
     )
     Manifest.from_json(manifest.to_json())  # the checks Manifest.load makes; raises ManifestError
 
@@ -403,21 +453,40 @@ def _probed_spec(t: str, arrays: list[np.ndarray], settings: tuple[tuple[int, in
     lengths = tuple(n for _, n in settings)
     dims: list[int | str] = []
     for i, sizes in enumerate(zip(*(a.shape for a in arrays))):
+        derived = _derived_length(sizes, settings) if has_seq else None
         if sizes == batches:
             dims.append(BATCH)
-        elif has_seq and sizes == lengths:
-            dims.append(SEQ)
         elif len(set(sizes)) == 1 and sizes[0] > 0:
             dims.append(int(sizes[0]))
+        elif has_seq and sizes == lengths:
+            dims.append(SEQ)
+        elif derived is not None:
+            dims.append(derived)
         else:
             at = ", ".join(f"{d} at (batch={b}, seq={n})" for d, (b, n) in zip(sizes, settings))
-            return f"boundary tensor {t!r} dim {i} is {at}: neither {BATCH!r}, {SEQ!r} nor a positive constant"
+            return (f"boundary tensor {t!r} dim {i} is {at}: neither {BATCH!r}, {SEQ!r}, a length derived "
+                    f"from it (seq//K) nor a positive constant")
     if not dims or dims[0] != BATCH or BATCH in dims[1:]:
         return (
             f"boundary tensor {t!r} has shape {arrays[0].shape} at batch={batches[0]}: its first and only its "
             f"first dim must be {BATCH!r}, got {dims}"
         )
     return TensorSpec(t, dtype, tuple(dims))
+
+
+def _derived_length(sizes: Sequence[int], settings: Sequence[tuple[int, int]]) -> str | None:
+    """`floor((seq + A) / K)` if that is what `sizes` are at `settings` (the batch size must not
+    matter): a convolution's or pooling's output width. The smallest K that fits wins."""
+    if sizes[0] != sizes[1]:
+        return None
+    points = [(n, d) for j, (d, (_, n)) in enumerate(zip(sizes, settings)) if j != 1]  # batch b1 only
+    if len({d for _, d in points}) < 2:
+        return None
+    for divisor in range(2, max(n for n, _ in points) + 1):
+        for add in range(divisor):
+            if all((n + add) // divisor == d for n, d in points):
+                return derived_dim(add, divisor)
+    return None
 
 
 # --- stages ----------------------------------------------------------------------------
@@ -548,31 +617,52 @@ def _remake_nodes(
 
 def _shape_from_donor(shape_node: onnx.NodeProto, x: TensorSpec, in_specs: Sequence[TensorSpec],
                       k: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
-    """`Shape(x)` (with its start/end) rebuilt as pieces of `Shape(donor)` and constants."""
+    """`Shape(x)` (with its start/end) rebuilt from the shapes of row tensors the stage receives:
+    the batch dim and each length dim read off one that has it (or computed from one with the
+    length), constants as constants."""
     out = shape_node.output[0]
-    donor = next((s for s in in_specs if not x.has_seq or s.has_seq), None)
-    if donor is None:
-        raise ValueError(f"stage {k} cannot remake {out!r}: it depends on the length and no tensor with a "
-                         f"length dim enters the stage")
     attrs = {a.name: helper.get_attribute_value(a) for a in shape_node.attribute}
     rank = len(x.dims)
     start, end = int(attrs.get("start", 0)), int(attrs.get("end", rank))
     dims = list(x.dims)[slice(start, end)]
-    donor_shape = f"{out}__donor_shape{k}"
-    nodes = [helper.make_node("Shape", [donor.name], [donor_shape], name=f"{donor_shape}_node")]
+    nodes: list[onnx.NodeProto] = []
     constants: list[onnx.TensorProto] = []
+    shapes: dict[str, str] = {}
+
+    def const(name: str, value: list[int]) -> str:
+        constants.append(onnx.numpy_helper.from_array(np.array(value, np.int64), name))
+        return name
+
+    def shape_of(spec: TensorSpec) -> str:
+        if spec.name not in shapes:
+            shapes[spec.name] = f"{out}__shape_of{k}_{len(shapes)}"
+            nodes.append(helper.make_node("Shape", [spec.name], [shapes[spec.name]], name=f"{shapes[spec.name]}_node"))
+        return shapes[spec.name]
+
     pieces = []
     for j, dim in enumerate(dims):
         piece = f"{out}__piece{k}_{j}"
-        if isinstance(dim, str):
-            index = f"{piece}_index"
-            constants.append(onnx.numpy_helper.from_array(np.array([donor.dims.index(dim)], np.int64), index))
-            nodes.append(helper.make_node("Gather", [donor_shape, index], [piece], axis=0, name=f"{piece}_node"))
-        else:
-            constants.append(onnx.numpy_helper.from_array(np.array([dim], np.int64), piece))
-        pieces.append(piece)
+        if not isinstance(dim, str):
+            pieces.append(const(piece, [int(dim)]))
+            continue
+        found = (in_specs[0], 0, 0, 1) if dim == BATCH else length_source(dim, in_specs)
+        if found is None:
+            raise ValueError(f"stage {k} cannot remake {out!r}: no tensor entering it has a dim giving {dim!r}")
+        spec, axis, add, divisor = found
+        value = f"{piece}_read"
+        nodes.append(helper.make_node("Gather", [shape_of(spec), const(f"{piece}_axis", [axis])], [value], axis=0,
+                                      name=f"{value}_node"))
+        if add:
+            nodes.append(helper.make_node("Add", [value, const(f"{piece}_add", [add])], [f"{value}_plus"],
+                                          name=f"{value}_plus_node"))
+            value = f"{value}_plus"
+        if divisor != 1:
+            nodes.append(helper.make_node("Div", [value, const(f"{piece}_div", [divisor])], [f"{value}_div"],
+                                          name=f"{value}_div_node"))
+            value = f"{value}_div"
+        pieces.append(value)
     if not pieces:
-        constants.append(onnx.numpy_helper.from_array(np.zeros(0, np.int64), out))
-        return [], constants
+        const(out, [])
+        return nodes, constants
     nodes.append(helper.make_node("Concat", pieces, [out], axis=0, name=f"{out}__concat{k}"))
     return nodes, constants

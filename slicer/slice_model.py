@@ -25,8 +25,8 @@ import onnxruntime as ort
 from dvabatch_backend.runtime.manifest import Manifest
 
 from .analysis import CutPoint, legal_cut_points, name_nodes
-from .axes import AxisOverrides, canonical_model, discover_axes, probe_lengths, runnable_lengths
-from .cut import cut_model, input_specs, set_probe_lengths
+from .axes import AxisOverrides, batch_first_outputs, canonical_model, discover_axes, probe_lengths, runnable_lengths
+from .cut import cut_model, input_specs, length_multiple, probe_settings, set_probe_lengths
 from .errors import SliceError
 from .pad_safety import PadSafety, check_pad_safety
 from .partition import NoLegalCut, Partition, balanced_partition
@@ -136,13 +136,17 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
         max_length = options.max_length if has_seq else 0
         if has_seq:
             set_probe_lengths(model, probe_lengths(model, max_length))
+        moved = batch_first_outputs(model, probe_settings(model)[0][1] if has_seq else 0)
     except ValueError as exc:
         raise SliceError(str(exc)) from exc
-    say(f"axes: {axes.describe()}")
+    say(f"axes: {axes.describe()}" + "".join(f"; output {k}: batch axis {v} (served in that layout)" for k, v in moved.items()))
     full = full_session(model, None if isinstance(source, onnx.ModelProto) else Path(source), options.threads)
     say(f"running one query at length {max_length}" if has_seq else "running one query")
     probe_max_length(full, inputs, max_length, int_bounds(model))
-    lengths = list(options.lengths or runnable_lengths(model, default_lengths(max_length)))
+    multiple = length_multiple(model) if has_seq else 1
+    if multiple > 1:
+        say(f"the model's outputs are the length divided by {multiple}: lengths must be multiples of {multiple}")
+    lengths = list(options.lengths or runnable_lengths(model, default_lengths(max_length), multiple))
     batch_sizes = list(options.batch_sizes or default_batch_sizes(options.max_batch_size))
     ref = Setting(min(options.reference_batch, options.max_batch_size),
                   options.reference_length or (lengths[len(lengths) // 2] if has_seq else 0))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from dvabatch_backend.runtime.manifest import SEQ, Manifest, TensorSpec
+from dvabatch_backend.runtime.manifest import Manifest, TensorSpec, is_length_dim
 
 VERSION_DIR = "1"
 # config.pbtxt's data_type of each manifest dtype: "TYPE_" + Triton's datatype name, the name a
@@ -36,7 +36,7 @@ from dvabatch_backend.triton_adapter.model import TritonPythonModel  # noqa: E40
 def config_tensor(spec: TensorSpec, ragged: bool = False) -> str:
     """One entry of config.pbtxt's `input` or `output` list (the batch dim left to max_batch_size,
     a sequence dim variable)."""
-    dims = ", ".join("-1" if d == SEQ else str(d) for d in spec.dims[1:])
+    dims = ", ".join("-1" if is_length_dim(d) else str(d) for d in spec.dims[1:])
     flag = " allow_ragged_batch: true" if ragged else ""
     return f'  {{ name: "{spec.name}" data_type: {CONFIG_DTYPES[spec.dtype]} dims: [ {dims} ]{flag} }}'
 

@@ -3,14 +3,16 @@
 `Manifest.load` validates everything the runtime relies on and refuses a bad document
 with a `ManifestError` naming the field; `Manifest.dump` writes what `load` reads back.
 
-Tensor dimensions are ints or one of two symbols: ``"batch"`` (always the first dimension)
-and ``"seq"`` (the input length, at most ``max_length``). Every stage's inputs are exactly
+Tensor dimensions are ints or symbols: ``"batch"`` (always the first dimension), ``"seq"``
+(the input length, at most ``max_length``), and lengths derived from it, ``"seq//K"`` and
+``"(seq+A)//K"`` (a convolution's output width, say: ``floor((seq + A) / K)``). Every stage's inputs are exactly
 the previous stage's outputs (same names, dtypes and dims), so buffers between stages are
 shared by name.
 """
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -25,6 +27,37 @@ SEQ = "seq"
 SUPPORTED_DTYPES = ("float32", "float16", "float64", "int64", "int32", "int8", "uint8", "bool")
 
 Dim = int | str
+_DERIVED = re.compile(r"^(?:seq|\(seq\+(\d+)\))//(\d+)$")
+
+
+def derived_dim(add: int, divisor: int) -> str:
+    """The dim ``floor((seq + add) / divisor)``; plain ``seq`` for (0, 1)."""
+    if divisor == 1 and add == 0:
+        return SEQ
+    return f"seq//{divisor}" if add == 0 else f"(seq+{add})//{divisor}"
+
+
+def is_length_dim(dim: Dim) -> bool:
+    """`seq` or a length derived from it."""
+    return dim == SEQ or (isinstance(dim, str) and _DERIVED.match(dim) is not None)
+
+
+def length_dim_terms(dim: Dim) -> tuple[int, int]:
+    """(A, K) of a length dim ``floor((seq + A) / K)``; `seq` is (0, 1)."""
+    if dim == SEQ:
+        return 0, 1
+    match = _DERIVED.match(dim) if isinstance(dim, str) else None
+    if match is None:
+        raise ValueError(f"{dim!r} is not a length dim")
+    return int(match.group(1) or 0), int(match.group(2))
+
+
+def dim_size(dim: Dim, length: int) -> int:
+    """The size of a non-batch dim for queries padded to `length`."""
+    if isinstance(dim, str):
+        add, divisor = length_dim_terms(dim)
+        return (length + add) // divisor
+    return int(dim)
 
 
 @dataclass(frozen=True)
@@ -39,11 +72,12 @@ class TensorSpec:
 
     @property
     def has_seq(self) -> bool:
-        return SEQ in self.dims
+        """Some dim is the length or derived from it."""
+        return any(is_length_dim(d) for d in self.dims)
 
     def shape(self, batch: int, length: int) -> tuple[int, ...]:
         """The concrete shape for `batch` rows padded to `length`."""
-        return tuple(batch if d == BATCH else length if d == SEQ else int(d) for d in self.dims)
+        return tuple(batch if d == BATCH else dim_size(d, length) for d in self.dims)
 
     def sample_shape(self, length: int) -> tuple[int, ...]:
         """The shape of one query's tensor (no batch dimension)."""
@@ -80,6 +114,12 @@ class Manifest:
     # zero-padding a query to a longer batch length leaves its answer unchanged (measured by the
     # slicer); when False the runtime batches only queries of the same length and never pads them
     pad_safe: bool = True
+    # outputs whose batch axis in the model's own layout is not the first (time-major [T, N, C]):
+    # the runtime keeps them batch-first; a response stacks its rows along this axis
+    output_batch_axes: dict[str, int] = field(default_factory=dict, compare=False)
+    # a query's length must be a multiple of this: where outputs are the length divided by K (a
+    # detector's grid of width/32 cells), other lengths give answers the model was not built for
+    length_multiple: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -120,6 +160,8 @@ class Manifest:
             "stages": [s.to_json() for s in self.stages],
             "full_model": self.full_model,
             "pad_safe": self.pad_safe,
+            "output_batch_axes": dict(self.output_batch_axes),
+            "length_multiple": self.length_multiple,
         }
         doc.update(self.extra)
         return doc
@@ -169,9 +211,17 @@ class Manifest:
         if not isinstance(pad_safe, bool):
             raise ManifestError("pad_safe", f"must be true or false, got {pad_safe!r}")
         known = {"schema_version", "name", "max_batch_size", "max_length", "inputs", "outputs", "stages", "full_model",
-                 "pad_safe"}
+                 "pad_safe", "output_batch_axes", "length_multiple"}
         extra = {k: v for k, v in doc.items() if k not in known}
-        manifest = cls(name, max_bs, max_len, inputs, outputs, stages, full, extra, pad_safe)
+        axes = doc.get("output_batch_axes", {})
+        if not isinstance(axes, dict) or not all(
+                k in {t.name for t in outputs} and isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                for k, v in axes.items()):
+            raise ManifestError("output_batch_axes", f"must map model outputs to an axis >= 1, got {axes!r}")
+        multiple = doc.get("length_multiple", 1)
+        if not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1:
+            raise ManifestError("length_multiple", f"must be an int >= 1, got {multiple!r}")
+        manifest = cls(name, max_bs, max_len, inputs, outputs, stages, full, extra, pad_safe, axes, multiple)
         _check_chain(manifest)
         return manifest
 
@@ -207,9 +257,9 @@ def _tensor(raw: Any, where: str) -> TensorSpec:
     if not dims or dims[0] != BATCH:
         raise ManifestError(f"{where}.dims", f"must start with {BATCH!r}, got {dims}")
     for d in dims[1:]:
-        if d == SEQ or (isinstance(d, int) and not isinstance(d, bool) and d > 0):
+        if is_length_dim(d) or (isinstance(d, int) and not isinstance(d, bool) and d > 0):
             continue
-        raise ManifestError(f"{where}.dims", f"{d!r} is neither a positive int nor {SEQ!r}")
+        raise ManifestError(f"{where}.dims", f"{d!r} is neither a positive int, {SEQ!r} nor 'seq//K'")
     return TensorSpec(name, dtype, tuple(dims))
 
 

@@ -10,7 +10,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from .errors import BadInputError, QueryError
-from .manifest import SEQ, Manifest, TensorSpec
+from .manifest import SEQ, Manifest, TensorSpec, dim_size, is_length_dim
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,12 @@ def validate_inputs(
         arr = np.asarray(inputs[name])
         _check_tensor(query_id, arr, spec, manifest.max_length)
         if spec.has_seq:
-            lengths.add(arr.shape[spec.dims.index(SEQ) - 1])
+            length = arr.shape[spec.dims.index(SEQ) - 1]
+            if length % manifest.length_multiple:
+                raise BadInputError(query_id, f"input {spec.name!r} has length {length}, not a multiple of "
+                                              f"{manifest.length_multiple} (the model's outputs are the length "
+                                              f"divided by it)")
+            lengths.add(length)
         arrays[name] = arr
     if len(lengths) > 1:
         raise BadInputError(query_id, f"inputs disagree on the sequence length: {sorted(lengths)}")
@@ -128,15 +133,16 @@ def gather_inputs(queries: list[Query], rows: dict[str, np.ndarray], specs: tupl
 def scatter_outputs(
     queries: list[Query], rows: dict[str, np.ndarray], specs: tuple[TensorSpec, ...]
 ) -> list[dict[str, np.ndarray]]:
-    """Copy each query's results out of its output row, cut back to its own length."""
+    """Copy each query's results out of its output row, cut back to its own length on every
+    length dim (`seq` and the lengths derived from it)."""
     results = []
     for r, query in enumerate(queries):
         out = {}
         for spec in specs:
             row = rows[spec.name][r]
             if spec.has_seq:
-                axis = spec.dims.index(SEQ) - 1
-                row = row[(slice(None),) * axis + (slice(0, query.length),)]
+                row = row[tuple(slice(0, dim_size(d, query.length)) if is_length_dim(d) else slice(None)
+                                for d in spec.dims[1:])]
             out[spec.name] = np.array(row, copy=True)
         results.append(out)
     return results

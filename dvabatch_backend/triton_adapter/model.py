@@ -108,11 +108,13 @@ class _Responder:
 class _RequestAnswer:
     """Collects the answers of one request's rows; when all are in, hands itself to the responder."""
 
-    def __init__(self, sender: Any, rows: int, output_names: list[str], responder: _Responder) -> None:
+    def __init__(self, sender: Any, rows: int, output_names: list[str], responder: _Responder,
+                 batch_axes: Mapping[str, int]) -> None:
         self._sender = sender
         self._answers: list[Answer | None] = [None] * rows
         self._missing = rows
         self._names = output_names
+        self._batch_axes = batch_axes  # outputs served in a layout whose batch axis is not the first
         self._responder = responder
         self._lock = threading.Lock()
 
@@ -133,7 +135,8 @@ class _RequestAnswer:
             response = pb_utils.InferenceResponse(error=pb_utils.TritonError(_describe(errors)))
         else:
             tensors = [
-                pb_utils.Tensor(name, np.stack([a.outputs[name] for a in self._answers]))  # type: ignore[union-attr,index]
+                pb_utils.Tensor(name, np.stack([a.outputs[name] for a in self._answers],  # type: ignore[union-attr,index]
+                                               axis=self._batch_axes.get(name, 0)))
                 for name in self._names
             ]
             response = pb_utils.InferenceResponse(output_tensors=tensors)
@@ -176,7 +179,8 @@ class TritonPythonModel:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            answer = _RequestAnswer(sender, len(rows), self._output_names, self._responder)
+            answer = _RequestAnswer(sender, len(rows), self._output_names, self._responder,
+                                    self._manifest.output_batch_axes)
             self._scheduler.submit_many([(row, answer.reply_for(i)) for i, row in enumerate(rows)])
         return None
 
