@@ -80,6 +80,19 @@ def balanced_partition(costs: np.ndarray, points: Sequence[CutPoint], num_stages
     return Partition(cuts, tuple(float(prefix[b] - prefix[a]) for a, b in zip(bounds, bounds[1:])))
 
 
+def achievable_balance(costs: np.ndarray, points: Sequence[CutPoint], num_stages: int) -> float:
+    """The best slowest/mean any cut at `points` can reach for `num_stages` (by node costs): the
+    mean stage, or the costliest run of nodes between two neighbouring legal cuts if it is larger
+    (a node that dominates the model cannot be split)."""
+    total = float(np.sum(costs))
+    if total <= 0:
+        return 1.0
+    bounds = [0, *(p.position for p in points), len(costs)]
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    largest_run = max(float(prefix[b] - prefix[a]) for a, b in zip(bounds, bounds[1:]))
+    return max(1.0, largest_run / (total / num_stages))
+
+
 def _pick(value: np.ndarray, score: np.ndarray, tolerance: float) -> int:
     """Index of the best value; among values within `tolerance` of it, the lowest score."""
     finite = np.isfinite(value) & np.isfinite(score)

@@ -29,7 +29,7 @@ from .axes import AxisOverrides, batch_first_outputs, canonical_model, discover_
 from .cut import cut_model, input_specs, length_multiple, probe_settings, set_probe_lengths
 from .errors import SliceError
 from .pad_safety import PadSafety, check_pad_safety
-from .partition import NoLegalCut, Partition, balanced_partition
+from .partition import NoLegalCut, Partition, achievable_balance, balanced_partition
 from .preflight import check_proto, full_session, probe_max_length, read_model
 from .profiler import Setting, int_bounds, node_costs, random_inputs, time_stages
 from .stage_profile import default_batch_sizes, default_lengths, profile_stages, stage_times_at
@@ -83,6 +83,10 @@ class SliceReport:
     reference: Setting
     profile: dict[str, Any]
     candidates: list[Candidate] = field(default_factory=list)
+    legal_points: int = 0
+    nodes: int = 0
+    achievable: dict[int, float] = field(default_factory=dict)  # stage count -> best balance by node costs
+    balance_goal: float = 1.25
 
     def summary(self) -> str:
         c = self.chosen
@@ -106,6 +110,16 @@ class SliceReport:
         if len(self.candidates) > 1:
             lines.append("  stage-count candidates (queries/s through the pipeline): "
                          + ", ".join(f"{x.stages}: {x.throughput:.0f}" for x in self.candidates))
+        lines.append(f"  legal cut points: {self.legal_points} of {self.nodes} node positions")
+        if c.balance > self.balance_goal:
+            bound = self.achievable.get(c.stages)
+            fits = [n for n, b in sorted(self.achievable.items()) if n > 1 and b <= self.balance_goal]
+            lines.append(
+                f"  NOT BALANCED: the slowest stage is {c.balance:.2f}x the mean; "
+                + (f"by node costs the legal cuts allow at best {bound:.2f} for {c.stages} stages (a run of nodes "
+                   f"no legal cut divides dominates); " if bound is not None else "")
+                + (f"{max(fits)} stages or fewer balance within {self.balance_goal:.2f}, which --stages auto "
+                   f"considers" if fits else f"no stage count balances within {self.balance_goal:.2f}"))
         return "\n".join(lines)
 
 
@@ -182,7 +196,9 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
             shutil.rmtree(out_dir)
         chosen.dir.parent.rename(out_dir)
     chosen.dir = out_dir / VERSION_DIR
-    return SliceReport(out_dir, manifest, chosen, ref, profile, candidates)
+    achievable = {n: achievable_balance(costs_at[ref], points, n) for n in sorted({2, 3, 4, chosen.stages})}
+    return SliceReport(out_dir, manifest, chosen, ref, profile, candidates, len(points), len(model.graph.node),
+                       achievable)
 
 
 def _check_stage_count(n: int, node_count: int, points: list[CutPoint]) -> None:
