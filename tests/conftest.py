@@ -191,6 +191,19 @@ def make_scheduler(model: SlicedModel, policy: Policy, engines: list | None = No
     return Pipeline.create(model.manifest, engines or model.engines(), policy, RuntimeSettings(**options), **extra)  # type: ignore[arg-type]
 
 
+def assert_all_answered_correctly(model: SlicedModel, scheduler, collector: "Collector",
+                                  sent: Mapping[int, Mapping[str, np.ndarray]]) -> None:
+    """Every query sent answered exactly once, equal to the unsliced model; no buffer-rule violation,
+    no policy error."""
+    assert collector.wait_for(set(sent), timeout=30), f"unanswered: {set(sent) - set(collector.answers)}"
+    assert set(collector.answers) == set(sent)
+    for qid, inputs in sent.items():
+        assert_matches_reference(model, inputs, collector.one(qid))
+    assert scheduler.buffer_violations == []
+    assert scheduler.stats.policy_errors == 0
+    assert scheduler.stats.answered_ok == len(sent)
+
+
 def assert_matches_reference(model: SlicedModel, inputs: Mapping[str, np.ndarray], answer: Answer) -> None:
     assert answer.error is None, answer.error
     assert answer.outputs is not None

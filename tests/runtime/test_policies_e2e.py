@@ -17,7 +17,7 @@ from policies.input_diversity import InputDiversityPolicy
 from policies.load_diversity import LoadDiversityPolicy
 from policies.operator_diversity import OperatorDiversityPolicy
 
-from ..conftest import Collector, GatedEngine, SlicedModel, SlowEngine, assert_matches_reference, make_scheduler
+from ..conftest import Collector, GatedEngine, SlicedModel, SlowEngine, assert_all_answered_correctly, make_scheduler
 
 MS = 1e-3
 # Saturates at bs 2: T(1) = T(2), then per-query time is flat (T linear in bs). Splitting pays
@@ -93,13 +93,7 @@ def run_queries(model: SlicedModel, policy: Policy, rounds: Sequence[Sequence[in
         for t in threads:
             t.join()
         assert not errors, errors
-        assert collector.wait_for(set(sent), timeout=30), f"unanswered: {set(sent) - set(collector.answers)}"
-    assert set(collector.answers) == set(sent)
-    for qid, inputs in sent.items():
-        assert_matches_reference(model, inputs, collector.one(qid))
-    assert scheduler.buffer_violations == []
-    assert scheduler.stats.policy_errors == 0
-    assert scheduler.stats.answered_ok == len(sent)
+        assert_all_answered_correctly(model, scheduler, collector, sent)
     return scheduler
 
 
@@ -128,12 +122,7 @@ def run_gated(model: SlicedModel, policy: Policy, rounds: Sequence[Sequence[int]
             submit(lengths)
         for gate in gates:
             gate.open()
-        assert collector.wait_for(set(sent), timeout=30), f"unanswered: {set(sent) - set(collector.answers)}"
-    for qid, inputs in sent.items():
-        assert_matches_reference(model, inputs, collector.one(qid))
-    assert scheduler.buffer_violations == []
-    assert scheduler.stats.policy_errors == 0
-    assert scheduler.stats.answered_ok == len(sent)
+        assert_all_answered_correctly(model, scheduler, collector, sent)
     return scheduler
 
 
