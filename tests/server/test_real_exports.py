@@ -1,0 +1,257 @@
+"""Real exports served from the real tritonserver: every model of the exporter corpus
+(tests/slicer/corpus.py: bert, gpt2, vit, resnet18, crnn, yolo, conv_mean), sliced into three stages
+with its original dim names, served from ONE tritonserver (variable-length models under the
+`input` policy, fixed-shape ones under `load`), answers concurrent HTTP and gRPC requests of mixed
+valid lengths (one row, and some of two rows of the same length) equal to the ORIGINAL export (the
+corpus file, not the sliced folder's model.onnx) run on each request alone: the same output names,
+the exact shapes in the model's own layout (crnn's time-major [T, rows, 37]), the same values.
+
+Tolerance: atol 1e-4 for every model; transformers (bert, gpt2, vit) also rtol 1e-3 (their
+LayerNorm/softmax outputs are O(1), and a batched or stage-split run may reorder reductions).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from dvabatch_backend.runtime.manifest import Manifest
+from dvabatch_backend.tools.serve import TritonServer
+from slicer.slice_model import SliceOptions, SliceReport, slice_model
+from slicer.triton_files import config_pbtxt
+
+from ..slicer.corpus import CorpusModel, build_corpus
+
+MODELS = ("bert", "gpt2", "vit", "resnet18", "crnn", "yolo", "conv_mean")
+TRANSFORMERS = {"bert", "gpt2", "vit"}
+PROTOCOLS = ("http", "grpc")
+PER_PROTOCOL = 8  # concurrent requests per protocol and model
+TIMEOUT = 60.0
+ATOL = 1e-4
+RTOL_TRANSFORMERS = 1e-3
+
+
+@dataclass
+class Served:
+    corpus: CorpusModel
+    report: SliceReport
+    policy: str
+    original: ort.InferenceSession
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.report.manifest
+
+    def reference(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The original export run on this request alone (all its rows)."""
+        names = [o.name for o in self.original.get_outputs()]
+        return dict(zip(names, self.original.run(names, dict(feeds))))
+
+
+def _profile_lengths(m: CorpusModel) -> tuple[int, ...] | None:
+    """Two profile buckets (a middle valid length and the largest) to keep slicing quick."""
+    if not m.has_length:
+        return None
+    valid = m.valid_lengths()
+    return tuple(sorted({valid[len(valid) // 2], valid[-1]}))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("real_exports")
+    corpus = build_corpus(root / "corpus")
+    repo = root / "repository"
+    models: dict[str, Served] = {}
+    for name in MODELS:
+        m = corpus[name]
+        options = SliceOptions(stages=3, max_batch_size=4, max_length=m.max_length or 128, repeats=2,
+                               calibration_rounds=1, lengths=_profile_lengths(m))
+        report = slice_model(m.path, repo / name, options)
+        policy = "input" if m.has_length else "load"
+        (repo / name / "config.pbtxt").write_text(config_pbtxt(report.manifest, policy=policy, name=name))
+        original = ort.InferenceSession(str(m.path), providers=["CPUExecutionProvider"])
+        models[name] = Served(m, report, policy, original)
+    server = TritonServer(repo).start()
+    try:
+        for name in MODELS:
+            server.wait_model_ready(name, timeout=180)
+        yield {"server": server, "models": models}
+    finally:
+        server.stop()
+
+
+# -- calls ---------------------------------------------------------------------------------------
+
+_local = threading.local()
+
+
+def _client(server: TritonServer, protocol: str):
+    """One client per thread and protocol (tritonclient.http clients are not shared across threads)."""
+    key = f"{protocol}_{server.http_port}"
+    client = getattr(_local, key, None)
+    if client is None:
+        client = (httpclient.InferenceServerClient(server.http_url, connection_timeout=TIMEOUT,
+                                                   network_timeout=TIMEOUT)
+                  if protocol == "http" else grpcclient.InferenceServerClient(server.grpc_url))
+        setattr(_local, key, client)
+    return client
+
+
+def infer(server: TritonServer, protocol: str, model: str, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One request with exactly these tensors (batch dim included); every output, whole."""
+    module = httpclient if protocol == "http" else grpcclient
+    inputs = []
+    for name, arr in feeds.items():
+        arr = np.ascontiguousarray(arr)
+        tensor = module.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+        tensor.set_data_from_numpy(arr)
+        inputs.append(tensor)
+    client = _client(server, protocol)
+    if protocol == "http":
+        result = client.infer(model, inputs)
+        names = [o["name"] for o in result.get_response()["outputs"]]
+    else:
+        result = client.infer(model, inputs, client_timeout=TIMEOUT)
+        names = [o.name for o in result.get_response().outputs]
+    return {name: result.as_numpy(name) for name in names}
+
+
+def _close_clients() -> None:
+    for key in list(vars(_local)):
+        try:
+            getattr(_local, key).close()
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        delattr(_local, key)
+
+
+def in_thread(fn, *args):
+    """Run `fn` in a short-lived thread (its clients closed when it ends: a live keep-alive
+    connection makes tritonserver wait on SIGTERM) and return or re-raise."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(("ok", fn(*args)))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            box.append(("err", exc))
+        finally:
+            _close_clients()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(TIMEOUT * 2)
+    assert box, "no answer in time"
+    kind, value = box[0]
+    if kind == "err":
+        raise value
+    return value
+
+
+def assert_equal_to_original(model: Served, feeds: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray],
+                             what: str) -> None:
+    want = model.reference(feeds)
+    assert sorted(got) == sorted(want), f"{what}: output names {sorted(got)} != {sorted(want)}"
+    rtol = RTOL_TRANSFORMERS if model.corpus.name in TRANSFORMERS else 0.0
+    for name, ref in want.items():
+        assert got[name].shape == ref.shape, f"{what}: {name} shape {got[name].shape} != {ref.shape}"
+        assert got[name].dtype == ref.dtype, f"{what}: {name} dtype {got[name].dtype} != {ref.dtype}"
+        np.testing.assert_allclose(got[name], ref, atol=ATOL, rtol=rtol, err_msg=f"{what}: {name}")
+
+
+def _requests(m: CorpusModel, rng: np.random.Generator) -> list[tuple[str, dict[str, np.ndarray]]]:
+    """PER_PROTOCOL requests per protocol: mixed valid lengths (every protocol covers the smallest
+    and the largest), one row each, and two rows of one length in two requests per protocol."""
+    valid = m.valid_lengths() or [0]
+    work = []
+    for protocol in PROTOCOLS:
+        lengths = [valid[0], valid[-1]] + [int(rng.choice(valid)) for _ in range(PER_PROTOCOL - 2)]
+        rng.shuffle(lengths)
+        for i, length in enumerate(lengths):
+            rows = 2 if i in (1, 4) else 1
+            work.append((protocol, m.make_inputs(rng, rows, length)))
+    return work
+
+
+# -- tests -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", MODELS)
+def test_concurrent_mixed_lengths_equal_the_original_export(served, name: str) -> None:
+    server: TritonServer = served["server"]
+    model: Served = served["models"][name]
+    m = model.corpus
+    assert model.manifest.num_stages == 3
+    rng = np.random.default_rng(MODELS.index(name) + 101)
+    work = _requests(m, rng)
+    failures: list[str] = []
+
+    def send(i: int, protocol: str, feeds: dict[str, np.ndarray]) -> None:
+        shape = {k: v.shape for k, v in feeds.items()}
+        what = f"{name} request {i} ({protocol}, {shape})"
+        try:
+            assert_equal_to_original(model, feeds, infer(server, protocol, name, feeds), what)
+        except Exception as exc:  # collected: every request must succeed
+            failures.append(f"{what}: {type(exc).__name__}: {exc}")
+        finally:
+            _close_clients()
+
+    threads = [threading.Thread(target=send, args=(i, p, f)) for i, (p, f) in enumerate(work)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT * 2)
+    assert not any(t.is_alive() for t in threads), "requests still unanswered"
+    assert failures == [], "\n".join(failures)
+    if m.has_length:  # the mix really was mixed
+        assert len({next(iter(f.values())).shape for _, f in work}) > 2
+
+
+def test_served_policies(served) -> None:
+    for name, model in served["models"].items():
+        text = (model.report.out_dir / "config.pbtxt").read_text()
+        assert f'string_value: "{model.policy}"' in text, (name, text)
+        assert model.policy == ("input" if model.corpus.has_length else "load")
+
+
+def test_what_the_slicer_recorded(served) -> None:
+    models: dict[str, Served] = served["models"]
+    crnn = models["crnn"].manifest
+    assert crnn.output_batch_axes == {"softmax_0.tmp_0": 1}
+    (out,) = crnn.outputs
+    assert out.name == "softmax_0.tmp_0"
+    assert out.dims[1] == "seq//4", out.dims
+    assert models["yolo"].manifest.length_multiple == 32
+    for name, model in models.items():
+        # what was saved for the server equals what the slicer reported
+        saved = Manifest.load(model.report.out_dir / "1" / "manifest.json")
+        assert saved.pad_safe == model.manifest.pad_safe, name
+        assert saved.output_batch_axes == model.manifest.output_batch_axes, name
+        assert saved.length_multiple == model.manifest.length_multiple, name
+        expected = model.corpus.pad_safe_expected
+        if expected is not None:
+            assert model.manifest.pad_safe is expected, (name, model.manifest.pad_safe, expected)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_yolo_width_not_a_multiple_of_32_is_refused_by_name(served, protocol: str) -> None:
+    server: TritonServer = served["server"]
+    model: Served = served["models"]["yolo"]
+    rng = np.random.default_rng(5)
+    bad = {"images": rng.standard_normal((1, 3, 32, 100)).astype(np.float32)}  # 100 <= max 256
+    assert 100 <= model.manifest.max_length
+    with pytest.raises(InferenceServerException) as info:
+        in_thread(infer, server, protocol, "yolo", bad)
+    assert "multiple of 32" in str(info.value), str(info.value)
+    # the server and the model still answer good requests afterwards
+    for width in (64, 32, 256):
+        good = model.corpus.make_inputs(rng, 1, width)
+        got = in_thread(infer, server, protocol, "yolo", good)
+        assert_equal_to_original(model, good, got, f"yolo after the refusal ({protocol}, width {width})")
