@@ -104,6 +104,7 @@ class TritonServer:
         self._work = Path(tempfile.mkdtemp(prefix="dvabatch-triton-"))
         self.log_path = log_path or self._work / "tritonserver.log"
         self._process: subprocess.Popen[bytes] | None = None
+        self._last_log = ""
 
     @property
     def http_url(self) -> str:
@@ -134,6 +135,7 @@ class TritonServer:
         return cmd + self._extra
 
     def start(self, timeout: float = 120.0) -> "TritonServer":
+        self._work.mkdir(parents=True, exist_ok=True)  # `stop` removes it: a server may start again
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and Path(p).exists())
         libs = pytriton_root().parent.parent / "nvidia_pytriton.libs"
@@ -218,6 +220,8 @@ class TritonServer:
         elif process is not None:
             code = process.returncode
         self._kill_orphaned_stubs()
+        self._last_log = self.log_tail(200)
+        shutil.rmtree(self._work, ignore_errors=True)  # backends and default log: nothing left behind
         return code
 
     def _kill_orphaned_stubs(self) -> None:
@@ -230,17 +234,17 @@ class TritonServer:
                 pass
 
     def log_tail(self, lines: int = 40) -> str:
+        """The end of the server's log (after `stop`, what it was when the server stopped)."""
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
-            return "(no log)"
+            return "\n".join(self._last_log.splitlines()[-lines:]) if self._last_log else "(no log)"
 
     def __enter__(self) -> "TritonServer":
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-        shutil.rmtree(self._work, ignore_errors=True)
 
 
 def infer_inputs(client_module: Any, query: Mapping[str, np.ndarray], add_batch_dim: bool = True) -> list[Any]:
