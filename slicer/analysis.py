@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import onnx
+from onnx import helper
 
-from dvabatch_backend.runtime.manifest import BATCH, TensorSpec
+from dvabatch_backend.runtime.manifest import BATCH, SEQ, TensorSpec
 
 from .cut import _initializer_names, length_source, probe_specs, recomputable_tensors
 
@@ -112,3 +113,43 @@ def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+
+
+LENGTH_CARRIER = "dvabatch_length_carrier"
+
+
+def with_length_carrier(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """A copy of `model` with a length carrier, or None where it would not help.
+
+    Shape arithmetic over the input length (a detector's width) is remade in a later stage from
+    a row tensor that has the length dim; where only downsampled widths cross (``(seq+1)//2``), the
+    length cannot be read back. The carrier is one row of the input along its length (every other
+    axis sliced to 1), kept alive to the last node, so the length crosses every cut at a cost of a
+    few bytes per query.
+    """
+    recomp = recomputable_tensors(model)
+    if not any(SEQ in dims for dims in recomp.length_dims.values()):
+        return None
+    inits = _initializer_names(model.graph)
+    source = next((vi for vi in model.graph.input if vi.name not in inits
+                   and any(d.dim_param == SEQ for d in vi.type.tensor_type.shape.dim)), None)
+    if source is None:
+        return None
+    dims = source.type.tensor_type.shape.dim
+    others = [i for i, d in enumerate(dims) if i > 0 and d.dim_param != SEQ]
+    if not others:
+        return None  # the input is [batch, seq] itself: it crosses wherever it is read
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    starts, ends, axes = (f"{LENGTH_CARRIER}_{k}" for k in ("starts", "ends", "axes"))
+    out.graph.initializer.extend([
+        helper.make_tensor(starts, onnx.TensorProto.INT64, [len(others)], [0] * len(others)),
+        helper.make_tensor(ends, onnx.TensorProto.INT64, [len(others)], [1] * len(others)),
+        helper.make_tensor(axes, onnx.TensorProto.INT64, [len(others)], others),
+    ])
+    slice_node = helper.make_node("Slice", [source.name, starts, ends, axes], [LENGTH_CARRIER], name=LENGTH_CARRIER)
+    keep = helper.make_node("Identity", [LENGTH_CARRIER], [f"{LENGTH_CARRIER}_kept"], name=f"{LENGTH_CARRIER}_kept")
+    nodes = [slice_node, *out.graph.node, keep]
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out

@@ -24,7 +24,7 @@ import onnxruntime as ort
 
 from dvabatch_backend.runtime.manifest import Manifest
 
-from .analysis import CutPoint, legal_cut_points, name_nodes
+from .analysis import CutPoint, legal_cut_points, name_nodes, with_length_carrier
 from .axes import AxisOverrides, batch_first_outputs, canonical_model, discover_axes, probe_lengths, runnable_lengths
 from .cut import cut_model, input_specs, length_multiple, probe_settings, set_probe_lengths
 from .errors import SliceError
@@ -166,6 +166,12 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
                   options.reference_length or (lengths[len(lengths) // 2] if has_seq else 0))
     say("finding legal cut points")
     points = legal_cut_points(model, ref.length, options.max_boundary_tensors)
+    carried = with_length_carrier(model) if has_seq else None
+    if carried is not None:  # keep it only where it makes more positions legal
+        carried_points = legal_cut_points(carried, ref.length, options.max_boundary_tensors)
+        if len(carried_points) > len(points) + 1:
+            say(f"a length carrier makes {len(carried_points) - 1} positions legal instead of {len(points)}")
+            model, points = name_nodes(carried), carried_points
     wanted = [options.stages] if options.stages is not None else [n for n in options.candidates if n - 1 <= len(points)]
     for n in wanted:
         _check_stage_count(n, len(model.graph.node), points)
