@@ -91,6 +91,25 @@ def set_probe_lengths(model: onnx.ModelProto, lengths: Sequence[int]) -> None:
 
 
 @dataclass(frozen=True)
+class LaidOutSpec(TensorSpec):
+    """A row tensor whose batch axis in the graph is not the first (an RNN's time-major [T, N, C]):
+    it crosses a cut batch-first (`dims`, transposed at the end of the stage that makes it and back
+    at the start of the stage that reads it); `graph_dims` is its layout in the graph."""
+
+    batch_axis: int = 0
+    graph_dims: tuple[int | str, ...] = ()
+
+    @property
+    def to_batch_first(self) -> list[int]:
+        return [self.batch_axis] + [i for i in range(len(self.graph_dims)) if i != self.batch_axis]
+
+    @property
+    def to_graph(self) -> list[int]:
+        forward = self.to_batch_first
+        return [forward.index(i) for i in range(len(forward))]
+
+
+@dataclass(frozen=True)
 class Recomputable:
     """Batch-independent tensors and how to remake them: `shape_leaves` maps a `Shape` node's
     output to the row tensor it reads, `length_dims[t]` the length dims (`seq`, `seq//K`) `t`
@@ -230,8 +249,9 @@ def cut_model(
     for k, bound in enumerate(bounds[1:-1], start=1):
         if not bound:
             raise ValueError(f"no batch-carrying tensor crosses the cut at position {starts[k]} (boundary {k})")
-    names = _boundary_names(model, bounds, starts, ends)
     specs = _tensor_specs(model, bounds)
+    moved = {t: spec for t, spec in specs.items() if isinstance(spec, LaidOutSpec)}
+    names = _boundary_names(model, bounds, starts, ends, renamed=set(moved))
     boundary_specs = [
         tuple(_renamed_spec(specs[t], names[k][t]) for t in bound) for k, bound in enumerate(bounds)
     ]
@@ -240,9 +260,10 @@ def cut_model(
 
     stage_models = []
     for k in range(n_stages):
-        replicas, constants = _remake_nodes(model, k, remade[k], recomp, names[k], boundary_specs[k], leaf_specs)
+        replicas, constants = _remake_nodes(model, k, remade[k], recomp, names[k], boundary_specs[k], leaf_specs,
+                                            moved)
         stage_models.append(_build_stage(model, k, starts[k], ends[k], bounds, names, boundary_specs,
-                                         replicas, constants))
+                                         replicas, constants, moved))
     manifest = Manifest(
         name=name,
         max_batch_size=max_batch_size,
@@ -334,16 +355,18 @@ def _check_positions(model: onnx.ModelProto, cut_positions: Sequence[int]) -> li
 
 
 def _boundary_names(
-    model: onnx.ModelProto, bounds: list[list[str]], starts: list[int], ends: list[int]
+    model: onnx.ModelProto, bounds: list[list[str]], starts: list[int], ends: list[int], renamed: set[str] = set()
 ) -> list[dict[str, str]]:
-    """For each boundary, original tensor name -> the name it has at that boundary."""
+    """For each boundary, original tensor name -> the name it has at that boundary (`renamed`
+    tensors always get a name of their own: they cross transposed)."""
     graph = model.graph
     outputs = {o.name for o in graph.output}
     n = len(bounds) - 1
     names: list[dict[str, str]] = [{t: t for t in bounds[0]}]
     for k in range(1, n):
         made_before = {o for node in graph.node[starts[k - 1]:ends[k - 1]] for o in node.output if o}
-        names.append({t: t if t in made_before and t not in outputs else f"{t}__{k}" for t in bounds[k]})
+        names.append({t: t if t in made_before and t not in outputs and t not in renamed else f"{t}__{k}"
+                      for t in bounds[k]})
     names.append({t: t for t in bounds[n]})
 
     existing = set(_graph_inputs(graph)) | _initializer_names(graph) | outputs
@@ -466,11 +489,15 @@ def _probed_spec(t: str, arrays: list[np.ndarray], settings: tuple[tuple[int, in
             at = ", ".join(f"{d} at (batch={b}, seq={n})" for d, (b, n) in zip(sizes, settings))
             return (f"boundary tensor {t!r} dim {i} is {at}: neither {BATCH!r}, {SEQ!r}, a length derived "
                     f"from it (seq//K) nor a positive constant")
-    if not dims or dims[0] != BATCH or BATCH in dims[1:]:
+    if dims.count(BATCH) != 1:
         return (
-            f"boundary tensor {t!r} has shape {arrays[0].shape} at batch={batches[0]}: its first and only its "
-            f"first dim must be {BATCH!r}, got {dims}"
+            f"boundary tensor {t!r} has shape {arrays[0].shape} at batch={batches[0]}: it must have exactly one "
+            f"{BATCH!r} dim, got {dims}"
         )
+    axis = dims.index(BATCH)
+    if axis:
+        others = [d for i, d in enumerate(dims) if i != axis]
+        return LaidOutSpec(t, dtype, (BATCH, *others), batch_axis=axis, graph_dims=tuple(dims))
     return TensorSpec(t, dtype, tuple(dims))
 
 
@@ -507,19 +534,29 @@ def _build_stage(
     boundary_specs: list[tuple[TensorSpec, ...]],
     replicas: Sequence[onnx.NodeProto] = (),
     constants: Sequence[onnx.TensorProto] = (),
+    moved: Mapping[str, "LaidOutSpec"] = {},
 ) -> onnx.ModelProto:
     graph = model.graph
-    nodes = list(replicas)
+    # tensors that crossed batch-first go back to the graph's layout first
+    nodes = [helper.make_node("Transpose", [names[k][t]], [_own(t, k)], perm=moved[t].to_graph,
+                              name=f"{_own(t, k)}_layout") for t in bounds[k] if t in moved]
+    nodes += list(replicas)
+    body = []
     for src in graph.node[start:end]:
         node = onnx.NodeProto()
         node.CopyFrom(src)
-        nodes.append(node)
-    rename = {t: new for t, new in names[k].items() if new != t}
-    _rename_inputs(iter(nodes), rename)
+        body.append(node)
+    rename = {t: (_own(t, k) if t in moved else new) for t, new in names[k].items() if new != t}
+    _rename_inputs(iter(body), rename)
+    nodes += body
 
     produced = {o for node in nodes for o in node.output if o}
     for t in bounds[k + 1]:
         target = names[k + 1][t]
+        if t in produced and t in moved:
+            nodes.append(helper.make_node("Transpose", [t], [target], perm=moved[t].to_batch_first,
+                                          name=f"{target}_batch_first"))
+            continue
         if t in produced:
             source = t
         elif t in names[k]:
@@ -557,6 +594,11 @@ def _build_stage(
 # --- batch-independent tensors, remade in the stage that reads them ---------------------
 
 
+def _own(t: str, k: int) -> str:
+    """The name, inside stage k, of a tensor that crossed batch-first, back in the graph's layout."""
+    return f"{t}__own{k}"
+
+
 def _remake_nodes(
     model: onnx.ModelProto,
     k: int,
@@ -565,6 +607,7 @@ def _remake_nodes(
     names: Mapping[str, str],
     in_specs: Sequence[TensorSpec],
     leaf_specs: Mapping[str, TensorSpec],
+    moved: Mapping[str, "LaidOutSpec"] = {},
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """Nodes (in graph order) that remake `wanted` inside stage `k`, and the constants they add.
 
@@ -605,7 +648,7 @@ def _remake_nodes(
         if x in names:  # the stage receives x itself
             node = onnx.NodeProto()
             node.CopyFrom(src)
-            node.input[0] = names[x]
+            node.input[0] = _own(x, k) if x in moved else names[x]
             node.name = f"{src.name or 'shape'}__remade{k}"
             nodes.append(node)
             continue
@@ -622,9 +665,10 @@ def _shape_from_donor(shape_node: onnx.NodeProto, x: TensorSpec, in_specs: Seque
     length), constants as constants."""
     out = shape_node.output[0]
     attrs = {a.name: helper.get_attribute_value(a) for a in shape_node.attribute}
-    rank = len(x.dims)
+    graph_dims = x.graph_dims if isinstance(x, LaidOutSpec) else x.dims
+    rank = len(graph_dims)
     start, end = int(attrs.get("start", 0)), int(attrs.get("end", rank))
-    dims = list(x.dims)[slice(start, end)]
+    dims = list(graph_dims)[slice(start, end)]
     nodes: list[onnx.NodeProto] = []
     constants: list[onnx.TensorProto] = []
     shapes: dict[str, str] = {}
