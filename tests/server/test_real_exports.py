@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Mapping
 
 import numpy as np
@@ -21,10 +20,10 @@ import onnxruntime as ort
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from tritonclient.utils import InferenceServerException
 
 from dvabatch_backend.runtime.manifest import Manifest
-from dvabatch_backend.tools.serve import TritonServer
+from dvabatch_backend.tools.serve import TritonServer, infer_inputs
 from slicer.slice_model import SliceOptions, SliceReport, slice_model
 from slicer.triton_files import config_pbtxt
 
@@ -108,12 +107,7 @@ def _client(server: TritonServer, protocol: str):
 def infer(server: TritonServer, protocol: str, model: str, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """One request with exactly these tensors (batch dim included); every output, whole."""
     module = httpclient if protocol == "http" else grpcclient
-    inputs = []
-    for name, arr in feeds.items():
-        arr = np.ascontiguousarray(arr)
-        tensor = module.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
-        tensor.set_data_from_numpy(arr)
-        inputs.append(tensor)
+    inputs = infer_inputs(module, feeds, add_batch_dim=False)
     client = _client(server, protocol)
     if protocol == "http":
         result = client.infer(model, inputs)

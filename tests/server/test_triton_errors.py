@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from tritonclient.utils import InferenceServerException
 
-from dvabatch_backend.tools.serve import TritonServer
+from dvabatch_backend.tools.serve import TritonServer, infer_inputs
 from slicer.triton_files import add_model_variant, config_pbtxt
 
 from ..triton_support import Clients, ServedModel, add_variant, slice_zoo_model, control_client, stub_pids
@@ -33,12 +33,7 @@ T = 7  # a sequence length within bert's profiled 32
 def raw_infer(server: TritonServer, protocol: str, model: str, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """One request with exactly these tensors (batch dimension included), any dtype or shape."""
     module = httpclient if protocol == "http" else grpcclient
-    inputs = []
-    for name, arr in feeds.items():
-        arr = np.ascontiguousarray(arr)
-        tensor = module.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
-        tensor.set_data_from_numpy(arr)
-        inputs.append(tensor)
+    inputs = infer_inputs(module, feeds, add_batch_dim=False)
     if protocol == "http":
         client = httpclient.InferenceServerClient(server.http_url, connection_timeout=TIMEOUT, network_timeout=TIMEOUT)
         try:
