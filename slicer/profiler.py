@@ -60,7 +60,18 @@ def random_inputs(specs: Sequence[TensorSpec], batch: int, length: int, rng: np.
 
 
 def int_bounds(model: onnx.ModelProto) -> dict[str, int]:
-    return {p.key[len(INT_HIGH_KEY):]: int(p.value) for p in model.metadata_props if p.key.startswith(INT_HIGH_KEY)}
+    """Exclusive upper bounds of integer inputs: the model's metadata (the zoo writes them), else the
+    table an input indexes (`Gather` of an initializer's rows by the input, as embeddings do)."""
+    found = {p.key[len(INT_HIGH_KEY):]: int(p.value) for p in model.metadata_props if p.key.startswith(INT_HIGH_KEY)}
+    tables = {t.name: t.dims[0] for t in model.graph.initializer if t.dims}
+    inputs = {vi.name for vi in model.graph.input if vi.name not in tables}
+    for node in model.graph.node:
+        if node.op_type != "Gather" or len(node.input) < 2 or node.input[1] not in inputs:
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if axis == 0 and node.input[0] in tables:
+            found.setdefault(node.input[1], int(tables[node.input[0]]))
+    return found
 
 
 def node_costs(model: onnx.ModelProto, inputs: Sequence[TensorSpec], settings: Sequence[Setting],

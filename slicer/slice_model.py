@@ -195,7 +195,7 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
         pad = check_pad_safety(full, inputs, chosen.manifest.outputs, max_length, options.atol, int_bounds(model))
         profile = profile_stages(chosen.dir, chosen.manifest, batch_sizes, lengths, options.threads,
                                  max(3, options.repeats // 2), int_bounds(model), say)
-        manifest = _final_manifest(chosen, profile, ref, options, pad)
+        manifest = _final_manifest(chosen, profile, ref, options, pad, int_bounds(model))
         _write_profile(chosen.dir, manifest, profile)
         write_triton_files(chosen.dir.parent, manifest, threads_per_stage=options.threads)
         if out_dir.exists():
@@ -345,9 +345,10 @@ def measure_pipeline(folder: Path, manifest: Manifest, length: int, threads: int
 
 
 def _final_manifest(chosen: Candidate, profile: dict[str, Any], ref: Setting, options: SliceOptions,
-                    pad: PadSafety) -> Manifest:
+                    pad: PadSafety, input_bounds: dict[str, int]) -> Manifest:
     doc = chosen.manifest.to_json()
     doc["pad_safe"] = pad.safe
+    doc["input_bounds"] = {k: v for k, v in input_bounds.items() if k in {t.name for t in chosen.manifest.inputs}}
     doc["stage_times"] = stage_times_at(profile, ref.length)
     if chosen.manifest.has_seq:
         doc["stage_times_by_length"] = {str(n): stage_times_at(profile, n) for n in profile["lengths"]}

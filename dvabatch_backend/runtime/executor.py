@@ -26,17 +26,39 @@ log = logging.getLogger(__name__)
 def run_work(work: Work, engine: StageEngine, scheduler: Scheduler) -> WorkResult:
     """Run one `Work` on its stage's engine: gather at stage 0, scatter at the last stage.
 
-    An engine's failure is the result (the queries' answer), never raised.
+    An engine's failure is the result (the queries' answer), never raised. When a batch of
+    several rows fails, each row is run alone, so that only the rows that fail by themselves (one
+    client's bad input) fail and the others get their answers.
     """
     try:
         if work.gather:
             gather_inputs(work.queries, work.inputs, scheduler.input_specs)
         engine.run(work.inputs, work.outputs)
-        answers = scatter_outputs(work.queries, work.outputs, scheduler.output_specs) if work.scatter else None
+        row_errors: dict[int, BaseException] = {}
     except Exception as exc:
         log.warning("stage %d failed on %s: %s", work.stage, work.item, exc)
+        if len(work.queries) == 1:
+            return WorkResult(error=exc)
+        row_errors = _rows_alone(work, engine)
+        if len(row_errors) == len(work.queries):
+            return WorkResult(error=exc)
+    try:
+        answers = scatter_outputs(work.queries, work.outputs, scheduler.output_specs) if work.scatter else None
+    except Exception as exc:
         return WorkResult(error=exc)
-    return WorkResult(answers=answers)
+    return WorkResult(answers=answers, row_errors=row_errors)
+
+
+def _rows_alone(work: Work, engine: StageEngine) -> dict[int, BaseException]:
+    """Run each row of a failed item by itself (views of the same buffer rows); the rows that fail."""
+    errors: dict[int, BaseException] = {}
+    for row in range(len(work.queries)):
+        try:
+            engine.run({k: v[row:row + 1] for k, v in work.inputs.items()},
+                       {k: v[row:row + 1] for k, v in work.outputs.items()})
+        except Exception as exc:
+            errors[row] = exc
+    return errors
 
 
 def run_until_idle(scheduler: Scheduler, engines: Sequence[StageEngine]) -> int:

@@ -120,6 +120,8 @@ class Manifest:
     # a query's length must be a multiple of this: where outputs are the length divided by K (a
     # detector's grid of width/32 cells), other lengths give answers the model was not built for
     length_multiple: int = 1
+    # integer inputs that index a table (token ids into an embedding): valid values are [0, bound)
+    input_bounds: dict[str, int] = field(default_factory=dict, compare=False)
 
     @property
     def num_stages(self) -> int:
@@ -162,6 +164,7 @@ class Manifest:
             "pad_safe": self.pad_safe,
             "output_batch_axes": dict(self.output_batch_axes),
             "length_multiple": self.length_multiple,
+            "input_bounds": dict(self.input_bounds),
         }
         doc.update(self.extra)
         return doc
@@ -211,7 +214,7 @@ class Manifest:
         if not isinstance(pad_safe, bool):
             raise ManifestError("pad_safe", f"must be true or false, got {pad_safe!r}")
         known = {"schema_version", "name", "max_batch_size", "max_length", "inputs", "outputs", "stages", "full_model",
-                 "pad_safe", "output_batch_axes", "length_multiple"}
+                 "pad_safe", "output_batch_axes", "length_multiple", "input_bounds"}
         extra = {k: v for k, v in doc.items() if k not in known}
         axes = doc.get("output_batch_axes", {})
         if not isinstance(axes, dict) or not all(
@@ -221,7 +224,12 @@ class Manifest:
         multiple = doc.get("length_multiple", 1)
         if not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1:
             raise ManifestError("length_multiple", f"must be an int >= 1, got {multiple!r}")
-        manifest = cls(name, max_bs, max_len, inputs, outputs, stages, full, extra, pad_safe, axes, multiple)
+        bounds = doc.get("input_bounds", {})
+        if not isinstance(bounds, dict) or not all(
+                k in {t.name for t in inputs} and isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                for k, v in bounds.items()):
+            raise ManifestError("input_bounds", f"must map model inputs to a bound >= 1, got {bounds!r}")
+        manifest = cls(name, max_bs, max_len, inputs, outputs, stages, full, extra, pad_safe, axes, multiple, bounds)
         _check_chain(manifest)
         return manifest
 

@@ -85,6 +85,11 @@ def validate_inputs(
     for name, spec in specs.items():
         arr = np.asarray(inputs[name])
         _check_tensor(query_id, arr, spec, manifest.max_length)
+        bound = manifest.input_bounds.get(name)
+        if bound is not None and (int(arr.min()) < 0 or int(arr.max()) >= bound):
+            bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+            raise BadInputError(query_id, f"input {name!r} holds {bad}, outside [0, {bound}): it indexes a table of "
+                                          f"{bound} rows")
         if spec.has_seq:
             length = arr.shape[spec.dims.index(SEQ) - 1]
             if length % manifest.length_multiple:

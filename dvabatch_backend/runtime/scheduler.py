@@ -25,7 +25,7 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -85,10 +85,13 @@ class Work:
 
 @dataclass(frozen=True)
 class WorkResult:
-    """What running a `Work` gave: the engine's error, or (last stage) one output dict per query."""
+    """What running a `Work` gave: the engine's error for the whole item, or the errors of some of
+    its rows (by index in `Work.queries`; the other rows ran), and (last stage) one output dict per
+    query."""
 
     error: BaseException | None = None
     answers: list[dict[str, np.ndarray]] | None = None
+    row_errors: Mapping[int, BaseException] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -411,8 +414,10 @@ class Scheduler:
         stats.busy_seconds += now - work.started
         self._record("run", work.started, stage, item, t1=now)
         if result.error is not None:
-            deliveries += self._answer_errors(work, result.error)
-        elif result.answers is not None:
+            deliveries += self._answer_errors(work, result.error, work.queries)
+        for row, error in result.row_errors.items():  # those rows' queries alone fail; the rest go on
+            deliveries += self._answer_errors(work, error, [work.queries[row]])
+        if result.error is None and result.answers is not None:
             deliveries += self._answer_results(work.queries, result.answers)
         handed_on, exiting = self._hand_on(stage, item, now)
         self._buffers.finish(work.use, handed_on=bool(handed_on))
@@ -530,10 +535,10 @@ class Scheduler:
         return [self._answer(q, Answer(q.id, outputs, None))
                 for q, outputs in zip(queries, results, strict=True) if self._queries.pop(q.id, None) is not None]
 
-    def _answer_errors(self, work: Work, error: BaseException) -> list[_Delivery]:
+    def _answer_errors(self, work: Work, error: BaseException, queries: Sequence[Query]) -> list[_Delivery]:
         cause = f"{type(error).__name__}: {error}"
         return [self._answer(q, Answer(q.id, None, StageFailedError(q.id, cause, work.stage)))
-                for q in work.queries if self._queries.pop(q.id, None) is not None]
+                for q in queries if self._queries.pop(q.id, None) is not None]
 
     def _record(self, kind: str, t0: float, stage: int | None, item: BatchItem, detail: str = "", t1: float | None = None) -> None:
         if self.settings.record_trace:

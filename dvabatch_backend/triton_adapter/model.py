@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..runtime.errors import QueryError
+from ..runtime.errors import BadInputError, QueryError, ShuttingDownError
 from ..runtime.manifest import Manifest
 from ..runtime.query import Answer
 from ..runtime.loading import load_pipeline
@@ -132,7 +132,7 @@ class _RequestAnswer:
     def send(self) -> None:
         errors = [a.error for a in self._answers if a is not None and a.error is not None]
         if errors:
-            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(_describe(errors)))
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(_describe(errors), _code(errors[0])))
         else:
             tensors = [
                 pb_utils.Tensor(name, np.stack([a.outputs[name] for a in self._answers],  # type: ignore[union-attr,index]
@@ -141,6 +141,15 @@ class _RequestAnswer:
             ]
             response = pb_utils.InferenceResponse(output_tensors=tensors)
         self._sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def _code(error: QueryError) -> int:
+    """Triton's status for the error: the client's mistake, a stop, or ours."""
+    if isinstance(error, BadInputError):
+        return pb_utils.TritonError.INVALID_ARG
+    if isinstance(error, ShuttingDownError):
+        return pb_utils.TritonError.UNAVAILABLE
+    return pb_utils.TritonError.INTERNAL
 
 
 def _describe(errors: list[QueryError]) -> str:
@@ -176,7 +185,7 @@ class TritonPythonModel:
             try:
                 rows = self._rows(request)
             except ValueError as exc:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             answer = _RequestAnswer(sender, len(rows), self._output_names, self._responder,

@@ -244,8 +244,22 @@ def test_yolo_width_not_a_multiple_of_32_is_refused_by_name(served, protocol: st
     with pytest.raises(InferenceServerException) as info:
         in_thread(infer, server, protocol, "yolo", bad)
     assert "multiple of 32" in str(info.value), str(info.value)
+    assert str(info.value.status()) in ("400", "StatusCode.INVALID_ARGUMENT"), info.value.status()  # the client's mistake
     # the server and the model still answer good requests afterwards
     for width in (64, 32, 256):
         good = model.corpus.make_inputs(rng, 1, width)
         got = in_thread(infer, server, protocol, "yolo", good)
         assert_equal_to_original(model, good, got, f"yolo after the refusal ({protocol}, width {width})")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_token_id_outside_the_embedding_is_the_clients_mistake(served, protocol: str) -> None:
+    server: TritonServer = served["server"]
+    model: Served = served["models"]["bert"]
+    assert model.manifest.input_bounds.get("input_ids") == 100  # found in the graph: Gather of a 100-row table
+    for bad_id in (100, -1):
+        ids = np.array([[5, 7, bad_id, 9]], dtype=np.int64)
+        with pytest.raises(InferenceServerException) as info:
+            in_thread(infer, server, protocol, "bert", {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+        assert "outside [0, 100)" in str(info.value), str(info.value)
+        assert str(info.value.status()) in ("400", "StatusCode.INVALID_ARGUMENT"), info.value.status()
