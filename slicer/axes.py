@@ -21,7 +21,9 @@ from onnx import helper
 
 from dvabatch_backend.runtime.manifest import BATCH, SEQ
 
-from .cut import OUTPUT_BATCH_AXES_KEY
+from .cut import OUTPUT_BATCH_AXES_KEY, input_specs
+from .preflight import full_session
+from .profiler import random_inputs
 
 # lengths tried, in order, to find the ones the model accepts (small first: probing is cheap)
 _LENGTH_TRIALS = (5, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -230,21 +232,11 @@ def runnable_lengths(model: onnx.ModelProto, lengths: Sequence[int], multiple: i
 
 
 def _session(model: onnx.ModelProto) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.log_severity_level = 4
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return full_session(model)
 
 
 def _feeds(model: onnx.ModelProto, batch: int, length: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    feeds = {}
-    for vi in _model_inputs(model):
-        tt = vi.type.tensor_type
-        shape = [batch if d.dim_param == BATCH else length if d.dim_param == SEQ else d.dim_value for d in tt.shape.dim]
-        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type))
-        feeds[vi.name] = (rng.standard_normal(shape).astype(dtype) if np.issubdtype(dtype, np.floating)
-                          else np.ones(shape, dtype))
-    return feeds
+    return random_inputs(list(input_specs(model).values()), batch, length, np.random.default_rng(0))
 
 
 def _runs(session: ort.InferenceSession, model: onnx.ModelProto, batch: int, length: int) -> bool:

@@ -465,8 +465,9 @@ def probe_specs(model: onnx.ModelProto, tensors: Sequence[str]) -> dict[str, Ten
 
 
 def _probed_spec(t: str, arrays: list[np.ndarray], settings: tuple[tuple[int, int], ...], has_seq: bool) -> TensorSpec | str:
-    """Dims from three runs: a dim that follows the batch size is `batch`, one that follows the
-    length is `seq`, one that follows neither is a constant."""
+    """Dims from the probe runs: a dim that follows the batch size is `batch`, one that follows the
+    length is `seq`, one that follows it divided (a conv's output width) a derived length, one that
+    follows neither is a constant."""
     dtype = arrays[0].dtype.name
     if dtype not in SUPPORTED_DTYPES:
         return f"boundary tensor {t!r} has dtype {dtype}, not one of {SUPPORTED_DTYPES}"
@@ -476,14 +477,13 @@ def _probed_spec(t: str, arrays: list[np.ndarray], settings: tuple[tuple[int, in
     lengths = tuple(n for _, n in settings)
     dims: list[int | str] = []
     for i, sizes in enumerate(zip(*(a.shape for a in arrays))):
-        derived = _derived_length(sizes, settings) if has_seq else None
         if sizes == batches:
             dims.append(BATCH)
         elif len(set(sizes)) == 1 and sizes[0] > 0:
             dims.append(int(sizes[0]))
         elif has_seq and sizes == lengths:
             dims.append(SEQ)
-        elif derived is not None:
+        elif has_seq and (derived := _derived_length(sizes, settings)) is not None:  # only when nothing else fits
             dims.append(derived)
         else:
             at = ", ".join(f"{d} at (batch={b}, seq={n})" for d, (b, n) in zip(sizes, settings))
