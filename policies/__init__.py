@@ -43,18 +43,17 @@ def _construct(label: str, factory: Callable[..., Policy], params: Mapping[str, 
         raise ValueError(f"policy {label!r} does not accept the parameter(s) {given}: {exc}") from None
 
 
-def load_policy(spec: str, params: Mapping[str, str], model_dir: Path) -> Policy:
-    """A policy named in config.pbtxt: a built-in name, `package.module:Class`, or `file.py:Class`
-    (a file in the model directory). String parameters become ints or floats where they parse."""
-    kwargs = {k: _number(v) for k, v in params.items()}
-    if ":" not in spec:
-        return create_policy(spec, **kwargs)
-    where, _, class_name = spec.rpartition(":")
+def load_object(spec: str, model_dir: Path, what: str) -> Any:
+    """The object `spec` names: `package.module:name`, or `file.py:name` (a file in `model_dir`).
+    A ValueError says which `what` (parameter) could not be loaded, and why."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"{what} {spec!r}: expected 'module:name' or 'file.py:name'")
     if where.endswith(".py"):
         path = model_dir / where
         if not path.is_file():
-            raise ValueError(f"policy {spec!r}: {path} not found")
-        module_spec = importlib.util.spec_from_file_location(f"dvabatch_user_policy_{path.stem}", path)
+            raise ValueError(f"{what} {spec!r}: {path} not found")
+        module_spec = importlib.util.spec_from_file_location(f"dvabatch_user_{path.stem}", path)
         assert module_spec is not None and module_spec.loader is not None
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
@@ -62,10 +61,21 @@ def load_policy(spec: str, params: Mapping[str, str], model_dir: Path) -> Policy
         try:
             module = importlib.import_module(where)
         except ImportError as exc:
-            raise ValueError(f"policy {spec!r}: cannot import {where!r}: {exc}") from exc
-    cls = getattr(module, class_name, None)
+            raise ValueError(f"{what} {spec!r}: cannot import {where!r}: {exc}") from exc
+    if not hasattr(module, name):
+        raise ValueError(f"{what} {spec!r}: no {name!r} in {where!r}")
+    return getattr(module, name)
+
+
+def load_policy(spec: str, params: Mapping[str, str], model_dir: Path) -> Policy:
+    """A policy named in config.pbtxt: a built-in name, `package.module:Class`, or `file.py:Class`
+    (a file in the model directory). String parameters become ints or floats where they parse."""
+    kwargs = {k: _number(v) for k, v in params.items()}
+    if ":" not in spec:
+        return create_policy(spec, **kwargs)
+    cls = load_object(spec, model_dir, "policy")
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
-        raise ValueError(f"policy {spec!r}: {class_name!r} is not a Policy subclass in {where!r}")
+        raise ValueError(f"policy {spec!r}: {spec.rpartition(':')[2]!r} is not a Policy subclass")
     return _construct(spec, cls, kwargs)
 
 

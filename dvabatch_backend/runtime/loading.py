@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from .decisions import Policy
-from .engine import OrtStageEngine
+from .engine import OrtStageEngine, StageEngine
 from .manifest import Manifest
 from .pipeline import Pipeline
 from .scheduler import RuntimeSettings
@@ -18,12 +19,23 @@ def find_version_dir(model_dir: str | Path, manifest_file: str = "manifest.json"
     return model_dir
 
 
+EngineWrapper = Callable[[int, StageEngine], StageEngine]
+
+
+def make_engines(version_dir: Path, manifest: Manifest, settings: RuntimeSettings) -> list[StageEngine]:
+    """One engine per stage, of the kind `settings` names."""
+    return [OrtStageEngine(version_dir / s.file, settings.threads_per_stage) for s in manifest.stages]
+
+
 def load_pipeline(model_dir: str | Path, policy: Policy, settings: RuntimeSettings = RuntimeSettings(),
-                  manifest_file: str = "manifest.json") -> Pipeline:
-    """A pipeline (not started) over a sliced model folder, one onnxruntime engine per stage."""
+                  manifest_file: str = "manifest.json", wrap: EngineWrapper | None = None) -> Pipeline:
+    """A pipeline (not started) over a sliced model folder, one engine per stage; `wrap(stage,
+    engine)`, when given, replaces each engine (instrumentation, fault injection)."""
     version_dir = find_version_dir(model_dir, manifest_file)
     manifest = Manifest.load(version_dir / manifest_file)
-    engines = [OrtStageEngine(version_dir / s.file, settings.threads_per_stage) for s in manifest.stages]
+    engines = make_engines(version_dir, manifest, settings)
+    if wrap is not None:
+        engines = [wrap(stage, engine) for stage, engine in enumerate(engines)]
     return Pipeline.create(manifest, engines, policy, settings)
 
 

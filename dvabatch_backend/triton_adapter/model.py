@@ -8,9 +8,12 @@ that share one response. Responses are built and sent by responder threads, not 
 stage executor whose batch finished: a send is a round trip to the server process, and the
 last stage would otherwise stand idle through one per query of its batch.
 
-Settings come from `config.pbtxt` parameters, each checked at load with the bad value named:
-  manifest (default manifest.json), policy (default pipelined), num_buffer_pairs (2),
-  bs_max (the manifest's), threads_per_stage (1), and policy parameters prefixed "policy.".
+Settings come from `config.pbtxt` parameters, each checked at load with the bad value named
+(`_PARSERS` lists them): manifest (default manifest.json), policy (default pipelined),
+num_buffer_pairs (2), bs_max (the manifest's), threads_per_stage (1), engine, device,
+thread_pool, engine_wrapper; Triton's queue policy (max_queue_size, default_timeout_microseconds,
+allow_timeout_override, timeout_action); a latency target (slo_ms, slo_action); and policy
+parameters prefixed "policy.".
 Only this module imports `triton_python_backend_utils`; the runtime does not.
 """
 from __future__ import annotations
@@ -20,7 +23,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -30,7 +33,7 @@ from ..runtime.manifest import Manifest
 from ..runtime.query import Answer
 from ..runtime.loading import load_pipeline
 from ..runtime.pipeline import Pipeline
-from ..runtime.scheduler import RuntimeSettings
+from ..runtime.scheduler import QueuePolicy, RuntimeSettings, SloPolicy
 from .metrics import StageMetrics
 
 
@@ -40,37 +43,90 @@ class AdapterSettings:
     policy: str
     policy_params: dict[str, str]
     runtime: RuntimeSettings
+    engine_wrapper: str | None = None  # "file.py:name" or "module:name": wraps each stage's engine
+
+
+def _integer(key: str, raw: str, minimum: int) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"parameter {key!r}: {raw!r} is not an integer") from None
+    if value < minimum:
+        raise ValueError(f"parameter {key!r}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _positive_float(key: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"parameter {key!r}: {raw!r} is not a number") from None
+    if not value > 0:
+        raise ValueError(f"parameter {key!r}: must be > 0, got {raw}")
+    return value
+
+
+def _choice(key: str, raw: str, choices: tuple[str, ...]) -> str:
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ValueError(f"parameter {key!r}: {raw!r} is not one of {list(choices)}")
+    return value
+
+
+def _boolean(key: str, raw: str) -> bool:
+    return _choice(key, raw, ("true", "false", "1", "0", "yes", "no")) in ("true", "1", "yes")
+
+
+# every parameter the adapter reads (besides policy.*), with how it is parsed
+_PARSERS: dict[str, Callable[[str, str], Any]] = {
+    "manifest": lambda k, v: v,
+    "policy": lambda k, v: v,
+    "num_buffer_pairs": lambda k, v: _integer(k, v, 1),
+    "bs_max": lambda k, v: _integer(k, v, 1),
+    "threads_per_stage": lambda k, v: _integer(k, v, 1),
+    "engine": lambda k, v: _choice(k, v, ("onnxruntime", "torch")),
+    "device": lambda k, v: _choice(k, v, ("cpu", "cuda")),
+    "thread_pool": lambda k, v: _choice(k, v, ("global", "per_stage")),
+    "engine_wrapper": lambda k, v: v,
+    # Triton's default_queue_policy, under the names its config uses
+    "max_queue_size": lambda k, v: _integer(k, v, 0),
+    "default_timeout_microseconds": lambda k, v: _integer(k, v, 0),
+    "allow_timeout_override": _boolean,
+    "timeout_action": lambda k, v: _choice(k, v, ("reject", "delay")),
+    "slo_ms": _positive_float,
+    "slo_action": lambda k, v: _choice(k, v, ("reject", "serve_late")),
+}
 
 
 def parse_parameters(params: Mapping[str, str], model_dir: Path) -> AdapterSettings:
     """Read and check the config.pbtxt parameters; a ValueError names the bad one."""
-    known = {"manifest", "policy", "num_buffer_pairs", "bs_max", "threads_per_stage"}
-    unknown = sorted(k for k in params if k not in known and not k.startswith("policy."))
+    unknown = sorted(k for k in params if k not in _PARSERS and not k.startswith("policy."))
     if unknown:
-        raise ValueError(f"unknown parameter(s) {unknown}; known: {sorted(known)} and policy.*")
-    manifest = model_dir / params.get("manifest", "manifest.json")
+        raise ValueError(f"unknown parameter(s) {unknown}; known: {sorted(_PARSERS)} and policy.*")
+    values = {k: _PARSERS[k](k, v) for k, v in params.items() if k in _PARSERS}
+    manifest = model_dir / values.get("manifest", "manifest.json")
     if not manifest.is_file():
         raise ValueError(f"parameter 'manifest': {manifest} not found")
-
-    def positive_int(key: str, default: int | None) -> int | None:
-        raw = params.get(key)
-        if raw is None:
-            return default
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"parameter {key!r}: {raw!r} is not an integer") from None
-        if value < 1:
-            raise ValueError(f"parameter {key!r}: must be >= 1, got {value}")
-        return value
-
+    defaults = RuntimeSettings()
+    queue_defaults = defaults.queue
     runtime = RuntimeSettings(
-        num_buffer_pairs=positive_int("num_buffer_pairs", 2) or 2,
-        bs_max=positive_int("bs_max", None),
-        threads_per_stage=positive_int("threads_per_stage", 1) or 1,
+        num_buffer_pairs=values.get("num_buffer_pairs", defaults.num_buffer_pairs),
+        bs_max=values.get("bs_max"),
+        threads_per_stage=values.get("threads_per_stage", defaults.threads_per_stage),
+        engine=values.get("engine", defaults.engine),
+        device=values.get("device", defaults.device),
+        thread_pool=values.get("thread_pool", defaults.thread_pool),
+        queue=QueuePolicy(
+            max_queue_size=values.get("max_queue_size", queue_defaults.max_queue_size),
+            default_timeout_us=values.get("default_timeout_microseconds", queue_defaults.default_timeout_us),
+            allow_timeout_override=values.get("allow_timeout_override", queue_defaults.allow_timeout_override),
+            timeout_action=values.get("timeout_action", queue_defaults.timeout_action),
+        ),
+        slo=SloPolicy(slo_ms=values.get("slo_ms"), action=values.get("slo_action", defaults.slo.action)),
     )
     policy_params = {k[len("policy."):]: v for k, v in params.items() if k.startswith("policy.")}
-    return AdapterSettings(manifest, params.get("policy", "pipelined"), policy_params, runtime)
+    return AdapterSettings(manifest, values.get("policy", "pipelined"), policy_params, runtime,
+                           values.get("engine_wrapper"))
 
 
 RESPONDER_THREADS = 2
@@ -159,7 +215,7 @@ def _describe(errors: list[QueryError]) -> str:
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        from policies import load_policy
+        from policies import load_object, load_policy
 
         config = json.loads(args["model_config"])
         model_dir = Path(args["model_repository"]) / args["model_version"]
@@ -168,8 +224,9 @@ class TritonPythonModel:
         manifest = Manifest.load(settings.manifest)
         policy = load_policy(settings.policy, settings.policy_params, model_dir)
         self._manifest = manifest
+        wrap = load_object(settings.engine_wrapper, model_dir, "engine_wrapper") if settings.engine_wrapper else None
         self._scheduler: Pipeline = load_pipeline(
-            settings.manifest.parent, policy, settings.runtime, manifest_file=settings.manifest.name
+            settings.manifest.parent, policy, settings.runtime, manifest_file=settings.manifest.name, wrap=wrap
         ).start()
         self._output_names = [t.name for t in manifest.outputs]
         self._responder = _Responder()
