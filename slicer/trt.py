@@ -5,8 +5,9 @@ Three parts:
 - `build_engine` turns one stage's ONNX file into a serialized TensorRT engine with one
   optimization profile covering batch 1..bs_max and seq 1..max_length;
 - `TrtStageEngine` runs such an engine behind the runtime's `StageEngine` protocol
-  (`run(inputs, outputs)`), and `CudaEventFence` is the GPU completion fence behind the
-  interface of `dvabatch_backend.runtime.buffers.HostFence`;
+  (`run(inputs, outputs)`); its GPU completion fence is the runtime's
+  `dvabatch_backend.runtime.fences.CudaEventFence` (re-exported here), which takes the engine's
+  raw cudaStream_t (`TrtStageEngine.stream`) as well as a torch stream;
 - `profile_engine` times the engine at given (batch, length) settings with CUDA events.
 
 Only TensorRT 10 calls are used: `create_network(0)` (explicit batch is the only mode),
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, Union
 import numpy as np
 import numpy.typing as npt
 
+from dvabatch_backend.runtime.fences import CudaEventFence
 from dvabatch_backend.runtime.manifest import TensorSpec
 
 if TYPE_CHECKING:
@@ -349,9 +351,9 @@ class TrtStageEngine:
 
     With host outputs `run` waits for the stream before returning, so the arrays hold the
     results as the runtime's `HostFence` expects. With device outputs only it returns once
-    the work is queued: record a `CudaEventFence` on `stream` for the stage that reads them.
-    Device inputs written on another stream must be ordered by the caller (a
-    `CudaEventFence.wait` onto `stream`). Used by one executor thread at a time.
+    the work is queued: record a `CudaEventFence` with `stream` as its writer stream for the stage
+    that reads them. Device inputs written on another stream must be ordered by the caller (a
+    `CudaEventFence` whose reader stream is `stream`). Used by one executor thread at a time.
     """
 
     def __init__(
@@ -464,56 +466,6 @@ class TrtStageEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class CudaEventFence:
-    """The GPU fence behind `HostFence`'s interface: reset / record / wait.
-
-    `record` records a CUDA event on the writer's stream (after the stage queued its work);
-    `wait` makes the reader's stream wait for that event (cudaStreamWaitEvent) and returns
-    True at once: the GPU orders the work, the host does not block. Like `HostFence`, `wait`
-    returns False when the fence was reset and its writer has not recorded yet, so the
-    runtime's self-check still catches a reader that runs before its writer queued anything
-    (waiting on the event would silently not wait then). `synchronize` blocks the host until
-    the recorded work is done, for a host reader.
-    """
-
-    def __init__(self, writer_stream: CudaStream = 0, reader_stream: CudaStream = 0) -> None:
-        cudart = _cudart()
-        self.writer_stream = writer_stream
-        self.reader_stream = reader_stream
-        self._event: Any = _check(cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming))
-        self._recorded = True  # like HostFence: a fresh buffer holds nothing to wait for
-
-    def reset(self) -> None:
-        self._recorded = False
-
-    def record(self) -> None:
-        _check(_cudart().cudaEventRecord(self._event, self.writer_stream))
-        self._recorded = True
-
-    def wait(self) -> bool:
-        if not self._recorded:
-            return False
-        _check(_cudart().cudaStreamWaitEvent(self.reader_stream, self._event, 0))
-        return True
-
-    def query(self) -> bool:
-        """Whether the recorded work has finished (no blocking)."""
-        cudart = _cudart()
-        (err,) = cudart.cudaEventQuery(self._event)
-        if err == cudart.cudaError_t.cudaErrorNotReady:
-            return False
-        _check((err,))
-        return self._recorded
-
-    def synchronize(self) -> None:
-        _check(_cudart().cudaEventSynchronize(self._event))
-
-    def close(self) -> None:
-        if self._event is not None:
-            _check(_cudart().cudaEventDestroy(self._event))
-            self._event = None
 
 
 # ---------------------------------------------------------------------------- profiling

@@ -39,7 +39,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import BufferStateError
+from .fences import Fence, FenceFactory, HostFence, host_fences
 from .manifest import Manifest, TensorSpec
+
+__all__ = ["BufferPool", "BufferState", "HostFence", "PairUse", "StageBuffer", "row_mask"]
 
 log = logging.getLogger(__name__)
 
@@ -51,33 +54,13 @@ class BufferState(enum.Enum):
     INWRITING = "inwriting"
 
 
-class HostFence:
-    """Completion fence of a buffer on CPU: recorded by the stage that writes it, checked by the reader.
-
-    CPU engines finish their work before `run` returns, so recording marks completion at once
-    and a reader finds it complete. A GPU fence (an event recorded on the writer's stream and
-    waited on the reader's) implements the same three methods.
-    """
-
-    def __init__(self) -> None:
-        self._done = True
-
-    def reset(self) -> None:
-        self._done = False
-
-    def record(self) -> None:
-        self._done = True
-
-    def wait(self) -> bool:
-        return self._done
-
-
 class StageBuffer:
     """The tensors at one boundary for one buffer pair."""
 
     _CACHED_VIEWS = 256
 
-    def __init__(self, boundary: int, pair: int, specs: tuple[TensorSpec, ...], bs_max: int, max_length: int) -> None:
+    def __init__(self, boundary: int, pair: int, specs: tuple[TensorSpec, ...], bs_max: int, max_length: int,
+                 fence: Fence | None = None) -> None:
         self.boundary = boundary
         self.pair = pair
         self.specs = specs
@@ -88,7 +71,7 @@ class StageBuffer:
         self.state_before_write = BufferState.AVAILABLE
         self.unread = 0  # bit r set: row r was written and its reader has not run it yet
         self.unread_batch_group: int | None = None
-        self.fence = HostFence()
+        self.fence: Fence = HostFence() if fence is None else fence
 
     def views(self, length: int) -> dict[str, np.ndarray]:
         """All `bs_max` rows laid out contiguously for batches padded to `length`."""
@@ -132,21 +115,35 @@ class PairUse:
 
 
 class BufferPool:
-    """All boundaries' buffers, and the legitimation between adjacent executors."""
+    """All boundaries' buffers, and the legitimation between adjacent executors.
 
-    def __init__(self, manifest: Manifest, num_pairs: int, bs_max: int) -> None:
+    `fence_factory(boundary, pair)` makes each buffer's completion fence (runtime/fences.py):
+    `HostFence`s by default (CPU engines), `fences.cuda_fences(streams)` for engines on CUDA streams.
+    """
+
+    def __init__(self, manifest: Manifest, num_pairs: int, bs_max: int, fence_factory: FenceFactory = host_fences) -> None:
         if num_pairs < 1:
             raise ValueError(f"num_buffer_pairs must be >= 1, got {num_pairs}")
         self.num_stages = manifest.num_stages
         self.num_pairs = num_pairs
         length = manifest.max_length
         self.buffers = [
-            [StageBuffer(k, j, manifest.boundary(k), bs_max, length) for j in range(num_pairs)]
+            [StageBuffer(k, j, manifest.boundary(k), bs_max, length, fence_factory(k, j)) for j in range(num_pairs)]
             for k in range(self.num_stages + 1)
         ]
         # owed[i]: pairs executor i has finished reading and must legitimate for executor i-1
         self._owed: list[set[int]] = [set() for _ in range(self.num_stages)]
         self.violations: list[BufferStateError] = []
+
+    def install_fences(self, fence_factory: FenceFactory) -> None:
+        """Give every buffer a fence from `fence_factory`, before any work: the `Scheduler` makes its
+        pool with host fences, and a pipeline on CUDA streams swaps them (`fences.install_fences`)."""
+        busy = [b for row in self.buffers for b in row if b.state is not BufferState.AVAILABLE or b.unread]
+        if busy:
+            raise RuntimeError(f"fences can only be installed before any work; in use: {busy}")
+        for row in self.buffers:
+            for buf in row:
+                buf.fence = fence_factory(buf.boundary, buf.pair)
 
     def _violate(self, message: str) -> None:
         log.error("buffer-pair rule broken: %s", message)
@@ -172,6 +169,8 @@ class BufferPool:
         if not self.is_legitimate(use.stage, use.pair):
             self._violate(f"stage {use.stage} started on pair {use.pair} that is not legitimate: {inp}, {out}")
         mask = row_mask(use.rows)
+        if use.stage == 0:
+            inp.fence.wait_read()  # the host gathers into it: its last reader must be done
         if use.stage > 0:
             if inp.unread & mask != mask or inp.unread_batch_group != use.group:
                 self._violate(f"stage {use.stage} would read rows {use.rows} of {inp} that hold no data for it")
@@ -192,6 +191,7 @@ class BufferPool:
         if inp.state is not BufferState.INREADING or out.state is not BufferState.INWRITING:
             self._violate(f"stage {use.stage} finished on pair {use.pair} it was not using: {inp}, {out}")
         out.fence.record()
+        inp.fence.record_read()
         inp.state = BufferState.INVALID if handed_on else BufferState.AVAILABLE
         out.state = out.state_before_write
         mask = row_mask(use.rows)
@@ -217,6 +217,7 @@ class BufferPool:
         while stage > 0 and self._owed[stage] and self.is_active(stage):
             for j in sorted(self._owed[stage]):
                 upstream, mine = self.buffers[stage - 1][j], self.buffers[stage][j]
+                mine.fence.wait_read()  # stage - 1 may overwrite `mine` once stage has read it
                 if mine.unread:
                     self._violate(f"stage {stage} legitimated pair {j} while {mine} still holds unread rows")
                 if upstream.state is BufferState.INVALID:
