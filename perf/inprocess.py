@@ -26,7 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
-from dvabatch_backend.runtime.engine import OrtStageEngine, ort_session_options
+from dvabatch_backend.runtime.engine import PER_STAGE, OrtStageEngine, ort_session_options
 from dvabatch_backend.runtime.decisions import Policy
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.runtime.pipeline import Pipeline
@@ -83,18 +83,21 @@ class TimedEngine:
 class ServedRunner:
     """The runtime (a Pipeline: a `scheduler_cls` Scheduler and a thread per timed OrtStageEngine),
     queried closed loop, one query at a time. `policy` defaults to the PipelinedPolicy; `threads`
-    onnxruntime threads per stage."""
+    onnxruntime threads per stage (`thread_pool` "per_stage"), or the size of the global pool
+    (`thread_pool` "global"; 0: every core)."""
 
     def __init__(self, model_dir: Path, pairs: int, scheduler_cls: type[Scheduler] = Scheduler,
-                 engine_marks: bool = False, policy: Policy | None = None, threads: int = 1) -> None:
+                 engine_marks: bool = False, policy: Policy | None = None, threads: int = 1,
+                 thread_pool: str = PER_STAGE) -> None:
         if policy is None:
             from policies.pipelined import PipelinedPolicy
 
             policy = PipelinedPolicy()
         manifest = Manifest.load(model_dir / "manifest.json")
-        self.engines = [TimedEngine(OrtStageEngine(model_dir / s.file, threads), [] if engine_marks else None)
+        self.engines = [TimedEngine(OrtStageEngine(model_dir / s.file, threads, thread_pool=thread_pool),
+                                    [] if engine_marks else None)
                         for s in manifest.stages]
-        settings = RuntimeSettings(num_buffer_pairs=pairs, threads_per_stage=threads)
+        settings = RuntimeSettings(num_buffer_pairs=pairs, threads_per_stage=threads, thread_pool=thread_pool)
         self.pipeline = Pipeline(scheduler_cls(manifest, policy, settings), self.engines)
         self.scheduler = self.pipeline.scheduler
         self.num_stages = manifest.num_stages
@@ -137,10 +140,10 @@ class ServedRunner:
 class DirectRunner:
     """onnxruntime on the unsliced model at batch size 1, the runtime's session options."""
 
-    def __init__(self, model_path: Path, threads: int = 1) -> None:
+    def __init__(self, model_path: Path, threads: int = 1, thread_pool: str = PER_STAGE) -> None:
         import onnxruntime as ort
 
-        self.session = ort.InferenceSession(str(model_path), ort_session_options(threads),
+        self.session = ort.InferenceSession(str(model_path), ort_session_options(threads, thread_pool),
                                             providers=["CPUExecutionProvider"])
 
     def start(self) -> DirectRunner:
@@ -163,13 +166,14 @@ class DirectRunner:
 
 class StagesRunner:
     """The sliced model's stages run one after another on this thread at batch size 1 (onnxruntime
-    with numpy in and out, no runtime): the cost of the slicing alone."""
+    with numpy in and out, no runtime): the cost of the slicing alone. `threads` and `thread_pool`
+    as `ServedRunner`'s."""
 
-    def __init__(self, model_dir: Path, threads: int = 1) -> None:
+    def __init__(self, model_dir: Path, threads: int = 1, thread_pool: str = PER_STAGE) -> None:
         import onnxruntime as ort
 
         manifest = Manifest.load(model_dir / "manifest.json")
-        self.sessions = [ort.InferenceSession(str(model_dir / s.file), ort_session_options(threads),
+        self.sessions = [ort.InferenceSession(str(model_dir / s.file), ort_session_options(threads, thread_pool),
                                               providers=["CPUExecutionProvider"]) for s in manifest.stages]
         self.outputs = [o.name for o in manifest.outputs]
 

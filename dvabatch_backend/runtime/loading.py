@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Callable
 
 from .decisions import Policy
-from .engine import OrtStageEngine, StageEngine
+from .engine import PER_STAGE, OrtStageEngine, StageEngine
 from .manifest import Manifest
 from .pipeline import Pipeline
 from .scheduler import RuntimeSettings
@@ -24,7 +24,9 @@ EngineWrapper = Callable[[int, StageEngine], StageEngine]
 
 def make_engines(version_dir: Path, manifest: Manifest, settings: RuntimeSettings) -> list[StageEngine]:
     """One engine per stage, of the kind `settings` names."""
-    return [OrtStageEngine(version_dir / s.file, settings.threads_per_stage) for s in manifest.stages]
+    # per_stage: threads_per_stage threads each; global: one pool of every available core (0)
+    threads = settings.threads_per_stage if settings.thread_pool == PER_STAGE else 0
+    return [OrtStageEngine(version_dir / s.file, threads, thread_pool=settings.thread_pool) for s in manifest.stages]
 
 
 def load_pipeline(model_dir: str | Path, policy: Policy, settings: RuntimeSettings = RuntimeSettings(),
