@@ -55,13 +55,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="the variable axis (length, width, frames) of an input with several dynamic dims")
     slice_.add_argument("--fixed", action="append", default=[], metavar="DIM=VALUE",
                         help="a dim that is dynamic in the graph but fixed in use (a dim name, or INPUT:AXIS)")
-    serve = sub.add_parser("serve", help="run the real tritonserver over a model repository until interrupted")
+    serve = sub.add_parser("serve", help="run the real tritonserver over a model repository until interrupted",
+                           description="Serve until SIGINT or SIGTERM, then unload every model (what is in "
+                                       "flight is answered), stop the server and exit 0.")
     serve.add_argument("--model-repository", type=Path, required=True)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address HTTP, gRPC and metrics listen on (default 127.0.0.1; in a container, 0.0.0.0)")
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=8001)
     serve.add_argument("--metrics-port", type=int, default=8002)
     serve.add_argument("--explicit", action="store_true", help="model control mode explicit")
     serve.add_argument("--load", action="append", default=[], help="with --explicit: a model to load at start")
+    serve.add_argument("--no-stub-watchdog", dest="watch_stubs", action="store_false",
+                       help="do not restart a model whose Python-backend stub process died")
     zoo = sub.add_parser("zoo", help="build a model of the zoo as ONNX")
     zoo.add_argument("name", help="model name; 'list' lists them")
     zoo.add_argument("--out", type=Path, help="the .onnx file to write")
@@ -85,28 +91,45 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; then `TritonServer.stop` (every model unloaded, what is in
+    flight answered, the server, its stubs, shared memory and work folder gone) and exit 0.
+    A signal while the server starts stops it too; a server that dies by itself exits 1."""
     import signal
 
-    from .serve import ServerError, TritonServer
+    from .serve import ServerError, StartCancelled, TritonServer
 
     server = TritonServer(args.model_repository, http_port=args.http_port, grpc_port=args.grpc_port,
-                          metrics_port=args.metrics_port, explicit=args.explicit, load=args.load)
+                          metrics_port=args.metrics_port, explicit=args.explicit, load=args.load,
+                          host=args.host, watch_stubs=args.watch_stubs)
+    stop = threading.Event()
+    # installed before the start: a signal only sets the event, the main thread does the stopping
+    previous = {sig: signal.signal(sig, lambda signum, _frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.start()
+        return _serve_until_stopped(server, stop)
+    except StartCancelled:
+        print("dvabatch serve: stopped while starting", flush=True)
+        return 0
     except ServerError as exc:
         print(f"dvabatch serve: {exc}", file=sys.stderr)
         return 1
-    print(f"tritonserver is up: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}; "
-          f"log {server.log_path}. Ctrl-C stops it.", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    finally:
+        code = server.stop()
+        print(f"tritonserver stopped (exit code {code})", flush=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _serve_until_stopped(server, stop: threading.Event) -> int:
+    server.start(cancel=stop)
+    watchdog = "on" if server.watchdog is not None else "off"
+    print(f"tritonserver is up: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url} "
+          f"(listening on {server.host}); stub watchdog {watchdog}; log {server.log_path}. "
+          f"Ctrl-C or SIGTERM stops it.", flush=True)
     while not stop.wait(0.5):
         if server.exited():
             print(f"dvabatch serve: tritonserver exited:\n{server.log_tail()}", file=sys.stderr)
             return 1
-    code = server.stop()
-    print(f"tritonserver stopped (exit code {code})")
+    print("dvabatch serve: stopping (unloading models, answering what is in flight)", flush=True)
     return 0
 
 

@@ -6,10 +6,16 @@ running Python, starts the server on free local ports, waits until it is ready, 
 (SIGTERM, then SIGKILL after a grace period). The stub embeds its own libpython, so the
 server is given this interpreter's import path: models import dvabatch and its dependencies
 from the same environment.
+
+With `watch_stubs`, a `StubWatchdog` thread restarts a model whose stub process died: since
+python_backend 24.06 a dead stub is not restarted, every request to the model fails with "Stub
+process ... is not healthy" while the model still answers ready, until it is unloaded and
+loaded again; the watchdog does exactly that.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -17,17 +23,25 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+log = logging.getLogger(__name__)
+SHM_DIR = Path("/dev/shm")  # where the Python backend's regions (named in each stub's argv) live
 
 class ServerError(RuntimeError):
     """The server could not be started or did not become ready; carries its log's tail."""
+
+
+class StartCancelled(ServerError):
+    """`TritonServer.start` was told to give up (a stop signal while the server was starting)."""
 
 
 def pytriton_root() -> Path:
@@ -79,18 +93,228 @@ def stub_processes(match: Callable[[list[bytes]], bool]) -> list[int]:
     return pids
 
 
+@dataclass(frozen=True)
+class StubInfo:
+    """One Python-backend stub process, read off its command line: the backend starts it as
+    `stub <repo>/<model>/<version>/model.py <shm region> <shm size> <growth> <server pid> ... <instance>`."""
+
+    pid: int
+    model: str
+    version: str
+    instance: str
+    shm_region: str
+
+
+def server_stubs(server_pid: int) -> dict[int, StubInfo]:
+    """The live stub processes the server `server_pid` started, by pid (a zombie has no command line)."""
+    stubs = {}
+    for pid in stub_processes(lambda argv: len(argv) > 8 and argv[5] == str(server_pid).encode()):
+        try:
+            argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+        except OSError:
+            continue
+        if len(argv) > 8:  # read again: the process may have gone in between
+            model_py = Path(argv[1])
+            stubs[pid] = StubInfo(pid, model_py.parent.parent.name, model_py.parent.name, argv[8], argv[2])
+    return stubs
+
+
+def is_zombie(pid: int) -> bool:
+    """The process exited and its parent has not reaped it (a killed stub stays so until its model unloads)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]
+
+
+def zombie_stub_children(parent: int) -> list[int]:
+    """Stub processes of `parent` that died unreaped (a zombie keeps its name, not its command line)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            name, _, rest = stat.partition("(")[2].rpartition(")")
+            fields = rest.split()
+            # the kernel keeps 15 characters of the name: "triton_python_b"
+            if fields[:2] == ["Z", str(parent)] and "triton_python_backend_stub".startswith(name):
+                found.append(int(entry))
+    return found
+
+
+def remove_shm_regions(names: Sequence[str]) -> list[str]:
+    """Unlink the named shared-memory regions that are still there (left by a stub that was killed);
+    returns the names removed."""
+    removed = []
+    for name in names:
+        path = SHM_DIR / name
+        if name and "/" not in name and path.exists():
+            try:
+                path.unlink()
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
+def connect_host(host: str) -> str:
+    """The address a client on this machine uses for a server bound to `host` (a wildcard address
+    is not one to connect to)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+ModelHook = Callable[[str], None]
+
+
+class StubWatchdog:
+    """One thread that polls the stub processes of a server and restarts a model whose stub died.
+
+    A stub counts as dead when it is a zombie (the backend reaps a stub it stops, not one that was
+    killed) or when it is gone and its model version has no stub left, while the model still
+    answers READY; seen so on two polls in a row (an instance being replaced by a reload is a
+    zombie for a moment at most). Then the model is unloaded at once (readiness turns false),
+    `on_model_down(model)` runs, and the model is loaded again, `on_model_recovered(model)`.
+    A model unloaded on purpose is not READY by the time its stub exits, so it is left alone.
+    """
+
+    CONFIRMATIONS = 2  # polls in a row that must see the stub dead
+
+    def __init__(self, server: "TritonServer", interval: float = 0.15, on_model_down: ModelHook | None = None,
+                 on_model_recovered: ModelHook | None = None, load_timeout: float = 300.0) -> None:
+        self._server = server
+        self.interval = interval
+        self.on_model_down = on_model_down
+        self.on_model_recovered = on_model_recovered
+        self._load_timeout = load_timeout
+        self.restarts = 0  # models restarted after a stub died
+        self.shm_regions: set[str] = set()  # every region a stub of this server used
+        self._tracked: dict[int, StubInfo] = {}  # stubs seen alive, by pid
+        self._suspects: dict[tuple[str, str], int] = {}  # (model, version) -> polls in a row seen dead
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Look at the stubs once (those of the models loaded at start are known from here on),
+        then poll from a thread."""
+        self._stop.clear()
+        self.poll()
+        self._thread = threading.Thread(target=self._loop, name="dvabatch-stub-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 600.0) -> None:
+        """Stop polling and join the thread (a restart under way finishes its unload, skips its load)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("the stub watchdog did not stop within %.0f s", timeout)
+            self._thread = None
+        self._tracked.clear()
+        self._suspects.clear()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - the watchdog outlives one bad poll (the server restarting, say)
+                log.exception("stub watchdog: a poll failed")
+
+    def poll(self) -> None:
+        """One look at the stubs; restarts the model versions whose stub is confirmed dead."""
+        pid = self._server.pid
+        if pid is None:
+            return
+        live = server_stubs(pid)
+        self.shm_regions.update(info.shm_region for info in live.values())
+        dead = self._dead_keys(live) | self._dead_untracked(pid, live)
+        self._tracked.update(live)
+        self._suspects = {key: self._suspects.get(key, 0) + 1 for key in dead}
+        if not dead:
+            return
+        ready = self._server.ready_versions()
+        for key in dead:
+            if key not in ready:  # unloaded on purpose, or failed: not ours to restart
+                self._forget(key)
+            elif self._suspects[key] >= self.CONFIRMATIONS and not self._stop.is_set():
+                self._restart(*key)
+
+    def _dead_keys(self, live: Mapping[int, StubInfo]) -> set[tuple[str, str]]:
+        """Model versions with a tracked stub that died; stubs replaced by a reload are dropped."""
+        alive_keys = {(info.model, info.version) for info in live.values()}
+        dead = set()
+        for pid, info in list(self._tracked.items()):
+            if pid in live:
+                continue
+            key = (info.model, info.version)
+            if is_zombie(pid) or key not in alive_keys:
+                dead.add(key)
+            else:
+                del self._tracked[pid]  # gone and reaped, another stub serves the version: a reload
+        return dead
+
+    def _dead_untracked(self, server_pid: int, live: Mapping[int, StubInfo]) -> set[tuple[str, str]]:
+        """A stub that died before any poll saw it alive (loaded and killed within one interval) is a
+        zombie of unknown model: suspect every READY Python model version with no live stub."""
+        tracked = set(self._tracked)
+        if not any(pid not in tracked for pid in zombie_stub_children(server_pid)):
+            return set()
+        alive_keys = {(info.model, info.version) for info in live.values()}
+        repository = self._server.model_repository
+        return {key for key in self._server.ready_versions()
+                if key not in alive_keys and (repository / key[0] / key[1] / "model.py").is_file()}
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        self._tracked = {pid: info for pid, info in self._tracked.items() if (info.model, info.version) != key}
+        self._suspects.pop(key, None)
+
+    def _restart(self, model: str, version: str) -> None:
+        pids = sorted(pid for pid, info in self._tracked.items() if (info.model, info.version) == (model, version))
+        log.warning("stub process %s of model %r version %s died; unloading the model and loading it again",
+                    pids, model, version)
+        self._server.unload_model(model)
+        self._forget((model, version))
+        self._call(self.on_model_down, model)
+        if self._stop.is_set():  # the server is stopping: leave the model unloaded
+            return
+        if not self._server.load_model(model, timeout=self._load_timeout):
+            log.error("model %r did not load again after its stub died:\n%s", model, self._server.log_tail(20))
+            return
+        self.restarts += 1
+        log.warning("model %r is serving again after its stub died (%d restart(s) so far)", model, self.restarts)
+        self._call(self.on_model_recovered, model)
+
+    @staticmethod
+    def _call(hook: ModelHook | None, model: str) -> None:
+        if hook is None:
+            return
+        try:
+            hook(model)
+        except Exception:  # noqa: BLE001 - a hook's failure must not stop the watchdog
+            log.exception("stub watchdog: a hook failed for %r", model)
+
+
 class TritonServer:
     def __init__(self, model_repository: str | Path, *, http_port: int | None = None, grpc_port: int | None = None,
                  metrics_port: int | None = None, explicit: bool = False, load: Sequence[str] = (),
                  shm_bytes: int = 64 << 20, extra_args: Sequence[str] = (), log_path: Path | None = None,
-                 exit_timeout: int = 2) -> None:
+                 exit_timeout: int = 2, host: str = "127.0.0.1", watch_stubs: bool = False,
+                 stub_poll_interval: float = 0.15, on_model_down: ModelHook | None = None,
+                 on_model_recovered: ModelHook | None = None) -> None:
         self.model_repository = Path(model_repository).resolve()
+        self.host = host  # the address HTTP, gRPC and metrics listen on (0.0.0.0: every interface)
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
@@ -101,22 +325,36 @@ class TritonServer:
         # Triton waits this long for open client connections before unloading models on SIGTERM;
         # `stop` waits longer, so models always unload (finalize answers what is in flight)
         self.exit_timeout = exit_timeout
+        # a unique name, made by `start` and removed by `stop`: a server never started leaves nothing
         self._work = Path(tempfile.mkdtemp(prefix="dvabatch-triton-"))
+        self._work.rmdir()
         self.log_path = log_path or self._work / "tritonserver.log"
         self._process: subprocess.Popen[bytes] | None = None
         self._last_log = ""
+        self.watchdog = StubWatchdog(self, stub_poll_interval, on_model_down, on_model_recovered) if watch_stubs else None
 
     @property
     def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+        return f"{connect_host(self.host)}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{connect_host(self.host)}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return f"http://{connect_host(self.host)}:{self.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> int | None:
+        """The server process's pid while it runs."""
+        process = self._process
+        return process.pid if process is not None and process.poll() is None else None
+
+    @property
+    def stub_restarts(self) -> int:
+        """Models the stub watchdog restarted because their stub died (0 without the watchdog)."""
+        return self.watchdog.restarts if self.watchdog is not None else 0
 
     def command(self) -> list[str]:
         backends = assemble_backends(self._work / "backends")
@@ -125,6 +363,7 @@ class TritonServer:
             str(pytriton_root() / "bin" / "tritonserver"),
             f"--model-repository={self.model_repository}", f"--backend-directory={backends}",
             f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
+            f"--http-address={self.host}", f"--grpc-address={self.host}", f"--metrics-address={self.host}",
             "--allow-metrics=true", "--allow-gpu-metrics=false", "--exit-on-error=false", "--strict-readiness=false",
             f"--backend-config={shm}", "--log-info=true", f"--exit-timeout-secs={self.exit_timeout}",
         ]
@@ -134,23 +373,32 @@ class TritonServer:
         cmd += [f"--load-model={name}" for name in self._load] if self._explicit else ["--load-model=*"]
         return cmd + self._extra
 
-    def start(self, timeout: float = 120.0) -> "TritonServer":
+    def start(self, timeout: float = 120.0, cancel: threading.Event | None = None) -> "TritonServer":
+        """Start the server and wait until it is live (models named to load are loaded by then);
+        `cancel`, when set while waiting, stops the server and raises StartCancelled."""
         self._work.mkdir(parents=True, exist_ok=True)  # `stop` removes it: a server may start again
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and Path(p).exists())
         libs = pytriton_root().parent.parent / "nvidia_pytriton.libs"
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(libs), env.get("LD_LIBRARY_PATH")]))
         env.setdefault("PYTHONUNBUFFERED", "1")
-        log = open(self.log_path, "wb")
-        self._process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+        log_file = open(self.log_path, "wb")
+        self._process = subprocess.Popen(self.command(), stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
-        log.close()
+        log_file.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise ServerError(f"tritonserver exited with {self._process.returncode}:\n{self.log_tail()}")
+                message = f"tritonserver exited with {self._process.returncode}:\n{self.log_tail()}"
+                self.stop()  # its stubs, regions and work folder go too
+                raise ServerError(message)
             if self._get("/v2/health/live") == 200:
+                if self.watchdog is not None:
+                    self.watchdog.start()
                 return self
+            if cancel is not None and cancel.is_set():
+                self.stop()
+                raise StartCancelled("stopped while starting")
             time.sleep(0.1)
         self.stop()
         raise ServerError(f"tritonserver did not become live within {timeout:.0f}s:\n{self.log_tail()}")
@@ -171,6 +419,25 @@ class TritonServer:
             time.sleep(0.1)
         raise ServerError(f"model {name!r} did not become ready within {timeout:.0f}s:\n{self.log_tail()}")
 
+    def ready_versions(self) -> set[tuple[str, str]]:
+        """(model, version) of every model version the repository index says is READY."""
+        return {(m["name"], str(m.get("version", ""))) for m in self._index() if m.get("state") == "READY"}
+
+    def unload_model(self, name: str, timeout: float = 60.0) -> bool:
+        """Unload a model and wait until it is unloaded; True when it is."""
+        self._post(f"/v2/repository/models/{name}/unload")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not any(m["name"] == name and m.get("state") in ("READY", "UNLOADING") for m in self._index()):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def load_model(self, name: str, timeout: float = 300.0) -> bool:
+        """Load a model from the repository (Triton answers when the load is done); True when ready."""
+        self._post(f"/v2/repository/models/{name}/load", timeout=timeout)
+        return self.model_ready(name)
+
     def _unload_all(self, deadline: float) -> None:
         loaded = [m["name"] for m in self._index() if m.get("state") == "READY"]
         for name in loaded:
@@ -182,10 +449,10 @@ class TritonServer:
         body = self._post("/v2/repository/index")
         return json.loads(body) if body else []
 
-    def _post(self, path: str) -> bytes | None:
+    def _post(self, path: str, timeout: float = 10.0) -> bytes | None:
         request = urllib.request.Request(f"http://{self.http_url}{path}", data=b"{}", method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=10) as response:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
                 return response.read()
         except OSError:
             return None
@@ -204,10 +471,16 @@ class TritonServer:
         threads), then SIGTERM, then SIGKILL after `grace` seconds (default: exit timeout + 30).
 
         Models are unloaded first because on SIGTERM Triton spends its exit timeout waiting for
-        open client connections, and then exits without unloading anything."""
+        open client connections, and then exits without unloading anything. The stub watchdog
+        stops before anything else, so that it takes none of these unloads for a dead stub.
+        Shared-memory regions a killed stub left in /dev/shm are removed."""
         grace = self.exit_timeout + 30.0 if grace is None else grace
+        if self.watchdog is not None:
+            self.watchdog.stop()
         process, code = self._process, None
+        regions = set(self.watchdog.shm_regions) if self.watchdog is not None else set()
         if process is not None and process.poll() is None:
+            regions.update(info.shm_region for info in server_stubs(process.pid).values())
             self._unload_all(deadline=time.monotonic() + grace)
         self._process = None
         if process is not None and process.poll() is None:
@@ -219,19 +492,27 @@ class TritonServer:
                 code = process.wait()
         elif process is not None:
             code = process.returncode
-        self._kill_orphaned_stubs()
+        regions.update(self._kill_orphaned_stubs())
+        left = remove_shm_regions(sorted(regions))
+        if left:
+            log.warning("removed shared-memory region(s) the server left behind: %s", left)
         self._last_log = self.log_tail(200)
         shutil.rmtree(self._work, ignore_errors=True)  # backends and default log: nothing left behind
         return code
 
-    def _kill_orphaned_stubs(self) -> None:
-        """Backend stubs outlive a server that was killed hard (and ignore SIGTERM): kill ours."""
+    def _kill_orphaned_stubs(self) -> set[str]:
+        """Backend stubs outlive a server that was killed hard (and ignore SIGTERM): kill ours;
+        returns the shared-memory regions they used."""
         marker = str(self._work / "backends").encode()
+        regions = set()
         for pid in stub_processes(lambda argv: any(marker in a for a in argv)):
             try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                regions.add(argv[2].decode(errors="replace") if len(argv) > 2 else "")
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+        return regions
 
     def log_tail(self, lines: int = 40) -> str:
         """The end of the server's log (after `stop`, what it was when the server stopped)."""
