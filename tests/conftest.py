@@ -1,5 +1,5 @@
 """Shared fixtures: small sliced models, the unsliced reference, and engines tests can steer; and the
-markers given by folder (tests/server -> server, tests/perf_smoke -> perf_smoke)."""
+markers given by folder (tests/server -> server, tests/perf_smoke -> perf_smoke, tests/gpu -> gpu)."""
 from __future__ import annotations
 
 import sys
@@ -20,7 +20,7 @@ from slicer import cut, toy
 
 TESTS = Path(__file__).resolve().parent
 # folder under tests/ -> markers every test in it gets
-FOLDER_MARKERS = {"server": ("server",), "perf_smoke": ("perf_smoke",)}
+FOLDER_MARKERS = {"server": ("server",), "perf_smoke": ("perf_smoke",), "gpu": ("gpu",)}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,0 +1,204 @@
+"""The runtime on a GPU: the torch engine on CUDA behind the buffer pairs, with CUDA event fences.
+
+Skipped without torch or without a CUDA device (so everywhere but the lent GPU machine; see
+perf/README.md for the device calls that run it):
+
+- the torch engine on CUDA equals onnxruntime stage by stage, and a CUDA graph's replay equals
+  the eager run;
+- `CudaEventFence` orders a reader stream after a writer stream;
+- the property test (random arrivals, random legal meta operations) with every stage on CUDA:
+  exactly one answer per query, equal to the unsliced model within fp32 tolerance, no
+  buffer-pair rule broken;
+- the overlap check from CUDA event timings: with one buffer pair the stages never overlap on
+  the GPU timeline; with two they do.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: torch.cuda.is_available() is False", allow_module_level=True)
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+
+from dvabatch_backend.runtime.engine import OrtStageEngine  # noqa: E402
+from dvabatch_backend.runtime.fences import CudaEventFence, cuda_fences  # noqa: E402
+from dvabatch_backend.runtime.scheduler import RuntimeSettings  # noqa: E402
+from dvabatch_backend.runtime.torch_engine import TorchStageEngine  # noqa: E402  (the torch engine's API)
+from perf.gpu.pipelines import cuda_pipeline, sliced_token_mlp  # noqa: E402
+from perf.gpu.timeline import EventTimedEngine, Timeline, overlapping_pairs  # noqa: E402
+from policies import RandomLegalPolicy, create_policy  # noqa: E402
+
+from ..conftest import Collector, SlowEngine, assert_all_answered_correctly  # noqa: E402
+from ..runtime.test_property import scenarios  # noqa: E402
+
+# fp32 answers compared with the CPU's: no TF32 in matrix products or convolutions
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+
+class EngineCache:
+    """Torch CUDA engines per sliced model, made once: loading a stage costs more than a query."""
+
+    def __init__(self) -> None:
+        self._engines: dict[Path, list[TorchStageEngine]] = {}
+
+    def get(self, model) -> list[TorchStageEngine]:
+        if model.dir not in self._engines:
+            self._engines[model.dir] = [TorchStageEngine(model.dir / s.file, device="cuda") for s in model.manifest.stages]
+        return self._engines[model.dir]
+
+
+@pytest.fixture(scope="module")
+def cuda_engines() -> EngineCache:
+    return EngineCache()
+
+
+def stage_inputs(engine: TorchStageEngine, batch: int, length: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    shapes = engine.input_shapes(batch, length)
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+def ort_outputs(path: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, inputs)))
+
+
+def run_engine(engine, inputs: dict[str, np.ndarray], like: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    outputs = {name: np.empty_like(value) for name, value in like.items()}
+    engine.run(inputs, outputs)
+    return outputs
+
+
+# -- the engine --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["token", "dense"])
+def test_torch_on_cuda_equals_onnxruntime_stage_by_stage(zoo, cuda_engines: EngineCache, kind: str) -> None:
+    model = zoo.stages(kind, 3)
+    rng = np.random.default_rng(0)
+    for spec, engine in zip(model.manifest.stages, cuda_engines.get(model)):
+        for batch, length in ((1, 1), (3, 7), (8, 12)):
+            inputs = stage_inputs(engine, batch, length, rng)
+            expected = ort_outputs(model.dir / spec.file, inputs)
+            got = run_engine(engine, inputs, expected)
+            for name, value in expected.items():
+                np.testing.assert_allclose(got[name], value, atol=1e-5, rtol=1e-5, err_msg=f"{spec.file}: {name}")
+
+
+def test_cuda_graph_replay_equals_eager(zoo) -> None:
+    model = zoo.stages("token", 3)
+    rng = np.random.default_rng(1)
+    for spec in model.manifest.stages:
+        eager = TorchStageEngine(model.dir / spec.file, device="cuda")
+        graphed = TorchStageEngine(model.dir / spec.file, device="cuda")
+        key = graphed.capture(4, 9)
+        assert key in graphed.captured
+        for _ in range(3):  # replays reuse the static buffers: every replay must see its own inputs
+            inputs = stage_inputs(eager, 4, 9, rng)
+            like = ort_outputs(model.dir / spec.file, inputs)
+            want, got = run_engine(eager, inputs, like), run_engine(graphed, inputs, like)
+            for name in like:
+                np.testing.assert_allclose(got[name], want[name], atol=1e-6, rtol=1e-6, err_msg=f"{spec.file}: {name}")
+        other = stage_inputs(eager, 2, 9, rng)  # a shape not captured runs eagerly
+        like = ort_outputs(model.dir / spec.file, other)
+        for name, value in run_engine(graphed, other, like).items():
+            np.testing.assert_allclose(value, like[name], atol=1e-5, rtol=1e-5)
+
+
+# -- the fence -----------------------------------------------------------------------------
+
+
+def test_cuda_event_fence_orders_the_reader_after_the_writer() -> None:
+    writer, reader = torch.cuda.Stream(), torch.cuda.Stream()
+    fence = CudaEventFence(writer, reader)
+    data = torch.zeros(1 << 20, device="cuda")
+    fence.reset()
+    assert fence.wait() is False  # reset and not recorded: the pool's self-check sees it
+    with torch.cuda.stream(writer):
+        torch.cuda._sleep(50_000_000)  # keep the writer busy well past the reader's start
+        data.fill_(7.0)
+    fence.record()
+    assert fence.wait() is True  # returns at once: the reader's stream waits, not the host
+    with torch.cuda.stream(reader):
+        seen = data.sum()
+    fence.record_read()
+    fence.wait_read()
+    assert float(seen.item()) == 7.0 * data.numel()
+
+
+def test_cuda_fences_map_boundaries_to_streams() -> None:
+    streams = [torch.cuda.Stream() for _ in range(3)]
+    factory = cuda_fences(streams)
+    first, middle, last = factory(0, 0), factory(2, 1), factory(3, 0)
+    assert first.writer_stream is None and first.reader_stream == streams[0]
+    assert middle.writer_stream == streams[1] and middle.reader_stream == streams[2]
+    assert last.writer_stream == streams[2] and last.reader_stream is None
+
+
+# -- the property test on the GPU -----------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_random_schedules_on_cuda_answer_every_query_once_and_correctly(zoo, cuda_engines: EngineCache, scenario: dict) -> None:
+    model = zoo.get(scenario["kind"], scenario["cuts"])
+    engines = cuda_engines.get(model)
+    if scenario["delay"]:
+        engines = [SlowEngine(e, scenario["delay"]) for e in engines]
+    policy = RandomLegalPolicy(seed=scenario["seed"], stretch=scenario["p_stretch"], split=scenario["p_split"],
+                               hold=scenario["p_hold"])
+    run_settings = RuntimeSettings(num_buffer_pairs=scenario["pairs"], bs_max=scenario["bs_max"], record_trace=True,
+                                   engine="torch", device="cuda")
+    pipeline = cuda_pipeline(model.manifest, engines, policy, run_settings)
+    assert all(isinstance(b.fence, CudaEventFence) for b in pipeline.scheduler._buffers.buffers[1])
+    rng = np.random.default_rng(scenario["seed"])
+    collector = Collector()
+    sent: dict[int, dict[str, np.ndarray]] = {}
+    with pipeline:
+        for size, gap in zip(scenario["groups"], scenario["gaps"]):
+            batch = [model.query(rng) for _ in range(size)]
+            sent.update(zip(pipeline.submit_many([(q, collector) for q in batch]), batch))
+            time.sleep(gap)
+        assert_all_answered_correctly(model, pipeline, collector, sent)
+    assert not any(t.is_alive() for t in pipeline.threads)
+
+
+# -- the overlap check -------------------------------------------------------------------------
+
+
+def gpu_timeline(tmp_path: Path, pairs: int) -> list:
+    """A heavier token MLP in 3 stages on CUDA, 48 queries at once; every stage run's GPU interval."""
+    model_dir, manifest = sliced_token_mlp(tmp_path / f"pairs{pairs}", hidden=512, layers=6, stages=3, bs_max=8,
+                                           max_length=128)
+    timeline = Timeline()
+    engines = [EventTimedEngine(i, TorchStageEngine(model_dir / s.file, device="cuda"), timeline)
+               for i, s in enumerate(manifest.stages)]
+    pipeline = cuda_pipeline(manifest, engines, create_policy("pipelined"),
+                             RuntimeSettings(num_buffer_pairs=pairs, engine="torch", device="cuda"))
+    rng = np.random.default_rng(pairs)
+    queries = [{"x": rng.standard_normal((128, 512)).astype(np.float32), "mask": np.ones(128, np.float32)}
+               for _ in range(48)]
+    collector = Collector()
+    with pipeline:
+        ids = pipeline.submit_many([(q, collector) for q in queries])
+        assert collector.wait_for(set(ids), timeout=120)
+    assert all(collector.one(i).error is None for i in ids)
+    assert pipeline.buffer_violations == []
+    return timeline.intervals()
+
+
+def test_one_pair_never_overlaps_two_pairs_do(tmp_path: Path) -> None:
+    serial = gpu_timeline(tmp_path, pairs=1)
+    assert len(serial) >= 3 * 6  # 48 queries in batches of at most 8, through 3 stages
+    assert overlapping_pairs(serial) == [], "with one buffer pair two stages ran at once on the GPU"
+    overlapped = gpu_timeline(tmp_path, pairs=2)
+    assert overlapping_pairs(overlapped), "with two buffer pairs no two stages ever ran at once on the GPU"
