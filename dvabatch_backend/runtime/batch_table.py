@@ -234,6 +234,13 @@ class BatchQueue:
     def push(self, item: BatchItem) -> None:
         self._items.append(item)
 
+    def push_front(self, item: BatchItem) -> None:
+        self._items.appendleft(item)
+
+    def remove_batch(self, batch_id: int) -> None:
+        """Take every item of `batch_id` off the queue."""
+        self._items = deque(i for i in self._items if i.batch_id != batch_id)
+
     def head(self) -> BatchItem | None:
         return self._items[0] if self._items else None
 

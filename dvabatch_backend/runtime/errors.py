@@ -24,6 +24,32 @@ class ShuttingDownError(QueryError):
         super().__init__(query_id, "shutting down", stage)
 
 
+class RefusedError(QueryError):
+    """The query was not run: the runtime is over its bounds (Triton's UNAVAILABLE)."""
+
+
+class QueueFullError(RefusedError):
+    """Admitting the query would take the queue past `max_queue_size` (Triton's wording)."""
+
+
+class TimeoutExpiredError(RefusedError):
+    """The query's timeout passed before a stage took it (Triton's wording)."""
+
+    def __init__(self, query_id: int) -> None:
+        super().__init__(query_id, "Request timeout expired")
+
+
+class OverloadedError(RefusedError):
+    """The query can no longer meet the model's latency target (`slo_ms`)."""
+
+
+class CancelledError(QueryError):
+    """The client cancelled the request (or went away) before a stage took the query."""
+
+    def __init__(self, query_id: int) -> None:
+        super().__init__(query_id, "cancelled by the client before it ran")
+
+
 class StageFailedError(QueryError):
     """A stage engine raised while running the query's rows."""
 

@@ -113,13 +113,18 @@ class Pipeline(WorkListener):
     def submit(self, inputs: Mapping[str, np.ndarray], reply: Reply) -> int:
         return self.scheduler.submit(inputs, reply)
 
-    def submit_many(self, requests: Sequence[tuple[Mapping[str, np.ndarray], Reply]]) -> list[int]:
-        return self.scheduler.submit_many(requests)
+    def submit_many(self, requests: Sequence[tuple[Mapping[str, np.ndarray], Reply]],
+                    timeout_us: int | None = None) -> list[int]:
+        return self.scheduler.submit_many(requests, timeout_us)
+
+    def cancel(self, query_ids: Sequence[int]) -> None:
+        self.scheduler.cancel(query_ids)
 
     # Observations are the scheduler's: `pipeline.stats` is `pipeline.scheduler.stats`, and so on.
     _FROM_SCHEDULER = frozenset({
         "manifest", "num_stages", "bs_max", "settings", "stats", "trace", "buffer_violations", "pending_count",
         "observe", "executor_states", "buffer_states", "query_states", "snapshot", "wait_until",
+        "admission", "any_queued",
     })
 
     def __getattr__(self, name: str) -> Any:

@@ -59,6 +59,10 @@ class Query:
     reply: Reply
     state: QueryState = QueryState.WAITING
     info: QueryInfo = field(init=False)
+    deadline: float | None = None  # its timeout: dropped if still queued after this
+    slo_deadline: float | None = None  # arrival + the latency target
+    cancelled: bool = False
+    entered: bool = False  # stage 0 took it (or it was answered): no longer queued
 
     def __post_init__(self) -> None:
         self.info = QueryInfo(self.id, self.length, self.arrival)

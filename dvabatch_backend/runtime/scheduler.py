@@ -33,8 +33,11 @@ import numpy as np
 from .batch_table import BatchItem, BatchQueue, BatchTable, TableSnapshot
 from .buffers import BufferPool, BufferState, PairUse
 from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, Split, Stretch
-from .errors import BadInputError, PolicyError, ShuttingDownError, StageFailedError
+from .admission import Admission, ServiceModel
+from .errors import (BadInputError, CancelledError, OverloadedError, PolicyError, QueryError, QueueFullError,
+                     ShuttingDownError, StageFailedError, TimeoutExpiredError)
 from .manifest import Manifest
+from .settings import QueuePolicy, RuntimeSettings, SloPolicy  # noqa: F401 - their home before settings.py
 from .query import Answer, Query, QueryState, Reply, scatter_outputs, validate_inputs
 from .stats import RuntimeStats, StageStats, TraceEvent
 
@@ -43,45 +46,6 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 MIN_WAKE_DELAY = 1e-4  # seconds
 _Delivery = tuple[Reply, Answer]
-
-
-@dataclass(frozen=True)
-class QueuePolicy:
-    """Triton's `default_queue_policy`, honoured by the runtime (a Python backend's own queue is
-    its business): a bound on the queries waiting to run, and a per-query timeout.
-
-    `max_queue_size` None derives a bound from bs_max and the stage times (about a second of work
-    at the pipeline's peak); 0 is unbounded. `default_timeout_us` 0 is no timeout; a request's own
-    timeout replaces it only with `allow_timeout_override`. A query still waiting at its deadline
-    is answered "Request timeout expired" (`timeout_action` "reject") or left to run ("delay").
-    """
-
-    max_queue_size: int | None = None
-    default_timeout_us: int = 0
-    allow_timeout_override: bool = True
-    timeout_action: str = "reject"  # "reject" | "delay"
-
-
-@dataclass(frozen=True)
-class SloPolicy:
-    """A latency target (NeuStream-style admission): `slo_ms` None is none. A query that can no
-    longer meet it is answered "overloaded" at once (`action` "reject") or served late ("serve_late")."""
-
-    slo_ms: float | None = None
-    action: str = "reject"  # "reject" | "serve_late"
-
-
-@dataclass(frozen=True)
-class RuntimeSettings:
-    num_buffer_pairs: int = 2
-    bs_max: int | None = None  # None: the manifest's max_batch_size
-    threads_per_stage: int = 1
-    record_trace: bool = False
-    engine: str = "onnxruntime"  # "onnxruntime" | "torch"
-    device: str = "cpu"  # "cpu" | "cuda"
-    thread_pool: str = "global"  # onnxruntime: "per_stage" threads, or one "global" pool for all stages
-    queue: QueuePolicy = QueuePolicy()
-    slo: SloPolicy = SloPolicy()
 
 
 class ExecutorState(enum.Enum):
@@ -174,6 +138,8 @@ class Scheduler:
         self._queues = [BatchQueue() for _ in range(self.num_stages)]
         self._buffers = BufferPool(manifest, settings.num_buffer_pairs, bs_max)
         self._queries: dict[int, Query] = {}  # submitted and not yet answered, in arrival order
+        self.admission = Admission(settings.queue, settings.slo,
+                                   ServiceModel(manifest.stage_times(), self.num_stages), bs_max)
         self._stage_states = [ExecutorState.INACTIVE] * self.num_stages
         self._wake_at: float | None = None
         self._stopping = False
@@ -204,6 +170,7 @@ class Scheduler:
             queries = list(self._queries.values())
             self._queries.clear()
             deliveries = [self._answer(q, Answer(q.id, None, ShuttingDownError(q.id))) for q in queries]
+            self.stats.queued = 0
             self._table.clear()
             for queue in self._queues:
                 queue.clear()
@@ -217,8 +184,11 @@ class Scheduler:
     def submit(self, inputs: Mapping[str, np.ndarray], reply: Reply) -> int:
         return self.submit_many([(inputs, reply)])[0]
 
-    def submit_many(self, requests: Sequence[tuple[Mapping[str, np.ndarray], Reply]]) -> list[int]:
-        """Take arrived queries; return their ids at once. Bad ones are answered here and now."""
+    def submit_many(self, requests: Sequence[tuple[Mapping[str, np.ndarray], Reply]],
+                    timeout_us: int | None = None) -> list[int]:
+        """Take arrived queries (one request's rows: admitted or refused together); return their ids
+        at once. Bad ones, and ones over the queue bound or the latency target, are answered here
+        and now. `timeout_us` is the request's own timeout (admission.py)."""
         now = self.clock()
         deliveries: list[_Delivery] = []
         accepted: list[Query] = []
@@ -238,14 +208,55 @@ class Scheduler:
         with self.lock:
             self.stats.submitted += len(requests)
             self.stats.answered_error += len(deliveries)
-            for q in accepted:
-                if self._stopping:
-                    deliveries.append(self._answer(q, Answer(q.id, None, ShuttingDownError(q.id))))
-                else:
-                    self._queries[q.id] = q
+            if accepted:
+                deliveries += self._admit(accepted, now, timeout_us)
             deliveries += self._dispatch(now)
         _deliver(deliveries)
         return ids
+
+    def _admit(self, queries: list[Query], now: float, timeout_us: int | None) -> list[_Delivery]:
+        """Queue the queries, or refuse them all: stopping, the queue bound, the latency target."""
+        if self._stopping:
+            return [self._refuse(q, ShuttingDownError(q.id)) for q in queries]
+        admission = self.admission
+        why = admission.queue_refusal(self.stats.queued, len(queries))
+        if why is not None:
+            self.stats.queue_full += len(queries)
+            return [self._refuse(q, QueueFullError(q.id, why)) for q in queries]
+        slo_deadline = admission.slo_deadline(now)
+        why = admission.slo_refusal(admission.predicted_finish(now, self.stats.queued), slo_deadline)
+        if why is not None:
+            self.stats.slo_rejected += len(queries)
+            return [self._refuse(q, OverloadedError(q.id, why)) for q in queries]
+        deadline = admission.deadline(now, timeout_us)
+        for q in queries:
+            q.deadline, q.slo_deadline = deadline, slo_deadline
+            self._queries[q.id] = q
+        self.stats.queued += len(queries)
+        return []
+
+    def cancel(self, query_ids: Sequence[int]) -> None:
+        """The client cancelled these queries: drop those not yet taken by stage 0 (answered
+        "cancelled"); the others finish, and their answers go to a request nobody awaits."""
+        deliveries: list[_Delivery] = []
+        with self.lock:
+            for qid in query_ids:
+                q = self._queries.get(qid)
+                if q is None or q.cancelled:
+                    continue
+                q.cancelled = True
+                if q.state is QueryState.WAITING:
+                    del self._queries[qid]
+                    deliveries.append(self._drop(q, CancelledError(qid)))
+                elif q.entered:
+                    self.stats.cancelled_in_flight += 1
+                # batched, not yet run: dropped when stage 0 reaches its batch (`_prune_queued_head`)
+        _deliver(deliveries)
+
+    def any_queued(self, query_ids: Sequence[int]) -> bool:
+        """Whether one of these queries is admitted and not yet taken by stage 0 (read without the lock)."""
+        queries = self._queries
+        return any((q := queries.get(qid)) is not None and not q.entered for qid in query_ids)
 
     @property
     def wake_at(self) -> float | None:
@@ -267,11 +278,79 @@ class Scheduler:
     def _waiting(self) -> list[Query]:
         return [q for q in self._queries.values() if q.state is QueryState.WAITING]
 
+    # -- admission: queries dropped before they run ------------------------------------
+
+    def _drop_error(self, q: Query, now: float, bs: int) -> QueryError | None:
+        """Why a queued query (to run in a batch of `bs`) should not run any more, or None."""
+        if q.cancelled:
+            return CancelledError(q.id)
+        if self.admission.timed_out(now, q.deadline):
+            return TimeoutExpiredError(q.id)
+        why = self.admission.slo_refusal(now + self.admission.service.pipeline_time(bs), q.slo_deadline)
+        return None if why is None else OverloadedError(q.id, why)
+
+    def _drop(self, q: Query, error: QueryError) -> _Delivery:
+        """Answer a queued query that will not run (taken off the query table by the caller)."""
+        if isinstance(error, CancelledError):
+            self.stats.cancelled += 1
+        elif isinstance(error, TimeoutExpiredError):
+            self.stats.timed_out += 1
+        else:
+            self.stats.slo_rejected += 1
+        return self._answer(q, Answer(q.id, None, error))
+
+    def _refuse(self, q: Query, error: QueryError) -> _Delivery:
+        """Answer a query that was never admitted."""
+        q.entered = True  # never counted as queued
+        return self._answer(q, Answer(q.id, None, error))
+
+    def _drop_waiting(self, now: float) -> list[_Delivery]:
+        deliveries = []
+        for q in self._waiting():
+            error = self._drop_error(q, now, 1)
+            if error is not None:
+                del self._queries[q.id]
+                deliveries.append(self._drop(q, error))
+        return deliveries
+
+    def _next_drop_time(self, now: float) -> float | None:
+        """When a waiting query next reaches a deadline: the batch window wakes then to drop it."""
+        times = [t for q in self._queries.values() if q.state is QueryState.WAITING
+                 for t in (q.deadline, q.slo_deadline) if t is not None]
+        return max(min(times), now + MIN_WAKE_DELAY) if times else None
+
+    def _prune_queued_head(self, now: float) -> list[_Delivery]:
+        """Drop the dead queries of the batches at the head of stage 0's queue that no stage has
+        started (their rows are not in any buffer yet): the batch shrinks, or goes if none is left."""
+        queue, deliveries = self._queues[0], []
+        while (item := queue.head()) is not None:
+            row = self._table.get(item.batch_id)
+            if row.started:
+                break
+            dead = [(q, e) for q in row.queries if (e := self._drop_error(q, now, row.bs)) is not None]
+            if not dead:
+                break
+            gone = {q.id for q, _ in dead}
+            row.queries = [q for q in row.queries if q.id not in gone]
+            queue.remove_batch(row.id)
+            for q, error in dead:
+                del self._queries[q.id]
+                deliveries.append(self._drop(q, error))
+            if row.queries:
+                queue.push_front(BatchItem(row.id, 0, row.bs))
+                break
+            self._table.drop(row.id)
+        return deliveries
+
     def _dispatch(self, now: float) -> list[_Delivery]:
-        """Ask the policy what to do with the waiting queries, and do it. Under the lock."""
-        waiting = self._waiting()
-        if not waiting or self._stopping:
+        """Drop the waiting queries past their deadline; ask the policy what to do with the others,
+        and do it. Under the lock."""
+        if self._stopping:
             return []
+        deliveries = self._drop_waiting(now)
+        waiting = self._waiting()
+        if not waiting:
+            return deliveries
         try:
             plan = self._policy.on_arrival([q.info for q in waiting], self._view, now)
             _check_plan(plan)
@@ -279,15 +358,16 @@ class Scheduler:
             log.exception("policy %s failed in on_arrival", self._policy.name)
             self.stats.policy_errors += 1
             plan = ArrivalPlan()
-        deliveries: list[_Delivery] = []
         for decision in plan.decisions:
             deliveries += self._apply(decision, now)
         # a wake-up in the past would have the window call the policy again at once, forever:
         # the earliest wake-up is a little after now
-        self._wake_at = None if plan.wake_at is None else max(float(plan.wake_at), now + MIN_WAKE_DELAY)
+        policy_wake = None if plan.wake_at is None else max(float(plan.wake_at), now + MIN_WAKE_DELAY)
+        drop_wake = self._next_drop_time(now)
+        self._wake_at = min((t for t in (policy_wake, drop_wake) if t is not None), default=None)
         if self._wake_at is not None:
             self.listener.window_moved()
-        elif len(self._table) == 0 and (left := self._waiting()):
+        if policy_wake is None and len(self._table) == 0 and (left := self._waiting()):
             # Nothing in flight and no wake-up asked: the waiting queries would wait forever.
             log.error("policy %s left %d queries waiting with nothing in flight", self._policy.name, len(left))
             self.stats.policy_errors += 1
@@ -381,31 +461,47 @@ class Scheduler:
     def next_work(self, stage: int) -> Work | None:
         """The item `stage` may run now (its buffer pair legitimate), taken off its queue; or None.
 
-        Never blocks. None also when stopping (see `stopping`).
+        Never blocks. None also when stopping (see `stopping`). Stage 0 first drops the queued
+        queries that timed out, were cancelled or can no longer meet the latency target.
         """
-        with self.lock:
-            if self._stopping:
-                return None
-            item = self._queues[stage].head()
-            pair = None if item is None else self._pair_for(stage, item)
-            if pair is None or not self._buffers.is_legitimate(stage, pair):
-                self._stage_states[stage] = self._idle_state(stage)
-                self._notify_progress()
-                return None
-            item = self._queues[stage].pop_coalesced()
-            row = self._table.get(item.batch_id)
-            row.pair = pair
-            row.started = True
-            use = PairUse(stage, pair, row.rows(item), group=row.group)
-            self._buffers.begin(use)
-            self._stage_states[stage] = ExecutorState.WORKING
-            length = row.pad_length
-            inp, out = self._buffers.pair(stage, pair)
-            return Work(
-                stage, item, use, inp.rows(length, use.rows), out.rows(length, use.rows),
-                row.queries[item.start:item.start + item.num], self.clock(),
-                gather=stage == 0, scatter=stage == self.num_stages - 1,
-            )
+        deliveries: list[_Delivery] = []
+        try:
+            with self.lock:
+                if self._stopping:
+                    return None
+                if stage == 0:
+                    deliveries = self._prune_queued_head(self.clock())
+                return self._take_work(stage)
+        finally:
+            _deliver(deliveries)
+
+    def _take_work(self, stage: int) -> Work | None:
+        """`next_work` under the lock."""
+        item = self._queues[stage].head()
+        pair = None if item is None else self._pair_for(stage, item)
+        if pair is None or not self._buffers.is_legitimate(stage, pair):
+            self._stage_states[stage] = self._idle_state(stage)
+            self._notify_progress()
+            return None
+        item = self._queues[stage].pop_coalesced()
+        row = self._table.get(item.batch_id)
+        row.pair = pair
+        row.started = True
+        use = PairUse(stage, pair, row.rows(item), group=row.group)
+        self._buffers.begin(use)
+        self._stage_states[stage] = ExecutorState.WORKING
+        length = row.pad_length
+        inp, out = self._buffers.pair(stage, pair)
+        queries = row.queries[item.start:item.start + item.num]
+        if stage == 0:
+            for q in queries:
+                if not q.entered:
+                    q.entered = True
+                    self.stats.queued -= 1
+        return Work(
+            stage, item, use, inp.rows(length, use.rows), out.rows(length, use.rows),
+            queries, self.clock(), gather=stage == 0, scatter=stage == self.num_stages - 1,
+        )
 
     def _idle_state(self, stage: int) -> ExecutorState:
         """The state of `stage` while it runs nothing: it holds no usable pair, or waits for an item,
@@ -443,6 +539,7 @@ class Scheduler:
         stats.batches += 1
         stats.rows += item.num
         stats.busy_seconds += now - work.started
+        self.admission.service.observe(stage, item.num, now - work.started)
         self._record("run", work.started, stage, item, t1=now)
         if result.error is not None:
             deliveries += self._answer_errors(work, result.error, work.queries)
@@ -556,8 +653,13 @@ class Scheduler:
     def _answer(self, query: Query, answer: Answer) -> _Delivery:
         """Mark `query` answered and count it; the caller has taken it off the query table."""
         query.state = QueryState.ANSWERED
+        if not query.entered:
+            query.entered = True
+            self.stats.queued -= 1
         if answer.error is None:
             self.stats.answered_ok += 1
+            if self.admission.within_slo(self.clock() - query.arrival):
+                self.stats.within_slo += 1
         else:
             self.stats.answered_error += 1
         return query.reply, answer

@@ -27,6 +27,14 @@ class RuntimeStats:
     # lengths carried out as one batch per length, a pad length ignored, a Stretch across lengths refused
     pad_unsafe_splits: int = 0
     handoffs: int = 0
+    # admission (runtime/admission.py): refused at arrival, or dropped while queued, never run
+    queue_full: int = 0
+    timed_out: int = 0
+    cancelled: int = 0
+    slo_rejected: int = 0
+    cancelled_in_flight: int = 0  # cancelled after stage 0 took it: it finishes, the answer is discarded
+    within_slo: int = 0  # answers (results) within the latency target: goodput; every result without one
+    queued: int = 0  # admitted, not yet taken by stage 0 (a gauge)
     stages: list[StageStats] = field(default_factory=list)
 
 

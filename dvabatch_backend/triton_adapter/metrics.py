@@ -18,6 +18,9 @@ _COUNTERS = {
     "dvabatch_stage_busy_seconds_total": "Seconds each stage spent working",
 }
 _OPERATIONS = ("new", "stretch", "split", "early_exits", "stretch_refused", "split_refused", "policy_errors")
+# queries answered without running, by reason (runtime/admission.py), and cancelled after they started
+_REFUSALS = {"queue_full": "queue_full", "timeout": "timed_out", "cancelled": "cancelled", "slo": "slo_rejected",
+             "cancelled_in_flight": "cancelled_in_flight"}
 
 
 class StageMetrics:
@@ -36,7 +39,16 @@ class StageMetrics:
                            for name, fam in families.items()}
         self._queues = [queue.Metric(labels={"model": model, "stage": str(k)}) for k in stages]
         self._ops = {op: ops.Metric(labels={"model": model, "operation": op}) for op in _OPERATIONS}
-        self._families = [*families.values(), queue, ops]  # keep them alive while reporting
+        queued = pb_utils.MetricFamily(name="dvabatch_queued_queries", kind=gauge,
+                                       description="Queries admitted and not yet taken by stage 0 (bounded by max_queue_size)")
+        refused = pb_utils.MetricFamily(name="dvabatch_refused_queries_total", kind=counter,
+                                        description="Queries answered without running, by reason; cancelled_in_flight ran anyway")
+        goodput = pb_utils.MetricFamily(name="dvabatch_goodput_queries_total", kind=counter,
+                                        description="Queries answered with their result within the latency target (slo_ms; every result without one)")
+        self._queued = queued.Metric(labels={"model": model})
+        self._refused = {reason: refused.Metric(labels={"model": model, "reason": reason}) for reason in _REFUSALS}
+        self._goodput = goodput.Metric(labels={"model": model})
+        self._families = [*families.values(), queue, ops, queued, refused, goodput]  # alive while reporting
         self._last: dict[tuple[str, int], float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dvabatch-metrics", daemon=True)
@@ -54,9 +66,15 @@ class StageMetrics:
             self._add("dvabatch_stage_busy_seconds_total", k, stage.busy_seconds)
             self._queues[k].set(queues[k])
         for op, metric in self._ops.items():
-            value = getattr(stats, op)
-            metric.increment(value - self._last.get((op, -1), 0))
-            self._last[(op, -1)] = value
+            self._increment(metric, op, getattr(stats, op))
+        for reason, metric in self._refused.items():
+            self._increment(metric, reason, getattr(stats, _REFUSALS[reason]))
+        self._increment(self._goodput, "within_slo", stats.within_slo)
+        self._queued.set(stats.queued)
+
+    def _increment(self, metric: object, key: str, total: float) -> None:
+        metric.increment(total - self._last.get((key, -1), 0))  # type: ignore[attr-defined]
+        self._last[(key, -1)] = total
 
     def _add(self, name: str, stage: int, total: float) -> None:
         self._per_stage[name][stage].increment(total - self._last.get((name, stage), 0))

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..runtime.errors import BadInputError, QueryError, ShuttingDownError
+from ..runtime.errors import BadInputError, CancelledError, QueryError, RefusedError, ShuttingDownError
 from ..runtime.manifest import Manifest
 from ..runtime.query import Answer
 from ..runtime.loading import load_pipeline
@@ -200,17 +200,81 @@ class _RequestAnswer:
 
 
 def _code(error: QueryError) -> int:
-    """Triton's status for the error: the client's mistake, a stop, or ours."""
+    """Triton's status for the error: the client's mistake, overload or a stop, a cancellation, or ours."""
     if isinstance(error, BadInputError):
         return pb_utils.TritonError.INVALID_ARG
-    if isinstance(error, ShuttingDownError):
+    if isinstance(error, (ShuttingDownError, RefusedError)):
         return pb_utils.TritonError.UNAVAILABLE
+    if isinstance(error, CancelledError):
+        return getattr(pb_utils.TritonError, "CANCELLED", pb_utils.TritonError.UNAVAILABLE)
     return pb_utils.TritonError.INTERNAL
 
 
 def _describe(errors: list[QueryError]) -> str:
     first = str(errors[0])
     return first if len(errors) == 1 else f"{first} (and {len(errors) - 1} more row(s) failed)"
+
+
+CANCEL_POLL_SECONDS = 0.05
+CANCEL_POLL_MAX = 64  # requests asked per round: each `is_cancelled` is a round trip to the server
+
+
+class _CancelWatch:
+    """A thread that asks Triton whether queued requests were cancelled (a gRPC client's deadline
+    or cancel), and has the scheduler drop their queries before a stage runs them. Only requests
+    with a query not yet taken by stage 0 are asked, oldest first."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self._pipeline = pipeline
+        self._open: dict[int, tuple[Any, list[int]]] = {}  # first query id -> (request, query ids)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dvabatch-cancel-watch", daemon=True)
+        self._thread.start()
+
+    def add(self, request: Any, ids: list[int]) -> None:
+        if ids:
+            with self._lock:
+                self._open[ids[0]] = (request, ids)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(CANCEL_POLL_SECONDS):
+            try:
+                self._poll()
+            except Exception as exc:  # noqa: BLE001 - the watch must outlive one failed round trip
+                pb_utils.Logger.log_warn(f"dvabatch: checking for cancelled requests failed: {exc}")
+
+    def _poll(self) -> None:
+        with self._lock:
+            entries = list(self._open.items())
+        asked = 0
+        for first, (request, ids) in entries:
+            if not self._pipeline.any_queued(ids):  # running or answered: too late to save work
+                with self._lock:
+                    self._open.pop(first, None)
+                continue
+            if asked == CANCEL_POLL_MAX:
+                break
+            asked += 1
+            if request.is_cancelled():
+                self._pipeline.cancel(ids)
+                with self._lock:
+                    self._open.pop(first, None)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        with self._lock:
+            self._open.clear()
+
+
+def _request_timeout_us(request: Any) -> int | None:
+    """The request's own timeout (the client's `timeout` parameter, microseconds), or None."""
+    try:
+        timeout = int(request.timeout())
+    except Exception:  # noqa: BLE001 - a stub without timeouts: the model's default applies
+        return None
+    return timeout or None
 
 
 class TritonPythonModel:
@@ -230,10 +294,14 @@ class TritonPythonModel:
         ).start()
         self._output_names = [t.name for t in manifest.outputs]
         self._responder = _Responder()
+        self._cancel_watch = _CancelWatch(self._scheduler)
         self._metrics = StageMetrics(self._scheduler, args["model_name"])
+        admission = self._scheduler.admission
+        budgets = ", ".join(f"{b * 1000:.1f}" for b in admission.stage_budgets())
         pb_utils.Logger.log_info(
             f"dvabatch: {manifest.name} with {manifest.num_stages} stages, policy {settings.policy}, "
-            f"{settings.runtime.num_buffer_pairs} buffer pairs"
+            f"{settings.runtime.num_buffer_pairs} buffer pairs, max_queue_size {admission.max_queue_size or 'unbounded'}"
+            + (f", slo {settings.runtime.slo.slo_ms:g} ms (stage budgets {budgets} ms)" if budgets else "")
         )
 
     def execute(self, requests: list[Any]) -> None:
@@ -247,7 +315,9 @@ class TritonPythonModel:
                 continue
             answer = _RequestAnswer(sender, len(rows), self._output_names, self._responder,
                                     self._manifest.output_batch_axes)
-            self._scheduler.submit_many([(row, answer.reply_for(i)) for i, row in enumerate(rows)])
+            ids = self._scheduler.submit_many([(row, answer.reply_for(i)) for i, row in enumerate(rows)],
+                                              timeout_us=_request_timeout_us(request))
+            self._cancel_watch.add(request, ids)
         return None
 
     def _rows(self, request: Any) -> list[dict[str, np.ndarray]]:
@@ -266,6 +336,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         """Answer what is in flight ("shutting down") and join every thread the model started."""
+        self._cancel_watch.close()
         self._scheduler.stop()  # its last answers go to the responder, which sends them before it ends
         self._responder.close()
         self._metrics.close()

@@ -1,0 +1,125 @@
+"""Admission: what the runtime accepts, and what it drops before it runs.
+
+Three rules, each refusing with Triton's code and wording where Triton has one:
+  - the queue bound (Triton's `max_queue_size`): queries admitted but not yet run by stage 0 are
+    "queued"; a request that would take them past the bound is refused "Exceeds maximum queue
+    size". The default bound is about `QUEUE_SECONDS` of work at the pipeline's peak (bs_max rows
+    through the slowest stage), and at least two full batches;
+  - the timeout (Triton's `default_timeout_microseconds`, a request's own `timeout` where
+    `allow_timeout_override`): a query still queued at its deadline is answered "Request timeout
+    expired" and never runs (with `timeout_action` "delay" it runs anyway);
+  - the latency target (`slo_ms`, NeuStream's admission): the target is split into per-stage
+    budgets in proportion to the profiled stage times; a query whose remaining budget is smaller
+    than what the stages still need (predicted from the profile, corrected by the times the
+    stages actually take) is answered "overloaded: cannot meet N ms" at once -- at arrival, and
+    again when stage 0 is about to take it -- rather than served late (`action` "serve_late" keeps it).
+
+`ServiceModel` is the prediction; `Admission` applies the rules. Both are owned by the
+scheduler and used under its lock.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from .settings import QueuePolicy, SloPolicy
+
+QUEUE_SECONDS = 1.0  # the default queue bound holds about this much work at the pipeline's peak
+UNPROFILED_STAGE_SECONDS = 1e-3  # per row, for a manifest without stage times
+_EWMA = 0.05  # weight of one observation in the measured/profiled correction
+
+
+class ServiceModel:
+    """Predicted seconds for a stage to run a batch: the profile, interpolated between profiled
+    batch sizes, times a correction learnt from what the stages actually take (threads, load and
+    the machine differ from the slicer's measurement)."""
+
+    def __init__(self, stage_times: Sequence[dict[int, float]], num_stages: int) -> None:
+        if not stage_times:
+            stage_times = [{1: UNPROFILED_STAGE_SECONDS} for _ in range(num_stages)]
+        self._points = [sorted(t.items()) for t in stage_times]
+        self.correction = 1.0
+
+    @property
+    def num_stages(self) -> int:
+        return len(self._points)
+
+    def profiled(self, stage: int, bs: int) -> float:
+        points = self._points[stage]
+        if bs <= points[0][0]:
+            return points[0][1] * (bs / points[0][0] if len(points) > 1 else 1.0)
+        for (b0, t0), (b1, t1) in zip(points, points[1:]):
+            if bs <= b1:
+                return t0 + (t1 - t0) * (bs - b0) / (b1 - b0)
+        b_last, t_last = points[-1]
+        return t_last * bs / b_last  # beyond the profile: no better per-row cost than the largest
+
+    def stage_time(self, stage: int, bs: int) -> float:
+        return self.profiled(stage, bs) * self.correction
+
+    def pipeline_time(self, bs: int, from_stage: int = 0) -> float:
+        return sum(self.stage_time(k, bs) for k in range(from_stage, self.num_stages))
+
+    def peak_rate(self, bs_max: int) -> float:
+        """Queries per second through the slowest stage at bs_max."""
+        return bs_max / max(self.stage_time(k, bs_max) for k in range(self.num_stages))
+
+    def observe(self, stage: int, bs: int, seconds: float) -> None:
+        predicted = self.profiled(stage, bs)
+        if predicted > 0 and seconds > 0:
+            self.correction += _EWMA * (seconds / predicted - self.correction)
+
+
+class Admission:
+    def __init__(self, queue: QueuePolicy, slo: SloPolicy, service: ServiceModel, bs_max: int) -> None:
+        self.queue = queue
+        self.slo = slo
+        self.service = service
+        self.bs_max = bs_max
+        if queue.max_queue_size is None:
+            # from the profile as the slicer measured it: a fixed bound, known at load
+            peak = bs_max / max(service.profiled(k, bs_max) for k in range(service.num_stages))
+            self.max_queue_size = max(2 * bs_max, math.ceil(peak * QUEUE_SECONDS))
+        else:
+            self.max_queue_size = queue.max_queue_size  # 0: unbounded
+        self.slo_seconds = None if slo.slo_ms is None else slo.slo_ms / 1000.0
+
+    def stage_budgets(self) -> list[float]:
+        """The latency target split over the stages in proportion to their profiled times at bs_max (s)."""
+        if self.slo_seconds is None:
+            return []
+        times = [self.service.profiled(k, self.bs_max) for k in range(self.service.num_stages)]
+        return [self.slo_seconds * t / sum(times) for t in times]
+
+    def queue_refusal(self, queued: int, rows: int) -> str | None:
+        if self.max_queue_size and queued + rows > self.max_queue_size:
+            return f"Exceeds maximum queue size ({queued} queued, max_queue_size {self.max_queue_size})"
+        return None
+
+    def deadline(self, arrival: float, request_timeout_us: int | None) -> float | None:
+        """When a query stops being worth running: its request's timeout if it may override, else the default."""
+        timeout_us = self.queue.default_timeout_us
+        if request_timeout_us and self.queue.allow_timeout_override:
+            timeout_us = request_timeout_us
+        return arrival + timeout_us / 1e6 if timeout_us else None
+
+    def slo_deadline(self, arrival: float) -> float | None:
+        return None if self.slo_seconds is None else arrival + self.slo_seconds
+
+    def predicted_finish(self, now: float, queued_ahead: int) -> float:
+        """When a query arriving now behind `queued_ahead` others would leave: the queue drained at
+        the peak rate, then one pass through the pipeline in a batch of what is queued."""
+        bs = max(1, min(self.bs_max, queued_ahead + 1))
+        return now + queued_ahead / self.service.peak_rate(self.bs_max) + self.service.pipeline_time(bs)
+
+    def slo_refusal(self, finish: float, slo_deadline: float | None) -> str | None:
+        """Why a query predicted to finish at `finish` is refused under its target, or None."""
+        if slo_deadline is None or self.slo.action != "reject" or finish <= slo_deadline:
+            return None
+        return f"overloaded: cannot meet {self.slo.slo_ms:g} ms"
+
+    def timed_out(self, now: float, deadline: float | None) -> bool:
+        return deadline is not None and now > deadline and self.queue.timeout_action == "reject"
+
+    def within_slo(self, latency: float) -> bool:
+        return self.slo_seconds is None or latency <= self.slo_seconds

@@ -1,0 +1,43 @@
+"""The runtime's settings: plain data, read from config.pbtxt parameters by the adapter."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class QueuePolicy:
+    """Triton's `default_queue_policy`, honoured by the runtime (a Python backend's own queue is
+    its business): a bound on the queries waiting to run, and a per-query timeout.
+
+    `max_queue_size` None derives a bound from bs_max and the stage times (about a second of work
+    at the pipeline's peak); 0 is unbounded. `default_timeout_us` 0 is no timeout; a request's own
+    timeout replaces it only with `allow_timeout_override`. A query still waiting at its deadline
+    is answered "Request timeout expired" (`timeout_action` "reject") or left to run ("delay").
+    """
+
+    max_queue_size: int | None = None
+    default_timeout_us: int = 0
+    allow_timeout_override: bool = True
+    timeout_action: str = "reject"  # "reject" | "delay"
+
+
+@dataclass(frozen=True)
+class SloPolicy:
+    """A latency target (NeuStream-style admission): `slo_ms` None is none. A query that can no
+    longer meet it is answered "overloaded" at once (`action` "reject") or served late ("serve_late")."""
+
+    slo_ms: float | None = None
+    action: str = "reject"  # "reject" | "serve_late"
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    num_buffer_pairs: int = 2
+    bs_max: int | None = None  # None: the manifest's max_batch_size
+    threads_per_stage: int = 1
+    record_trace: bool = False
+    engine: str = "onnxruntime"  # "onnxruntime" | "torch"
+    device: str = "cpu"  # "cpu" | "cuda"
+    thread_pool: str = "global"  # onnxruntime: "per_stage" threads, or one "global" pool for all stages
+    queue: QueuePolicy = QueuePolicy()
+    slo: SloPolicy = SloPolicy()

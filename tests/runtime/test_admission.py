@@ -1,0 +1,203 @@
+"""Admission, driven from the test's one thread with a hand clock: the queue bound, timeouts,
+cancellation and the latency target. Every query gets exactly one answer; a dropped one never runs."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import pytest
+
+from dvabatch_backend import ArrivalPlan, RuntimeSettings, Scheduler, run_until_idle
+from dvabatch_backend.runtime.admission import Admission, ServiceModel
+from dvabatch_backend.runtime.decisions import BatchTableView, Policy, QueryInfo
+from dvabatch_backend.runtime.errors import CancelledError, OverloadedError, QueueFullError, TimeoutExpiredError
+from dvabatch_backend.runtime.settings import QueuePolicy, SloPolicy
+from policies import create_policy
+
+import numpy as np
+
+from ..conftest import Collector, assert_matches_reference
+
+
+class HandClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class HoldPolicy(Policy):
+    """Batches nothing until `release` is set; asks to be called again meanwhile."""
+
+    name = "hold"
+
+    def __init__(self) -> None:
+        self.release = False
+        self.inner = create_policy("pipelined")
+
+    def bind(self, context) -> None:
+        super().bind(context)
+        self.inner.bind(context)
+
+    def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
+        return self.inner.on_arrival(waiting, table, now) if self.release else ArrivalPlan((), wake_at=now + 1.0)
+
+
+def _scheduler(model, clock, policy=None, **settings) -> Scheduler:
+    return Scheduler(model.manifest, policy or create_policy("pipelined"), RuntimeSettings(bs_max=4, **settings),
+                     clock=clock)
+
+
+def _submit(scheduler, model, collector, n: int, seed: int = 0, timeout_us: int | None = None):
+    rng = np.random.default_rng(seed)
+    queries = [model.query(rng) for _ in range(n)]
+    ids = [scheduler.submit_many([(q, collector)], timeout_us=timeout_us)[0] for q in queries]
+    return ids, queries
+
+
+def test_the_queue_bound_refuses_with_tritons_wording_and_loses_nothing(zoo) -> None:
+    model = zoo.stages("token", 2)
+    clock, collector = HandClock(), Collector()
+    scheduler = _scheduler(model, clock, queue=QueuePolicy(max_queue_size=5))
+    ids, queries = _submit(scheduler, model, collector, 8)
+
+    refused = [qid for qid in ids if qid in collector.answers]  # answered before anything ran
+    assert len(refused) == 3 and all(isinstance(collector.one(q).error, QueueFullError) for q in refused)
+    assert "Exceeds maximum queue size" in str(collector.one(refused[0]).error)
+    assert scheduler.stats.queued == 5 and scheduler.stats.queue_full == 3
+
+    run_until_idle(scheduler, model.engines())
+    assert scheduler.stats.queued == 0
+    for qid, inputs in zip(ids, queries):
+        if qid not in refused:
+            assert_matches_reference(model, inputs, collector.one(qid))
+    assert len(collector.answers) == 8  # each exactly once (Collector fails on a second answer)
+    # room again: a new query is admitted
+    more, _ = _submit(scheduler, model, collector, 1, seed=1)
+    run_until_idle(scheduler, model.engines())
+    assert collector.one(more[0]).ok
+
+
+def test_a_multi_row_request_is_admitted_or_refused_whole(zoo) -> None:
+    model = zoo.stages("token", 2)
+    collector = Collector()
+    scheduler = _scheduler(model, HandClock(), queue=QueuePolicy(max_queue_size=4))
+    rng = np.random.default_rng(2)
+    ids = scheduler.submit_many([(model.query(rng), collector) for _ in range(3)])
+    second = scheduler.submit_many([(model.query(rng), collector) for _ in range(2)])  # 3 + 2 > 4
+    assert all(isinstance(collector.one(q).error, QueueFullError) for q in second)
+    run_until_idle(scheduler, model.engines())
+    assert all(collector.one(q).ok for q in ids)
+
+
+def test_queries_past_their_timeout_are_dropped_before_any_stage_runs_them(zoo) -> None:
+    model = zoo.stages("token", 2)
+    clock, collector = HandClock(), Collector()
+    scheduler = _scheduler(model, clock)
+    late, _ = _submit(scheduler, model, collector, 3, timeout_us=1000)
+    fine, fine_inputs = _submit(scheduler, model, collector, 2, seed=3)  # no timeout
+    clock.now += 0.002
+
+    run_until_idle(scheduler, model.engines())
+
+    for qid in late:
+        error = collector.one(qid).error
+        assert isinstance(error, TimeoutExpiredError) and "Request timeout expired" in str(error)
+    for qid, inputs in zip(fine, fine_inputs):
+        assert_matches_reference(model, inputs, collector.one(qid))
+    assert scheduler.stats.timed_out == 3
+    assert scheduler.stats.stages[0].rows == 2  # the late ones never ran
+
+
+def test_the_default_timeout_applies_and_delay_runs_late_queries(zoo) -> None:
+    model = zoo.stages("token", 2)
+    for action, expect_ok in (("reject", False), ("delay", True)):
+        clock, collector = HandClock(), Collector()
+        queue = QueuePolicy(default_timeout_us=500, allow_timeout_override=False, timeout_action=action)
+        scheduler = _scheduler(model, clock, queue=queue)
+        ids, _ = _submit(scheduler, model, collector, 2, timeout_us=10_000_000)  # override not allowed
+        clock.now += 0.001
+        run_until_idle(scheduler, model.engines())
+        assert [collector.one(q).ok for q in ids] == [expect_ok] * 2, action
+
+
+def test_waiting_queries_time_out_from_the_batch_window(zoo) -> None:
+    model = zoo.stages("token", 2)
+    clock, collector, policy = HandClock(), Collector(), HoldPolicy()
+    scheduler = _scheduler(model, clock, policy=policy)
+    ids, _ = _submit(scheduler, model, collector, 2, timeout_us=1000)
+    assert scheduler.wake_at is not None and scheduler.wake_at <= clock.now + 0.001 + 1e-9  # the deadline wakes it
+    clock.now += 0.002
+    scheduler.on_window()
+    assert all(isinstance(collector.one(q).error, TimeoutExpiredError) for q in ids)
+    assert scheduler.pending_count == 0 and scheduler.stats.stages[0].batches == 0
+
+
+def test_cancelled_queries_never_run_and_the_others_are_answered(zoo) -> None:
+    model = zoo.stages("token", 3)
+    clock, collector, policy = HandClock(), Collector(), HoldPolicy()
+    scheduler = _scheduler(model, clock, policy=policy)
+    waiting, _ = _submit(scheduler, model, collector, 2)
+    scheduler.cancel(waiting[:1])  # waiting: answered at once
+    assert isinstance(collector.one(waiting[0]).error, CancelledError)
+
+    policy.release = True
+    batched, inputs = _submit(scheduler, model, collector, 4, seed=5)  # batched at once with the waiting one
+    assert scheduler.any_queued(batched)
+    scheduler.cancel(batched[:2])  # batched, not started: dropped when stage 0 reaches the batch
+    run_until_idle(scheduler, model.engines())
+
+    assert all(isinstance(collector.one(q).error, CancelledError) for q in batched[:2])
+    for qid, query in zip(batched[2:], inputs[2:]):
+        assert_matches_reference(model, query, collector.one(qid))
+    assert collector.one(waiting[1]).ok
+    assert scheduler.stats.cancelled == 3 and scheduler.stats.stages[0].rows == 3
+    assert not scheduler.any_queued(batched)
+
+
+def test_a_query_that_cannot_meet_the_latency_target_is_refused_at_once(zoo) -> None:
+    model = zoo.stages("token", 2)
+    collector = Collector()
+    scheduler = _scheduler(model, HandClock(), slo=SloPolicy(slo_ms=1e-6))  # no stage is that fast
+    ids, _ = _submit(scheduler, model, collector, 2)
+    error = collector.one(ids[0]).error
+    assert isinstance(error, OverloadedError) and "overloaded: cannot meet" in str(error)
+    assert scheduler.stats.slo_rejected == 2 and scheduler.pending_count == 0
+
+    clock, collector = HandClock(), Collector()
+    late = _scheduler(model, clock, slo=SloPolicy(slo_ms=1e-6, action="serve_late"))
+    ids, inputs = _submit(late, model, collector, 2, seed=7)
+    clock.now += 0.001
+    run_until_idle(late, model.engines())
+    for qid, query in zip(ids, inputs):
+        assert_matches_reference(model, query, collector.one(qid))
+    assert late.stats.answered_ok == 2 and late.stats.within_slo == 0  # served, but not goodput
+
+
+def test_goodput_counts_results_within_the_target(zoo) -> None:
+    model = zoo.stages("token", 2)
+    clock, collector = HandClock(), Collector()
+    scheduler = _scheduler(model, clock, slo=SloPolicy(slo_ms=50))
+    ids, _ = _submit(scheduler, model, collector, 3)
+    run_until_idle(scheduler, model.engines())  # the hand clock stands still: every answer is in time
+    assert scheduler.stats.within_slo == 3 == scheduler.stats.answered_ok
+
+
+def test_the_service_model_interpolates_the_profile_and_learns_a_correction() -> None:
+    service = ServiceModel([{1: 0.001, 4: 0.004}, {1: 0.002, 4: 0.002}], 2)
+    assert service.stage_time(0, 2) == pytest.approx(0.002)
+    assert service.stage_time(1, 8) == pytest.approx(0.004)  # beyond the profile: per row of the largest
+    assert service.peak_rate(4) == pytest.approx(1000.0)
+    for _ in range(200):
+        service.observe(0, 4, 0.008)  # twice the profile
+    assert service.correction == pytest.approx(2.0, rel=0.01)
+
+
+def test_the_default_queue_bound_is_about_a_second_at_the_pipelines_peak() -> None:
+    service = ServiceModel([{8: 0.010}, {8: 0.020}], 2)  # slowest stage: 8 rows per 20 ms -> 400/s
+    assert Admission(QueuePolicy(), SloPolicy(), service, 8).max_queue_size == 400
+    assert Admission(QueuePolicy(max_queue_size=0), SloPolicy(), service, 8).queue_refusal(10**6, 1) is None
+    slow = ServiceModel([{8: 4.0}], 1)
+    assert Admission(QueuePolicy(), SloPolicy(), slow, 8).max_queue_size == 16  # never below two batches
+    budgets = Admission(QueuePolicy(), SloPolicy(slo_ms=90), service, 8).stage_budgets()
+    assert budgets == pytest.approx([0.030, 0.060])
