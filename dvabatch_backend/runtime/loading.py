@@ -24,6 +24,11 @@ EngineWrapper = Callable[[int, StageEngine], StageEngine]
 
 def make_engines(version_dir: Path, manifest: Manifest, settings: RuntimeSettings) -> list[StageEngine]:
     """One engine per stage, of the kind `settings` names."""
+    if settings.engine == "torch":  # imported only here: the runtime runs without torch
+        from .torch_engine import TorchStageEngine
+
+        return [TorchStageEngine(version_dir / s.file, settings.device, settings.threads_per_stage)
+                for s in manifest.stages]
     # per_stage: threads_per_stage threads each; global: one pool of every available core (0)
     threads = settings.threads_per_stage if settings.thread_pool == PER_STAGE else 0
     return [OrtStageEngine(version_dir / s.file, threads, thread_pool=settings.thread_pool) for s in manifest.stages]
