@@ -5,12 +5,14 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from policies import RandomLegalPolicy
 
-from ..conftest import Collector, GatedEngine, SlowEngine, assert_all_answered_correctly, assert_matches_reference, make_scheduler
+from ..conftest import (Collector, GatedEngine, SlicedModel, SlowEngine, assert_all_answered_correctly,
+                        assert_matches_reference, make_scheduler)
 
 CUT_POINTS = ("h1", "h2", "h3", "h4", "h5")
 
@@ -39,7 +41,23 @@ def scenarios(draw: st.DrawFn) -> dict:
 @given(scenario=scenarios())
 def test_random_schedules_answer_every_query_once_and_correctly(zoo, scenario: dict) -> None:
     model = zoo.get(scenario["kind"], scenario["cuts"])
-    engines = model.engines()
+    run_scenario(model, model.engines(), scenario)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_random_schedules_on_the_torch_engine(zoo, scenario: dict) -> None:
+    """The same property with every stage on the torch engine (CPU, eager): its answers equal the
+    unsliced model in onnxruntime."""
+    torch_engine = pytest.importorskip("dvabatch_backend.runtime.torch_engine")
+    model = zoo.get(scenario["kind"], scenario["cuts"])
+    engines = [torch_engine.TorchStageEngine(model.dir / s.file) for s in model.manifest.stages]
+    run_scenario(model, engines, scenario)
+
+
+def run_scenario(model: SlicedModel, engines: list, scenario: dict) -> None:
+    """Queries arrive in the scenario's groups and gaps under a random legal policy: each is answered
+    once, equal to the unsliced model, no buffer-rule violation, every thread gone after."""
     if scenario["delay"]:
         engines = [SlowEngine(e, scenario["delay"]) for e in engines]
     policy = RandomLegalPolicy(
