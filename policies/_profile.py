@@ -65,19 +65,27 @@ class BatchCost:
         self.available = len(self._lengths) >= 2 and all(p.available for p in self._profiles)
         self.num_stages = num_stages
 
-    def _total(self, index: int, bs: int) -> float:
+    def _total(self, index: int, bs: int, stages: range) -> float:
         profile = self._profiles[index]
-        return sum(profile.time(s, bs) for s in range(self.num_stages))
+        return sum(profile.time(s, bs) for s in stages)
 
     def seconds(self, bs: int, length: int) -> float:
+        """The whole batch: every stage."""
+        return self._at_length(bs, length, range(self.num_stages))
+
+    def stage_seconds(self, stage: int, bs: int, length: int) -> float:
+        """One stage of the batch."""
+        return self._at_length(bs, length, range(stage, stage + 1))
+
+    def _at_length(self, bs: int, length: int, stages: range) -> float:
         lengths = self._lengths
         if length <= lengths[0]:
-            return self._total(0, bs)
+            return self._total(0, bs, stages)
         if length >= lengths[-1]:
-            return self._total(len(lengths) - 1, bs) * length / lengths[-1]
+            return self._total(len(lengths) - 1, bs, stages) * length / lengths[-1]
         i = bisect.bisect_left(lengths, length)
         if lengths[i] == length:
-            return self._total(i, bs)
+            return self._total(i, bs, stages)
         lo, hi = lengths[i - 1], lengths[i]
-        t_lo, t_hi = self._total(i - 1, bs), self._total(i, bs)
+        t_lo, t_hi = self._total(i - 1, bs, stages), self._total(i, bs, stages)
         return t_lo + (t_hi - t_lo) * (length - lo) / (hi - lo)

@@ -17,13 +17,15 @@ Here:
   the most profitable first, while one merged batch is cheaper than the two apart (profiled
   seconds over all stages, `BatchCost`) and within bs_max: on hardware where small batches are
   inefficient (a CPU at short lengths), a little padding buys more than it costs.
-- Window: the profiled time of stage 0 at bs_max (interpolated if bs_max lies between profiled
-  sizes; the largest profiled size's time if bs_max is beyond them); `window_bs` names another
-  batch size to read it at (on a CPU, where a batch's time grows with its size, stage 0 at bs_max
-  takes longer than a whole query alone: `window_bs=1` keeps the window to one query's stage-0
-  time); `window` (seconds) when given overrides both; without a profile, 0 (batch at once). Queries are batched once the oldest waiting query has
-  waited the window; until then only full clusters (bs_max queries) go, and the policy asks to
-  be woken when the window of the oldest query left ends.
+- Window: adaptive by default (`policies.window`): no wait while stage 0 is idle; while it is
+  busy, the waiting queries are held until it is expected to be free (they would wait in its queue
+  anyway), never longer than the paper's window after the oldest one's arrival. The paper's window,
+  here the upper bound `window` (attribute), is the profiled time of stage 0 at bs_max
+  (interpolated if bs_max lies between profiled sizes; the largest profiled size's time if bs_max
+  is beyond them); `window_bs` names another batch size to read it at; without a profile, 0 (batch
+  at once). The parameter `window` (seconds) makes the window fixed instead (the paper's rule:
+  queries are batched once the oldest waiting query has waited it; 0 never waits). Inside the
+  window only full clusters (bs_max queries) go, and the policy asks to be woken when it ends.
 - Order and cap: queries in flight plus queries in new batches <= bs_max. When every ready
   cluster fits, the shortest go first (batch queues are FIFO: a batch never overtakes one
   ahead of it, so this is what lets short queries exit first). Otherwise clusters go
@@ -37,6 +39,7 @@ from typing import Sequence
 from .api import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo
 
 from ._profile import BatchCost, StageProfile
+from .window import AdaptiveWindow
 
 
 class InputDiversityPolicy(Policy):
@@ -57,10 +60,17 @@ class InputDiversityPolicy(Policy):
         super().bind(context)
         profile = StageProfile(context.stage_times, context.num_stages)
         self.cost = BatchCost(context.stage_times_by_length, context.num_stages)
-        self.window = self._window_param or 0.0
+        self.window = self._window_param or 0.0  # fixed, or the adaptive window's upper bound
         if self._window_param is None and profile.available:
             largest = max(profile.profiled(0))
             self.window = profile.time(0, min(self._window_bs or context.bs_max, largest))
+        self.adaptive = AdaptiveWindow.from_context(context, self.window) if self._window_param is None else None
+
+    def _go_at(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float, released: bool = False) -> float:
+        """When the waiting queries should be batched (<= now: at once)."""
+        if self.adaptive is not None:
+            return self.adaptive.go_at(waiting, table, now, released)
+        return min(q.arrival for q in waiting) + self.window
 
     def clusters(self, waiting: Sequence[QueryInfo]) -> list[list[QueryInfo]]:
         """Waiting queries clustered by length, each sorted by length; oldest cluster first."""
@@ -102,7 +112,7 @@ class InputDiversityPolicy(Policy):
         if not waiting or room <= 0:
             return ArrivalPlan()  # offered again when queries leave the pipeline
         clusters = self.clusters(waiting)
-        window_open = now < min(q.arrival for q in waiting) + self.window
+        window_open = now < self._go_at(waiting, table, now)
         ready = [c for c in clusters if len(c) >= bs_max] if window_open else clusters
         if sum(len(c) for c in ready) <= room:
             # all of them go: shortest first, so short queries leave the pipeline first (queues
@@ -114,11 +124,15 @@ class InputDiversityPolicy(Policy):
             if room <= 0:
                 break
             group = cluster if len(cluster) <= room else sorted(cluster, key=lambda q: (q.arrival, q.id))[:room]
-            decisions.append(New(tuple(q.id for q in group), pad_length=max(q.length for q in group)))
+            pad = max(q.length for q in group)
+            decisions.append(New(tuple(q.id for q in group), pad_length=pad))
+            if self.adaptive is not None:
+                self.adaptive.released(len(group), pad, now)
             taken.update(q.id for q in group)
             room -= len(group)
         wake_at = None
         left = [q for q in waiting if q.id not in taken]
         if window_open and left and room > 0:
-            wake_at = min(q.arrival for q in left) + self.window  # > now: the window is still open
+            # > now: the window was open, and a release only makes stage 0 busier
+            wake_at = max(self._go_at(left, table, now, released=bool(decisions)), now)
         return ArrivalPlan(tuple(decisions), wake_at)
