@@ -26,13 +26,13 @@ if not torch.cuda.is_available():
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from dvabatch_backend.runtime.engine import OrtStageEngine  # noqa: E402
 from dvabatch_backend.runtime.fences import CudaEventFence, cuda_fences  # noqa: E402
 from dvabatch_backend.runtime.scheduler import RuntimeSettings  # noqa: E402
 from dvabatch_backend.runtime.torch_engine import TorchStageEngine  # noqa: E402  (the torch engine's API)
-from perf.gpu.pipelines import cuda_pipeline, sliced_token_mlp  # noqa: E402
-from perf.gpu.timeline import EventTimedEngine, Timeline, overlapping_pairs  # noqa: E402
-from policies import RandomLegalPolicy, create_policy  # noqa: E402
+from perf.gpu.overlap import stage_timeline  # noqa: E402
+from perf.gpu.pipelines import cuda_pipeline  # noqa: E402
+from perf.gpu.timeline import overlapping_pairs  # noqa: E402
+from policies import RandomLegalPolicy  # noqa: E402
 
 from ..conftest import Collector, SlowEngine, assert_all_answered_correctly  # noqa: E402
 from ..runtime.test_property import scenarios  # noqa: E402
@@ -175,30 +175,11 @@ def test_random_schedules_on_cuda_answer_every_query_once_and_correctly(zoo, cud
 # -- the overlap check -------------------------------------------------------------------------
 
 
-def gpu_timeline(tmp_path: Path, pairs: int) -> list:
-    """A heavier token MLP in 3 stages on CUDA, 48 queries at once; every stage run's GPU interval."""
-    model_dir, manifest = sliced_token_mlp(tmp_path / f"pairs{pairs}", hidden=512, layers=6, stages=3, bs_max=8,
-                                           max_length=128)
-    timeline = Timeline()
-    engines = [EventTimedEngine(i, TorchStageEngine(model_dir / s.file, device="cuda"), timeline)
-               for i, s in enumerate(manifest.stages)]
-    pipeline = cuda_pipeline(manifest, engines, create_policy("pipelined"),
-                             RuntimeSettings(num_buffer_pairs=pairs, engine="torch", device="cuda"))
-    rng = np.random.default_rng(pairs)
-    queries = [{"x": rng.standard_normal((128, 512)).astype(np.float32), "mask": np.ones(128, np.float32)}
-               for _ in range(48)]
-    collector = Collector()
-    with pipeline:
-        ids = pipeline.submit_many([(q, collector) for q in queries])
-        assert collector.wait_for(set(ids), timeout=120)
-    assert all(collector.one(i).error is None for i in ids)
-    assert pipeline.buffer_violations == []
-    return timeline.intervals()
-
-
 def test_one_pair_never_overlaps_two_pairs_do(tmp_path: Path) -> None:
-    serial = gpu_timeline(tmp_path, pairs=1)
+    """perf.gpu.overlap's run (a heavier token MLP in 3 stages, 48 queries at once): every stage
+    run's interval on the GPU timeline, from CUDA events on the stages' streams."""
+    serial = stage_timeline(tmp_path, pairs=1)
     assert len(serial) >= 3 * 6  # 48 queries in batches of at most 8, through 3 stages
     assert overlapping_pairs(serial) == [], "with one buffer pair two stages ran at once on the GPU"
-    overlapped = gpu_timeline(tmp_path, pairs=2)
+    overlapped = stage_timeline(tmp_path, pairs=2)
     assert overlapping_pairs(overlapped), "with two buffer pairs no two stages ever ran at once on the GPU"

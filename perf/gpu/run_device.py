@@ -1,0 +1,307 @@
+"""The GPU machine's whole run, in device calls of at most 10 minutes each: plan it here, run it there.
+
+Here (no GPU):
+
+    python -m perf.gpu.fetch_wheels          # the wheels of perf/gpu/wheels.txt -> work/wheels/
+    python -m perf.gpu.run_device --dry-run  # every device call printed and checked; exit 1 on a problem
+
+There (the `device` tool's `run`, once per call the dry run prints; perf/README.md lists them):
+
+    python3 -m pip install ... --target /tmp/site work/wheels/*.whl; export PYTHONPATH=/tmp/site:$PWD
+    python3 -m perf.gpu.run_device step tests --out $OUT
+    python3 -m perf.gpu.run_device step experiments --out $OUT
+
+Steps:
+
+- `tests`: nvidia-smi and the versions in use, then the GPU test module (tests/gpu: the torch
+  engine on CUDA against onnxruntime, CUDA graphs, the fence, the property test on CUDA, the
+  overlap check), then the runtime's own property test and the fence plumbing tests (on the
+  machine's CPU, with its numpy 2 and onnx 1.23);
+- `experiments`: the overlap figure (perf.gpu.overlap) and DVABatch beside ZeroBatch on the torch
+  engine on CUDA (perf.gpu.side_by_side).
+
+A step runs its commands one after another in the repository root, each with what is left of the
+step's time, every line of output echoed and kept; then it collects into OUT at most 8 files
+(what the device tool brings back, no folders): STEP.log (every command's output), the figures
+and JSON, junit XML, and STEP-raw.tar.gz of everything else the step wrote (models left out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from perf.gpu.fetch_wheels import DEFAULT_DEST, REPO, WHEELS_TXT, requirements
+
+MiB = 1 << 20
+TRANSFER_LIMIT = 64 * MiB  # the working tree plus carried paths, per call
+COMMAND_LIMIT = 2000  # characters of one device command
+CALL_LIMIT_S = 600  # one command's run
+DEVICE_BUDGET_S = 25 * 60  # what the whole run may take of the session's 30 minutes
+START_S = 120  # a fresh machine's start, counted against the budget per call
+OUT_FILES = 8  # files the device tool brings back from $OUT
+OUT_FILE_LIMIT = 16 * MiB
+KIND = "nvidia-h100-x1"
+PY = "python3"  # the device's interpreter, the one with torch
+WORK = "/tmp/dvabatch-gpu"  # where a step writes before collecting into OUT
+
+ENV_REPORT = ("import json, sys, torch, numpy, onnx, onnxruntime, hypothesis; print(json.dumps({"
+              "'python': sys.version.split()[0], 'torch': torch.__version__, 'cuda': torch.version.cuda, "
+              "'gpu': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "
+              "'numpy': numpy.__version__, 'onnx': onnx.__version__, 'onnxruntime': onnxruntime.__version__, "
+              "'hypothesis': hypothesis.__version__}, indent=1))")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One device call's work: commands (argv; "{out}" and "{work}" filled in), the repository files
+    they name, and the time the call is given."""
+
+    name: str
+    timeout_s: int
+    commands: tuple[tuple[str, ...], ...]
+    needs: tuple[str, ...]
+
+
+STEPS: tuple[Step, ...] = (
+    Step("tests", 560, (
+        ("nvidia-smi",),
+        (PY, "-c", ENV_REPORT),
+        (PY, "-m", "pytest", "-q", "-rs", "-o", "timeout=240", "tests/gpu/test_gpu.py",
+         "--junitxml={out}/junit-gpu.xml"),
+        (PY, "-m", "pytest", "-q", "-rs", "-o", "timeout=240", "tests/runtime/test_property.py",
+         "tests/unit/test_fences.py", "--junitxml={out}/junit-runtime.xml"),
+    ), needs=("tests/gpu/test_gpu.py", "tests/runtime/test_property.py", "tests/unit/test_fences.py", "pytest.ini")),
+    Step("experiments", 560, (
+        (PY, "-m", "perf.gpu.overlap", "--out", "{work}/overlap"),
+        (PY, "-m", "perf.gpu.side_by_side", "--out", "{work}/side_by_side", "--device", "cuda"),
+    ), needs=("perf/gpu/overlap.py", "perf/gpu/side_by_side.py")),
+)
+
+
+# -- planning (here) -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Wheel:
+    requirement: str
+    path: Path | None  # None: not downloaded
+
+    @property
+    def size(self) -> int:
+        return self.path.stat().st_size if self.path else 0
+
+
+@dataclass(frozen=True)
+class DeviceCall:
+    """One `run` of the device tool: its arguments, and the repository files its command names."""
+
+    step: Step
+    command: str
+    carry: tuple[str, ...]
+    timeout_s: int
+    names: tuple[str, ...]
+
+
+@dataclass
+class Plan:
+    wheels: list[Wheel]
+    tree_bytes: int
+    calls: list[DeviceCall]
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def wheel_bytes(self) -> int:
+        return sum(w.size for w in self.wheels)
+
+    @property
+    def transfer_bytes(self) -> int:
+        return self.tree_bytes + self.wheel_bytes
+
+
+def _normalized(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
+def find_wheel(requirement: str, wheel_dir: Path) -> Wheel:
+    """The wheel file in `wheel_dir` for NAME==VERSION (wheel names: NAME-VERSION-TAGS.whl)."""
+    name, version = requirement.split("==", 1)
+    for path in sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []:
+        parts = path.name.split("-")
+        if len(parts) >= 3 and _normalized(parts[0]) == _normalized(name) and parts[1] == version:
+            return Wheel(requirement, path)
+    return Wheel(requirement, None)
+
+
+def tree_size(repo: Path = REPO) -> int:
+    """Bytes of what the device tool sends: tracked files and untracked ones git does not ignore."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
+                            check=True, capture_output=True).stdout.decode().split("\0")
+    return sum((repo / p).stat().st_size for p in listed if p and (repo / p).is_file())
+
+
+def install_command(wheels: Sequence[Wheel], repo: Path) -> str:
+    """The device's install of the carried wheels (named one by one) and the path setting."""
+    if not wheels:
+        return "export PYTHONPATH=$PWD"
+    files = " ".join(shlex.quote(str(w.path.relative_to(repo))) for w in wheels if w.path)
+    return (f"{PY} -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
+            f"{files} && export PYTHONPATH=/tmp/site:$PWD || exit 1")
+
+
+def device_call(step: Step, wheels: Sequence[Wheel], wheel_dir: Path, repo: Path) -> DeviceCall:
+    command = (f"{install_command(wheels, repo)}; set -o pipefail; PYTHONUNBUFFERED=1 "
+               f"{PY} -m perf.gpu.run_device step {step.name} --out $OUT")
+    carry = (str(wheel_dir.relative_to(repo)),) if wheels else ()
+    names = (*(str(w.path.relative_to(repo)) for w in wheels if w.path), "perf/gpu/run_device.py", *step.needs)
+    return DeviceCall(step, command, carry, step.timeout_s, names)
+
+
+def plan(repo: Path, wheel_dir: Path, specs: Sequence[str], tree_bytes: int, steps: Sequence[Step] = STEPS) -> Plan:
+    """Every device call, checked: each wheel present, the transfer under 64 MiB, each command
+    short enough and naming only files that exist, each call and the whole run inside its time."""
+    wheels = [find_wheel(spec, wheel_dir) for spec in specs]
+    result = Plan(wheels, tree_bytes, [])
+    missing = [w.requirement for w in wheels if w.path is None]
+    if missing:
+        result.problems.append(f"wheels missing from {wheel_dir} (run python -m perf.gpu.fetch_wheels): {missing}")
+    if result.transfer_bytes > TRANSFER_LIMIT:
+        result.problems.append(f"the tree ({tree_bytes / MiB:.1f} MiB) and the wheels ({result.wheel_bytes / MiB:.1f} MiB) "
+                               f"are over the {TRANSFER_LIMIT // MiB} MiB a call carries")
+    result.calls = [device_call(step, wheels, wheel_dir, repo) for step in steps]
+    for call in result.calls:
+        if len(call.command) > COMMAND_LIMIT:
+            result.problems.append(f"step {call.step.name}: command of {len(call.command)} characters (limit {COMMAND_LIMIT})")
+        if call.timeout_s > CALL_LIMIT_S:
+            result.problems.append(f"step {call.step.name}: {call.timeout_s} s (a call runs at most {CALL_LIMIT_S} s)")
+        absent = [name for name in call.names if not (repo / name).is_file()]
+        if absent:
+            result.problems.append(f"step {call.step.name}: names files that do not exist: {absent}")
+    total = sum(c.timeout_s + START_S for c in result.calls)
+    if total > DEVICE_BUDGET_S:
+        result.problems.append(f"the calls may take {total} s with starts, over the {DEVICE_BUDGET_S} s budget")
+    return result
+
+
+def print_plan(result: Plan, repo: Path) -> None:
+    print("wheels (perf/gpu/wheels.txt):")
+    for w in result.wheels:
+        where = w.path.relative_to(repo) if w.path else "MISSING"
+        print(f"  {w.requirement:<28} {w.size / 1024:>9.1f} KiB  {where}")
+    print(f"transfer: tree {result.tree_bytes / MiB:.2f} MiB + wheels {result.wheel_bytes / MiB:.2f} MiB = "
+          f"{result.transfer_bytes / MiB:.2f} MiB (limit {TRANSFER_LIMIT // MiB} MiB)")
+    for k, call in enumerate(result.calls, 1):
+        print(f"\ndevice call {k}/{len(result.calls)}: step {call.step.name}")
+        print("  run(" + json.dumps({"kind": KIND, "timeout_s": call.timeout_s, "carry": list(call.carry),
+                                     "command": call.command}, indent=None) + ")")
+        print("  runs there, in the repository root:")
+        for argv in call.step.commands:
+            work = f"{WORK}/{call.step.name}"  # collected into $OUT when the step ends
+            print("    " + shlex.join(_filled(argv, work, work)))
+    total = sum(c.timeout_s + START_S for c in result.calls)
+    print(f"\ndevice time at most {total / 60:.1f} min ({len(result.calls)} calls, {START_S} s start each), "
+          f"budget {DEVICE_BUDGET_S // 60} min")
+    print("\n".join(f"PROBLEM: {p}" for p in result.problems) or "plan: OK")
+
+
+# -- running a step (there) ------------------------------------------------------------------
+
+
+def _filled(argv: Sequence[str], out: str, work: str) -> list[str]:
+    return [a.replace("{out}", out).replace("{work}", work) for a in argv]
+
+
+def run_step(step: Step, out: Path) -> int:
+    """Run the step's commands with what is left of its time, then collect into `out`."""
+    work = Path(WORK) / step.name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + step.timeout_s - 30  # 30 s kept for collecting
+    failures = 0
+    with open(work / f"{step.name}.log", "w") as log:
+        for argv in step.commands:
+            failures += _run_logged(_filled(argv, str(work), str(work)), log, deadline)
+    collect(work, out, step.name)
+    print(f"step {step.name}: {failures} command(s) failed", flush=True)
+    return 1 if failures else 0
+
+
+def _run_logged(argv: list[str], log, deadline: float) -> int:
+    """One command, its output echoed and logged; 1 if it failed or ran out of time."""
+    header = f"\n$ {shlex.join(argv)}\n"
+    print(header, end="", flush=True)
+    log.write(header)
+    remaining = deadline - time.monotonic()
+    if remaining <= 5:
+        log.write("(skipped: the step's time is spent)\n")
+        return 1
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg"}
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the step's deadline is checked between lines
+            print(line, end="", flush=True)
+            log.write(line)
+            if time.monotonic() > deadline:
+                proc.kill()
+                log.write("(killed: the step's time is spent)\n")
+        code = proc.wait()
+    except OSError as exc:
+        log.write(f"(failed to run: {exc})\n")
+        return 1
+    log.write(f"(exit {code})\n")
+    log.flush()
+    return 1 if code else 0
+
+
+def collect(work: Path, out: Path, name: str) -> list[Path]:
+    """At most `OUT_FILES` files into `out` (no folders): the log, junit XML, figures and JSON as
+    they are, everything else (models left out) in NAME-raw.tar.gz."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = sorted(p for p in work.rglob("*") if p.is_file() and p.suffix != ".onnx")
+    direct = [p for p in files if p.suffix in (".log", ".png", ".json", ".xml") and p.stat().st_size <= OUT_FILE_LIMIT]
+    direct = direct[: OUT_FILES - 1]
+    kept = []
+    for p in direct:
+        target = out / (p.name if not (out / p.name).exists() else f"{p.parent.name}-{p.name}")
+        shutil.copyfile(p, target)
+        kept.append(target)
+    raw = out / f"{name}-raw.tar.gz"
+    with tarfile.open(raw, "w:gz") as tar:
+        for p in files:
+            if p not in direct:
+                tar.add(p, arcname=str(p.relative_to(work)))
+    kept.append(raw)
+    return kept
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what")
+    step_parser = sub.add_parser("step", help="run one step (on the GPU machine)")
+    step_parser.add_argument("name", choices=[s.name for s in STEPS])
+    step_parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dry-run", action="store_true", help="print and check every device call (here)")
+    parser.add_argument("--wheels", type=Path, default=DEFAULT_DEST)
+    args = parser.parse_args(argv)
+    if args.what == "step":
+        return run_step(next(s for s in STEPS if s.name == args.name), args.out)
+    if not args.dry_run:
+        parser.error("give --dry-run (here) or `step NAME --out DIR` (on the GPU machine)")
+    result = plan(REPO, args.wheels.resolve(), requirements(WHEELS_TXT), tree_size(REPO))
+    print_plan(result, REPO)
+    return 1 if result.problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""perf.gpu.run_device's planning (its --dry-run) against a temporary wheel folder of small fake
+files: every wheel found or named missing, the 64 MiB transfer limit, and every device call naming
+only files that exist. Nothing is downloaded; nothing runs on a device."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from perf.gpu import run_device
+from perf.gpu.fetch_wheels import WHEELS_TXT, download_command, requirements
+from perf.gpu.run_device import MiB, STEPS, TRANSFER_LIMIT, plan
+
+SPECS = ["hypothesis==6.170.15", "pytest-timeout==2.4.0"]
+FILES = ["hypothesis-6.170.15-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.whl",
+         "pytest_timeout-2.4.0-py3-none-any.whl"]
+
+
+@pytest.fixture()
+def repo(tmp_path: Path) -> Path:
+    """A copy of the files the steps name, and a wheel folder of fake wheels (1 KiB each)."""
+    root = tmp_path / "repo"
+    for call_file in ("perf/gpu/run_device.py", *(n for s in STEPS for n in s.needs)):
+        (root / call_file).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(run_device.REPO / call_file, root / call_file)
+    wheels = root / "work" / "wheels"
+    wheels.mkdir(parents=True)
+    for name in FILES:
+        (wheels / name).write_bytes(b"0" * 1024)
+    return root
+
+
+def test_plan_finds_every_wheel_and_names_only_existing_files(repo: Path) -> None:
+    result = plan(repo, repo / "work" / "wheels", SPECS, tree_bytes=3 * MiB)
+    assert result.problems == []
+    assert [w.path.name for w in result.wheels] == FILES  # type: ignore[union-attr]
+    assert result.transfer_bytes == 3 * MiB + 2 * 1024
+    assert [c.step.name for c in result.calls] == [s.name for s in STEPS]
+    for call in result.calls:
+        assert call.carry == ("work/wheels",)
+        assert all((repo / name).is_file() for name in call.names)
+        for name in FILES:  # the install names each wheel, by its path in the tree
+            assert f"work/wheels/{name}" in call.command
+        assert f"perf.gpu.run_device step {call.step.name} --out $OUT" in call.command
+
+
+def test_missing_wheel_is_a_problem(repo: Path) -> None:
+    (repo / "work" / "wheels" / FILES[1]).unlink()
+    result = plan(repo, repo / "work" / "wheels", SPECS, tree_bytes=MiB)
+    assert any("pytest-timeout==2.4.0" in p and "fetch_wheels" in p for p in result.problems)
+    assert all(FILES[1] not in c.command for c in result.calls)
+
+
+def test_a_wheel_of_another_version_is_not_taken(repo: Path) -> None:
+    result = plan(repo, repo / "work" / "wheels", ["hypothesis==6.0.0"], tree_bytes=MiB)
+    assert result.wheels[0].path is None and result.problems
+
+
+def test_transfer_over_64_mib_is_a_problem(repo: Path) -> None:
+    big = repo / "work" / "wheels" / FILES[0]
+    with open(big, "r+b") as f:  # sparse: 63 MiB counted, nothing written
+        f.truncate(63 * MiB)
+    under = plan(repo, repo / "work" / "wheels", SPECS, tree_bytes=MiB - 2048)
+    assert under.transfer_bytes <= TRANSFER_LIMIT and under.problems == []
+    over = plan(repo, repo / "work" / "wheels", SPECS, tree_bytes=2 * MiB)
+    assert over.transfer_bytes > TRANSFER_LIMIT
+    assert any("64 MiB" in p for p in over.problems)
+
+
+def test_a_step_naming_an_absent_file_is_a_problem(repo: Path) -> None:
+    (repo / "perf" / "gpu" / "overlap.py").unlink()
+    result = plan(repo, repo / "work" / "wheels", SPECS, tree_bytes=MiB)
+    assert any("perf/gpu/overlap.py" in p for p in result.problems)
+
+
+def test_calls_fit_the_device_limits() -> None:
+    assert all(s.timeout_s <= run_device.CALL_LIMIT_S for s in STEPS)
+    assert sum(s.timeout_s + run_device.START_S for s in STEPS) <= run_device.DEVICE_BUDGET_S
+
+
+def test_wheels_txt_is_pinned_and_fetched_for_the_device_python() -> None:
+    specs = requirements(WHEELS_TXT)
+    assert specs and all("==" in s for s in specs)
+    command = download_command(specs, Path("/tmp/wheels"))
+    assert command[command.index("--python-version") + 1] == "3.12"
+    assert "--only-binary=:all:" in command and "--no-deps" in command
+
+
+def test_collect_brings_back_at_most_eight_flat_files(tmp_path: Path) -> None:
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "a" / "b").mkdir(parents=True)
+    for k in range(12):
+        (work / "a" / f"fig{k}.png").write_bytes(b"png")
+    (work / "a" / "b" / "model.onnx").write_bytes(b"x")
+    (work / "a" / "b" / "notes.txt").write_text("raw")
+    kept = run_device.collect(work, out, "experiments")
+    assert len(kept) <= run_device.OUT_FILES
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in kept)
+    assert all(p.is_file() and p.parent == out for p in kept)
+    import tarfile
+
+    with tarfile.open(out / "experiments-raw.tar.gz") as tar:
+        names = tar.getnames()
+    assert "a/b/notes.txt" in names and "a/b/model.onnx" not in names
+
+
+def test_run_step_logs_every_command_and_collects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_device, "WORK", str(tmp_path / "work"))
+    step = run_device.Step("smoke", 60, (("python3", "-c", "print('hello from the step')"),
+                                          ("python3", "-c", "import sys; sys.exit(3)")), needs=())
+    assert run_device.run_step(step, tmp_path / "out") == 1  # the second command failed
+    log = (tmp_path / "out" / "smoke.log").read_text()
+    assert "hello from the step" in log and "(exit 3)" in log
