@@ -1,0 +1,50 @@
+"""Turn a sliced model's config.pbtxt (the slicer writes one CPU instance, onnxruntime) into the GPU one.
+
+    python docker/gpu_config.py MODEL_DIR/config.pbtxt [--gpus 1]
+
+- `instance_group` KIND_GPU: one instance per GPU listed (Triton sets the device the instance
+  runs on; the torch engine uses CUDA's current device);
+- `engine: torch`, `device: cuda`: each stage a `TorchStageEngine` on its own CUDA stream;
+- `FORCE_CPU_ONLY_INPUT_TENSORS: yes`: the Python backend hands requests' tensors over in host
+  memory, which the runtime's buffers are (the engine copies each batch to the GPU once).
+
+Parameters already set are replaced, the others kept. Used by docker/Dockerfile at image build.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+GPU_PARAMETERS = {"engine": "torch", "device": "cuda", "FORCE_CPU_ONLY_INPUT_TENSORS": "yes"}
+_INSTANCE_GROUP = re.compile(r"instance_group\s*\[.*?\]", re.S)
+
+
+def _parameter(key: str, value: str) -> str:
+    return f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
+
+
+def gpu_config(text: str, gpus: int = 1) -> str:
+    """`text` (a config.pbtxt) with a GPU instance group and the GPU parameters."""
+    if not _INSTANCE_GROUP.search(text):
+        raise ValueError("config.pbtxt has no instance_group to replace")
+    listed = ", ".join(str(g) for g in range(gpus))
+    text = _INSTANCE_GROUP.sub(f"instance_group [ {{ kind: KIND_GPU count: 1 gpus: [ {listed} ] }} ]", text, count=1)
+    lines = [line for line in text.splitlines()
+             if not any(f'key: "{key}"' in line for key in GPU_PARAMETERS)]
+    lines += [_parameter(k, v) for k, v in GPU_PARAMETERS.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs of the node (one instance on each)")
+    args = parser.parse_args(argv)
+    args.config.write_text(gpu_config(args.config.read_text(), args.gpus))
+    print(f"{args.config}: KIND_GPU, " + ", ".join(f"{k}={v}" for k, v in GPU_PARAMETERS.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
