@@ -1,8 +1,10 @@
 """Triton Python-backend model of the ZeroBatch and DelayBatch baselines (`perf.baselines` copies it
 as `model.py` into a baseline's version folder).
 
-The unsliced `model.onnx` runs in one onnxruntime CPU session with the runtime's session options
-(`ort_session_options(threads)`). Triton's dynamic batcher forms the batches: the inputs allow
+The unsliced `model.onnx` runs on the engine the dvabatch model serving it would use: by default
+one onnxruntime CPU session with the runtime's session options (`ort_session_options(threads)`),
+or, with `engine` "torch", the runtime's torch engine (`TorchStageEngine`, on `device` "cpu" or
+"cuda") running the whole model as one stage. Triton's dynamic batcher forms the batches: the inputs allow
 ragged batches, so requests of different lengths arrive together in one `execute`, one request
 object each with its own shapes ([k, T, ...]: k rows of length T). `execute` pads every request to
 the longest length in the batch with zeros (masks are zero there), stacks the rows, runs the batch
@@ -11,8 +13,9 @@ output that has a sequence dimension. A bad request is answered with an error an
 batch; a failed run answers every request of the batch with the error.
 
 Config parameters: `onnx_model` (file in the version folder, default model.onnx), `manifest`
-(default manifest.json: which dims are batch and seq, and the longest length) and `threads`
-(onnxruntime intra-op threads, default 1).
+(default manifest.json: which dims are batch and seq, and the longest length), `threads`
+(intra-op threads, default 1), `engine` ("onnxruntime", the default, or "torch") and `device`
+("cpu", the default, or "cuda": torch only).
 """
 from __future__ import annotations
 
@@ -41,7 +44,10 @@ try:
 except ImportError:  # imported outside Triton (tests, tools): the batching functions below still work
     pb_utils = None
 
-PARAMETERS = {"onnx_model": "model.onnx", "manifest": "manifest.json", "threads": "1"}
+PARAMETERS = {"onnx_model": "model.onnx", "manifest": "manifest.json", "threads": "1", "engine": "onnxruntime",
+              "device": "cpu"}
+ENGINES = ("onnxruntime", "torch")
+DEVICES = ("cpu", "cuda")
 
 
 class BadRequest(ValueError):
@@ -53,6 +59,8 @@ class Settings:
     onnx_model: Path
     manifest: Path
     threads: int
+    engine: str = "onnxruntime"
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,14 @@ def parse_parameters(params: Mapping[str, str], version_dir: Path) -> Settings:
         raise ValueError(f"parameter 'threads': {values['threads']!r} is not an integer") from None
     if threads < 1:
         raise ValueError(f"parameter 'threads': must be >= 1, got {threads}")
-    return Settings(files["onnx_model"], files["manifest"], threads)
+    engine, device = values["engine"], values["device"]
+    if engine not in ENGINES:
+        raise ValueError(f"parameter 'engine': {engine!r} is not one of {list(ENGINES)}")
+    if device not in DEVICES:
+        raise ValueError(f"parameter 'device': {device!r} is not one of {list(DEVICES)}")
+    if device == "cuda" and engine != "torch":
+        raise ValueError("parameter 'device': 'cuda' needs engine 'torch' (onnxruntime runs on the CPU here)")
+    return Settings(files["onnx_model"], files["manifest"], threads, engine, device)
 
 
 def load_manifest(path: Path) -> Manifest:
@@ -156,27 +171,65 @@ def split_outputs(outputs: Mapping[str, np.ndarray], specs: Sequence[TensorSpec]
     return answers
 
 
-class TritonPythonModel:
-    def initialize(self, args: dict[str, str]) -> None:
+class OrtRunner:
+    """The unsliced model in one onnxruntime CPU session."""
+
+    def __init__(self, path: Path, threads: int) -> None:
         import onnxruntime as ort
 
+        self._session = ort.InferenceSession(str(path), ort_session_options(threads), providers=["CPUExecutionProvider"])
+        self.input_names = {i.name for i in self._session.get_inputs()}
+        self.output_names = {o.name for o in self._session.get_outputs()}
+
+    def run(self, batch: Mapping[str, np.ndarray], outputs: Sequence[TensorSpec], rows: int,
+            length: int) -> dict[str, np.ndarray]:
+        names = [t.name for t in outputs]
+        return dict(zip(names, self._session.run(names, dict(batch))))
+
+
+class TorchRunner:
+    """The unsliced model on the runtime's torch engine, as one stage: outputs are allocated at the
+    shapes the manifest gives for the batch's rows and length, and the engine writes them."""
+
+    def __init__(self, path: Path, threads: int, device: str) -> None:
+        from dvabatch_backend.runtime.torch_engine import TorchStageEngine
+
+        self._engine = TorchStageEngine(path, device=device, threads=threads)
+        self.input_names = set(self._engine.input_names)
+        self.output_names = set(self._engine.output_names)
+
+    def run(self, batch: Mapping[str, np.ndarray], outputs: Sequence[TensorSpec], rows: int,
+            length: int) -> dict[str, np.ndarray]:
+        results = {t.name: np.empty(t.shape(rows, length), dtype=t.np_dtype) for t in outputs}
+        self._engine.run(batch, results)
+        return results
+
+
+def make_runner(settings: Settings) -> OrtRunner | TorchRunner:
+    # resolved: the file is a link into the sliced model's folder, where its external data would lie
+    path = settings.onnx_model.resolve()
+    if settings.engine == "torch":
+        return TorchRunner(path, settings.threads, settings.device)
+    return OrtRunner(path, settings.threads)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
         config = json.loads(args["model_config"])
         version_dir = Path(args["model_repository"]) / args["model_version"]
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         settings = parse_parameters(params, version_dir)
         self._manifest = load_manifest(settings.manifest)
-        # resolved: the file is a link into the sliced model's folder, where its external data would lie
-        self._session = ort.InferenceSession(str(settings.onnx_model.resolve()), ort_session_options(settings.threads),
-                                             providers=["CPUExecutionProvider"])
-        session_inputs = {i.name for i in self._session.get_inputs()}
-        session_outputs = {o.name for o in self._session.get_outputs()}
+        self._runner = make_runner(settings)
+        session_inputs, session_outputs = self._runner.input_names, self._runner.output_names
         wanted_in = {t.name for t in self._manifest.inputs}
         wanted_out = {t.name for t in self._manifest.outputs}
         if session_inputs != wanted_in or not wanted_out <= session_outputs:
             raise ValueError(f"{settings.onnx_model.name} has inputs {sorted(session_inputs)} and outputs "
                              f"{sorted(session_outputs)}; the manifest wants {sorted(wanted_in)} and {sorted(wanted_out)}")
-        self._output_names = [t.name for t in self._manifest.outputs]
-        pb_utils.Logger.log_info(f"baseline: {self._manifest.name} unsliced, {settings.threads} thread(s)")
+        self._engine = settings.engine
+        pb_utils.Logger.log_info(f"baseline: {self._manifest.name} unsliced, {settings.engine} on {settings.device}, "
+                                 f"{settings.threads} thread(s)")
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses: list[Any] = [None] * len(requests)
@@ -188,13 +241,14 @@ class TritonPythonModel:
                 responses[i] = _error(str(exc), invalid_argument=True)
         if batch:
             parsed = [r for _, r in batch]
+            rows, longest = sum(r.rows for r in parsed), max(r.length for r in parsed)
             try:
-                results = self._session.run(self._output_names, pad_batch(parsed, self._manifest.inputs))
-            except Exception as exc:  # onnxruntime's failure concerns every request of the batch
+                results = self._runner.run(pad_batch(parsed, self._manifest.inputs), self._manifest.outputs, rows, longest)
+            except Exception as exc:  # the engine's failure concerns every request of the batch
                 for i, _ in batch:
-                    responses[i] = _error(f"onnxruntime failed on a batch of {len(batch)} request(s): {exc}")
+                    responses[i] = _error(f"{self._engine} failed on a batch of {len(batch)} request(s): {exc}")
             else:
-                answers = split_outputs(dict(zip(self._output_names, results)), self._manifest.outputs, parsed)
+                answers = split_outputs(results, self._manifest.outputs, parsed)
                 for (i, _), answer in zip(batch, answers):
                     responses[i] = pb_utils.InferenceResponse(
                         output_tensors=[pb_utils.Tensor(name, arr) for name, arr in answer.items()])
@@ -209,7 +263,7 @@ class TritonPythonModel:
         return arrays
 
     def finalize(self) -> None:
-        self._session = None
+        self._runner = None
 
 
 def _error(message: str, invalid_argument: bool = False) -> Any:

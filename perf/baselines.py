@@ -1,13 +1,15 @@
 """The baselines every Triton user has today, served beside dvabatch from the same repository.
 
 **ZeroBatch** and **DelayBatch** serve the UNSLICED `model.onnx` of a sliced model's version folder
-with the same engine (onnxruntime CPU, `ort_session_options(threads)`) in a Python-backend model
+with the same engine (onnxruntime CPU, `ort_session_options(threads)`; or, with `engine="torch"`,
+the runtime's torch engine on `device` "cpu" or "cuda") in a Python-backend model
 (`perf/baseline_model.py`) behind Triton's own dynamic batcher: `max_queue_delay_microseconds` 0
 for ZeroBatch, a delay tuned for peak throughput (`tune_delay`) for DelayBatch. Inputs allow ragged
 batches, so requests of different lengths share a batch, padded to the longest one.
 
     python -m perf.baselines VERSION_DIR --repository REPO [--delays 0,500,1000,2000,5000,10000]
         [--concurrency 8] [--seconds 5] [--threads 1] [--bs-max N] [--json tuning.json]
+        [--engine onnxruntime|torch] [--device cpu|cuda]
 
 registers one candidate per delay in a scratch repository, starts the real server, measures each
 closed loop, records the result as JSON, and adds NAME_zerobatch and NAME_delaybatch (the tuned
@@ -28,6 +30,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from dvabatch_backend.runtime.manifest import Manifest
+from perf.baseline_model import DEVICES, ENGINES
 from slicer.triton_files import VERSION_DIR, python_model_config
 
 MODEL_SOURCE = Path(__file__).with_name("baseline_model.py")
@@ -37,15 +40,18 @@ MakeQuery = Callable[[np.random.Generator], Mapping[str, np.ndarray]]
 
 
 def config_pbtxt(manifest: Manifest, name: str, delay_us: int, threads: int, bs_max: int,
-                 onnx_model: str, manifest_file: str = "manifest.json") -> str:
-    parameters = {"onnx_model": onnx_model, "manifest": manifest_file, "threads": str(threads)}
+                 onnx_model: str, manifest_file: str = "manifest.json", engine: str = "onnxruntime",
+                 device: str = "cpu") -> str:
+    parameters = {"onnx_model": onnx_model, "manifest": manifest_file, "threads": str(threads), "engine": engine,
+                  "device": device}
     return python_model_config(manifest, name, parameters, bs_max=bs_max, delay_us=delay_us)
 
 
 def add_baseline(repository: Path, version_dir: Path, name: str, delay_us: int, threads: int = 1,
-                 bs_max: int | None = None) -> Path:
+                 bs_max: int | None = None, engine: str = "onnxruntime", device: str = "cpu") -> Path:
     """repository/name/: config.pbtxt, and 1/ with model.py and links to the version folder's
-    unsliced model and manifest. Replaces an earlier baseline of that name. Returns the model dir."""
+    unsliced model and manifest. Replaces an earlier baseline of that name. Returns the model dir.
+    `engine`/`device`: what runs the model (onnxruntime on the CPU, or torch on "cpu"/"cuda")."""
     version_dir = Path(version_dir).resolve()
     manifest_path = version_dir / "manifest.json"
     manifest = Manifest.from_json(json.loads(manifest_path.read_text()))
@@ -56,6 +62,9 @@ def add_baseline(repository: Path, version_dir: Path, name: str, delay_us: int, 
         raise ValueError(f"delay_us must be >= 0, got {delay_us}")
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    if engine not in ENGINES or device not in DEVICES or (device == "cuda" and engine != "torch"):
+        raise ValueError(f"engine {engine!r} on device {device!r}: engines are {list(ENGINES)}, devices "
+                         f"{list(DEVICES)}, and cuda needs torch")
     bs_max = manifest.max_batch_size if bs_max is None else bs_max
     if bs_max < 1:
         raise ValueError(f"bs_max must be >= 1, got {bs_max}")
@@ -69,31 +78,33 @@ def add_baseline(repository: Path, version_dir: Path, name: str, delay_us: int, 
     shutil.copyfile(MODEL_SOURCE, target / "model.py")
     for file in (onnx_model, "manifest.json"):
         (target / file).symlink_to(version_dir / file)
-    (model_dir / "config.pbtxt").write_text(config_pbtxt(manifest, name, delay_us, threads, bs_max, onnx_model))
+    (model_dir / "config.pbtxt").write_text(config_pbtxt(manifest, name, delay_us, threads, bs_max, onnx_model,
+                                                         engine=engine, device=device))
     return model_dir
 
 
 def zero_batch(repository: Path, version_dir: Path, name: str | None = None, threads: int = 1,
-               bs_max: int | None = None) -> Path:
+               bs_max: int | None = None, engine: str = "onnxruntime", device: str = "cpu") -> Path:
     """ZeroBatch: Triton's dynamic batcher with no queue delay. Default name: MANIFEST_NAME_zerobatch."""
     name = name or f"{_manifest_name(version_dir)}_zerobatch"
-    return add_baseline(repository, version_dir, name, 0, threads, bs_max)
+    return add_baseline(repository, version_dir, name, 0, threads, bs_max, engine, device)
 
 
 def delay_batch(repository: Path, version_dir: Path, delay_us: int, name: str | None = None, threads: int = 1,
-                bs_max: int | None = None) -> Path:
+                bs_max: int | None = None, engine: str = "onnxruntime", device: str = "cpu") -> Path:
     """DelayBatch at `delay_us` (tuned by `tune_delay`). Default name: MANIFEST_NAME_delaybatch."""
     name = name or f"{_manifest_name(version_dir)}_delaybatch"
-    return add_baseline(repository, version_dir, name, delay_us, threads, bs_max)
+    return add_baseline(repository, version_dir, name, delay_us, threads, bs_max, engine, device)
 
 
 def delay_candidates(repository: Path, version_dir: Path, delays_us: Sequence[int] = DEFAULT_DELAYS_US,
-                     prefix: str | None = None, threads: int = 1, bs_max: int | None = None) -> dict[int, str]:
+                     prefix: str | None = None, threads: int = 1, bs_max: int | None = None,
+                     engine: str = "onnxruntime", device: str = "cpu") -> dict[int, str]:
     """One baseline per candidate delay (PREFIX_delayUS), for `tune_delay`; returns {delay: model name}."""
     prefix = prefix or _manifest_name(version_dir)
     names = {int(d): f"{prefix}_delay{int(d)}" for d in delays_us}
     for delay, name in names.items():
-        add_baseline(repository, version_dir, name, delay, threads, bs_max)
+        add_baseline(repository, version_dir, name, delay, threads, bs_max, engine, device)
     return names
 
 
@@ -214,12 +225,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bs-max", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None, help="the tuning record (default REPO/NAME_delaybatch.json)")
+    parser.add_argument("--engine", choices=ENGINES, default="onnxruntime", help="what runs the unsliced model")
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="cuda: with --engine torch")
     args = parser.parse_args(argv)
     manifest = Manifest.from_json(json.loads((args.version_dir / "manifest.json").read_text()))
     delays = [int(d) for d in args.delays.split(",") if d.strip()]
     scratch = Path(tempfile.mkdtemp(prefix="dvabatch-baselines-"))
     try:
-        names = delay_candidates(scratch, args.version_dir, delays, threads=args.threads, bs_max=args.bs_max)
+        names = delay_candidates(scratch, args.version_dir, delays, threads=args.threads, bs_max=args.bs_max,
+                                 engine=args.engine, device=args.device)
         with TritonServer(scratch) as server:
             for name in names.values():
                 server.wait_model_ready(name, timeout=180)
@@ -230,8 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     for delay, value in sorted(qps.items()):
         print(f"delay {delay:>6} µs: {value:9.1f} queries/s{'  <- best' if delay == best else ''}")
-    zero_batch(args.repository, args.version_dir, threads=args.threads, bs_max=args.bs_max)
-    delay_batch(args.repository, args.version_dir, best, threads=args.threads, bs_max=args.bs_max)
+    engine = {"engine": args.engine, "device": args.device}
+    zero_batch(args.repository, args.version_dir, threads=args.threads, bs_max=args.bs_max, **engine)
+    delay_batch(args.repository, args.version_dir, best, threads=args.threads, bs_max=args.bs_max, **engine)
     print(f"added {manifest.name}_zerobatch and {manifest.name}_delaybatch ({best} µs) to {args.repository}; "
           f"tuning recorded in {record}")
     return 0

@@ -151,3 +151,28 @@ def test_make_engines_builds_the_torch_engine_when_asked(sliced: SlicedCache) ->
     assert [type(e) for e in engines] == [TorchStageEngine] * model.manifest.num_stages
     default = make_engines(model.folder, model.manifest, RuntimeSettings())
     assert not any(isinstance(e, TorchStageEngine) for e in default)
+
+
+def test_the_baselines_run_the_unsliced_model_on_either_engine(sliced: SlicedCache, tmp_path: Path) -> None:
+    """ZeroBatch/DelayBatch's model (perf/baseline_model.py) with `engine` torch answers a padded
+    batch of requests of different lengths as with onnxruntime; the config carries the choice."""
+    from perf import baseline_model
+    from perf.baselines import add_baseline
+
+    model = sliced.get("bert")
+    manifest = model.manifest
+    rng = np.random.default_rng(3)
+    requests = [baseline_model.parse_request(random_inputs(manifest.inputs, k, n, rng, model.int_high), manifest)
+                for k, n in ((1, 5), (2, 16), (1, 9))]
+    batch = baseline_model.pad_batch(requests, manifest.inputs)
+    answers = {}
+    for engine in baseline_model.ENGINES:
+        settings = baseline_model.parse_parameters({"engine": engine}, model.folder)
+        runner = baseline_model.make_runner(settings)
+        answers[engine] = runner.run(batch, manifest.outputs, 4, 16)
+    for name, expected in answers["onnxruntime"].items():
+        np.testing.assert_allclose(answers["torch"][name], expected, atol=1e-4, rtol=1e-3, err_msg=name)
+    with pytest.raises(ValueError, match="'cuda' needs engine 'torch'"):
+        baseline_model.parse_parameters({"device": "cuda"}, model.folder)
+    config = (add_baseline(tmp_path, model.folder, "b", 0, engine="torch") / "config.pbtxt").read_text()
+    assert 'key: "engine" value: { string_value: "torch" }' in config
