@@ -79,8 +79,9 @@ STEPS: tuple[Step, ...] = (
         (PY, "-m", "pytest", "-q", "-rs", "-o", "timeout=240", "tests/gpu/test_gpu.py",
          "--junitxml={out}/junit-gpu.xml"),
         (PY, "-m", "pytest", "-q", "-rs", "-o", "timeout=240", "tests/runtime/test_property.py",
-         "tests/unit/test_fences.py", "--junitxml={out}/junit-runtime.xml"),
-    ), needs=("tests/gpu/test_gpu.py", "tests/runtime/test_property.py", "tests/unit/test_fences.py", "pytest.ini")),
+         "tests/runtime/test_property_torch.py", "tests/unit/test_fences.py", "--junitxml={out}/junit-runtime.xml"),
+    ), needs=("tests/gpu/test_gpu.py", "tests/runtime/test_property.py", "tests/runtime/test_property_torch.py",
+              "tests/unit/test_fences.py", "pytest.ini")),
     Step("experiments", 560, (
         (PY, "-m", "perf.gpu.overlap", "--out", "{work}/overlap"),
         (PY, "-m", "perf.gpu.side_by_side", "--out", "{work}/side_by_side", "--device", "cuda"),

@@ -1,0 +1,50 @@
+"""The property test with the torch engine on the CPU: under random arrivals and random legal meta
+operations every query is answered once, equal to the unsliced model (onnxruntime), and no
+buffer-pair check fires. tests/gpu/test_gpu.py runs the same with every stage on CUDA."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from policies import RandomLegalPolicy
+
+from ..conftest import Collector, SlowEngine, assert_all_answered_correctly, make_scheduler
+from .test_property import scenarios
+
+pytest.importorskip("torch")
+from dvabatch_backend.runtime.torch_engine import TorchStageEngine  # noqa: E402  (the torch engine's API)
+
+_engines: dict[Path, list[TorchStageEngine]] = {}
+
+
+def cpu_engines(model) -> list[TorchStageEngine]:
+    """Loaded once per sliced model: a torch engine is used by one executor thread at a time."""
+    if model.dir not in _engines:
+        _engines[model.dir] = [TorchStageEngine(model.dir / s.file, device="cpu") for s in model.manifest.stages]
+    return _engines[model.dir]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_random_schedules_on_the_torch_engine_answer_every_query_once_and_correctly(zoo, scenario: dict) -> None:
+    model = zoo.get(scenario["kind"], scenario["cuts"])
+    engines = cpu_engines(model)
+    if scenario["delay"]:
+        engines = [SlowEngine(e, scenario["delay"]) for e in engines]
+    policy = RandomLegalPolicy(seed=scenario["seed"], stretch=scenario["p_stretch"], split=scenario["p_split"],
+                               hold=scenario["p_hold"])
+    scheduler = make_scheduler(model, policy, engines, num_buffer_pairs=scenario["pairs"], bs_max=scenario["bs_max"])
+    rng = np.random.default_rng(scenario["seed"])
+    collector = Collector()
+    sent: dict[int, dict[str, np.ndarray]] = {}
+    with scheduler:
+        for size, gap in zip(scenario["groups"], scenario["gaps"]):
+            batch = [model.query(rng) for _ in range(size)]
+            sent.update(zip(scheduler.submit_many([(q, collector) for q in batch]), batch))
+            time.sleep(gap)
+        assert_all_answered_correctly(model, scheduler, collector, sent)
+    assert not any(t.is_alive() for t in scheduler.threads)
