@@ -61,7 +61,8 @@ def python_model_config(manifest: Manifest, name: str, parameters: Mapping[str, 
 
 def config_pbtxt(manifest: Manifest, policy: str = "pipelined", num_buffer_pairs: int = 2,
                  threads_per_stage: int = 1, name: str | None = None,
-                 policy_params: Mapping[str, object] | None = None, thread_pool: str = "global") -> str:
+                 policy_params: Mapping[str, object] | None = None, thread_pool: str = "global",
+                 extra: Mapping[str, object] | None = None) -> str:
     """dvabatch forms the batches. Triton's dynamic batcher, with no queue delay and ragged inputs,
     only hands `execute` every request that queued while the last call ran, each request its own
     object with its own shapes: one call per request would cap admission at one stub round trip
@@ -71,6 +72,7 @@ def config_pbtxt(manifest: Manifest, policy: str = "pipelined", num_buffer_pairs
         "manifest": "manifest.json", "policy": policy, "num_buffer_pairs": str(num_buffer_pairs),
         "thread_pool": thread_pool, "threads_per_stage": str(threads_per_stage),
     }
+    parameters.update({k: str(v) for k, v in (extra or {}).items()})  # other runtime settings (max_queue_size, slo_ms, ...)
     parameters.update({f"policy.{k}": str(v) for k, v in (policy_params or {}).items()})
     return python_model_config(manifest, name or manifest.name, parameters)
 

@@ -98,9 +98,14 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
 }
 
 
+# parameters Triton's Python backend reads itself (the GPU config sets the first)
+TRITON_PARAMETERS = frozenset({"FORCE_CPU_ONLY_INPUT_TENSORS", "EXECUTION_ENV_PATH"})
+
+
 def parse_parameters(params: Mapping[str, str], model_dir: Path) -> AdapterSettings:
     """Read and check the config.pbtxt parameters; a ValueError names the bad one."""
-    unknown = sorted(k for k in params if k not in _PARSERS and not k.startswith("policy."))
+    unknown = sorted(k for k in params if k not in _PARSERS and k not in TRITON_PARAMETERS
+                     and not k.startswith("policy."))
     if unknown:
         raise ValueError(f"unknown parameter(s) {unknown}; known: {sorted(_PARSERS)} and policy.*")
     values = {k: _PARSERS[k](k, v) for k, v in params.items() if k in _PARSERS}
@@ -222,7 +227,7 @@ CANCEL_POLL_MAX = 64  # requests asked per round: each `is_cancelled` is a round
 class _CancelWatch:
     """A thread that asks Triton whether queued requests were cancelled (a gRPC client's deadline
     or cancel), and has the scheduler drop their queries before a stage runs them. Only requests
-    with a query not yet taken by stage 0 are asked, oldest first."""
+    with a query not yet taken by stage 0 are asked, at most `CANCEL_POLL_MAX` a round, round robin."""
 
     def __init__(self, pipeline: Pipeline) -> None:
         self._pipeline = pipeline
@@ -256,10 +261,13 @@ class _CancelWatch:
             if asked == CANCEL_POLL_MAX:
                 break
             asked += 1
-            if request.is_cancelled():
+            cancelled = request.is_cancelled()
+            with self._lock:
+                entry = self._open.pop(first, None)
+                if entry is not None and not cancelled:
+                    self._open[first] = entry  # to the back: the next round asks the others first
+            if cancelled:
                 self._pipeline.cancel(ids)
-                with self._lock:
-                    self._open.pop(first, None)
 
     def close(self) -> None:
         self._stop.set()
