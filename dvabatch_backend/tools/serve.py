@@ -188,6 +188,10 @@ class StubWatchdog:
     zombie for a moment at most). Then the model is unloaded at once (readiness turns false),
     `on_model_down(model)` runs, and the model is loaded again, `on_model_recovered(model)`.
     A model unloaded on purpose is not READY by the time its stub exits, so it is left alone.
+
+    What the dead stub held is lost: its in-flight requests are never answered by the server
+    (clients need a timeout), and its instance stays UNLOADING until the server exits (`stop`
+    then waits Triton's exit timeout for it).
     """
 
     CONFIRMATIONS = 2  # polls in a row that must see the stub dead
@@ -284,7 +288,10 @@ class StubWatchdog:
         pids = sorted(pid for pid, info in self._tracked.items() if (info.model, info.version) == (model, version))
         log.warning("stub process %s of model %r version %s died; unloading the model and loading it again",
                     pids, model, version)
-        self._server.unload_model(model)
+        # only until it is not ready: the requests the dead stub held are never released (their
+        # clients' timeouts end them), so the old instance stays UNLOADING until the server exits
+        if not self._server.unload_model(model, timeout=30.0, until_unloaded=False):
+            log.error("model %r still READY 30 s after its unload; loading it again anyway", model)
         self._forget((model, version))
         self._call(self.on_model_down, model)
         if self._stop.is_set():  # the server is stopping: leave the model unloaded
@@ -423,12 +430,14 @@ class TritonServer:
         """(model, version) of every model version the repository index says is READY."""
         return {(m["name"], str(m.get("version", ""))) for m in self._index() if m.get("state") == "READY"}
 
-    def unload_model(self, name: str, timeout: float = 60.0) -> bool:
-        """Unload a model and wait until it is unloaded; True when it is."""
+    def unload_model(self, name: str, timeout: float = 60.0, until_unloaded: bool = True) -> bool:
+        """Unload a model and wait until it is unloaded (or, not `until_unloaded`, until it is no
+        longer READY); True when it is."""
         self._post(f"/v2/repository/models/{name}/unload")
+        waiting = ("READY", "UNLOADING") if until_unloaded else ("READY",)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not any(m["name"] == name and m.get("state") in ("READY", "UNLOADING") for m in self._index()):
+            if not any(m["name"] == name and m.get("state") in waiting for m in self._index()):
                 return True
             time.sleep(0.05)
         return False
