@@ -250,6 +250,192 @@ def overhead_breakdown(version_dir: Path, queries: Sequence[Inputs], policy: Pol
     return breakdown_ms(samples[UNSLICED], samples[IN_A_ROW], samples[RUNTIME])
 
 
+# --- open loop -------------------------------------------------------------------------
+
+
+@dataclass
+class OpenLoopResult:
+    """An open-loop run in this process: every answered query's latency, what was sent and answered
+    (ok) in the run, the runtime's meta operations, and how long sending took."""
+
+    latencies: list[float]
+    sent: int
+    answered: int
+    errors: int
+    send_seconds: float
+    stats: dict[str, int]
+
+    def summary(self) -> dict[str, float]:
+        lat = np.asarray(self.latencies) * 1e3
+        return {"sent": self.sent, "answered": self.answered, "errors": self.errors,
+                "offered_qps": self.sent / self.send_seconds if self.send_seconds > 0 else 0.0,
+                "mean_ms": float(lat.mean()) if lat.size else float("nan"),
+                "p99_ms": q(lat, 99) if lat.size else float("nan"),
+                "stage0_mean_bs": self.stats["stage0_rows"] / max(self.stats["stage0_batches"], 1), **self.stats}
+
+
+def open_loop(pipeline: Pipeline, queries: Sequence[Inputs], offsets: Sequence[float], drain_s: float = 5.0) -> OpenLoopResult:
+    """Submit `queries[i]` at `offsets[i]` seconds from now (a started pipeline), whatever is still
+    unanswered; wait at most `drain_s` after the last send for the answers."""
+    sent_at = [0.0] * len(queries)
+    latencies: list[float] = []
+    lock = threading.Lock()
+    outcome = {"ok": 0, "error": 0}
+    all_done = threading.Event()
+
+    def reply_for(i: int):
+        def reply(answer: Answer) -> None:
+            t = perf()
+            with lock:
+                if answer.error is None:
+                    outcome["ok"] += 1
+                    latencies.append(t - sent_at[i])
+                else:
+                    outcome["error"] += 1
+                if outcome["ok"] + outcome["error"] == len(queries):
+                    all_done.set()
+        return reply
+
+    before = _counts(pipeline)
+    start = perf()
+    for i, (inputs, offset) in enumerate(zip(queries, offsets)):
+        delay = start + offset - perf()
+        if delay > 0:
+            time.sleep(delay)
+        sent_at[i] = perf()
+        pipeline.submit(inputs, reply_for(i))
+    send_seconds = perf() - start
+    all_done.wait(drain_s)
+    after = _counts(pipeline)
+    counts = {name: after[name] - before[name] for name in after}
+    with lock:
+        return OpenLoopResult(list(latencies), len(queries), outcome["ok"], outcome["error"], send_seconds, counts)
+
+
+def _counts(pipeline: Pipeline) -> dict[str, int]:
+    """The runtime's meta operations so far, and stage 0's batches and rows (its mean batch size)."""
+    stats, _ = pipeline.scheduler.observe()
+    counts = {name: int(getattr(stats, name)) for name in ("new", "stretch", "stretch_refused", "split")}
+    counts.update(stage0_batches=stats.stages[0].batches, stage0_rows=stats.stages[0].rows)
+    return counts
+
+
+def open_loop_run(version_dir: Path, policy: Policy, rate: float, seconds: float, seed: int = 0,
+                  settings: RuntimeSettings = RuntimeSettings()) -> OpenLoopResult:
+    """A seeded Poisson schedule at `rate` for `seconds` of RTE-like queries against the runtime
+    over `version_dir` with `policy` (a short warm-up first)."""
+    import onnx
+
+    from dvabatch_backend.runtime.loading import load_pipeline
+    from perf.arrivals import poisson
+    from perf.bench import sample_queries
+    from slicer.profiler import int_bounds
+
+    manifest = Manifest.load(version_dir / "manifest.json")
+    full = onnx.load(str(version_dir / (manifest.full_model or "model.onnx")), load_external_data=False)
+    n = max(1, int(rate * seconds))
+    queries, _ = sample_queries(manifest, int_bounds(full), n, seed)
+    pipeline = load_pipeline(version_dir, policy, settings).start()
+    try:
+        warm = open_loop(pipeline, queries[:20], [0.005 * i for i in range(min(20, n))])
+        if warm.errors:
+            raise RuntimeError(f"warm-up: {warm.errors} queries failed")
+        return open_loop(pipeline, queries, poisson(rate, n, rng=seed + 1))
+    finally:
+        pipeline.stop()
+
+
+# --- simulated open loop ---------------------------------------------------------------
+
+
+class _NoEngine:
+    """A stage engine that computes nothing: in a simulation its time is the profile's."""
+
+    def run(self, inputs: Inputs, outputs: Inputs) -> None:
+        pass
+
+
+def simulate_open_loop(version_dir: Path, policy: Policy, rate: float, seconds: float, seed: int = 0,
+                       handoff_s: float = 1e-4, pairs: int = 2) -> OpenLoopResult:
+    """The runtime's real scheduler and `policy` on a simulated clock: each stage a server that runs
+    one item at a time for its profiled time at the item's rows and padded length (the manifest's
+    per-length profile, `policies._profile.BatchCost`) plus `handoff_s`; a seeded Poisson schedule
+    of RTE-like queries at `rate` for `seconds`. Deterministic and free of the machine's noise: what
+    it shows is the policy's batching (batch sizes, padding, waits), not the engines' speed."""
+    import heapq
+    import itertools
+
+    import onnx
+
+    from dvabatch_backend.runtime.executor import run_work
+    from dvabatch_backend.runtime.scheduler import QueuePolicy
+    from perf.arrivals import poisson
+    from perf.bench import sample_queries
+    from policies._profile import BatchCost
+    from slicer.profiler import int_bounds
+
+    manifest = Manifest.load(version_dir / "manifest.json")
+    full = onnx.load(str(version_dir / (manifest.full_model or "model.onnx")), load_external_data=False)
+    n = max(1, int(rate * seconds))
+    queries, _ = sample_queries(manifest, int_bounds(full), n, seed)
+    offsets = poisson(rate, n, rng=seed + 1)
+    cost = BatchCost(manifest.stage_times_by_length(), manifest.num_stages)
+    clock = [0.0]
+    settings = RuntimeSettings(num_buffer_pairs=pairs, queue=QueuePolicy(max_queue_size=0))
+    scheduler = Scheduler(manifest, policy, settings, clock=lambda: clock[0])
+    engine = _NoEngine()
+    sent_at = [float(t) for t in offsets]
+    latencies: list[float] = []
+    errors = [0]
+    events: list[tuple[float, int, str, object]] = []
+    order = itertools.count()
+    for i, t in enumerate(sent_at):
+        heapq.heappush(events, (t, next(order), "arrive", i))
+    busy: list[object | None] = [None] * manifest.num_stages
+
+    def reply_for(i: int):
+        def reply(answer: Answer) -> None:
+            if answer.error is None:
+                latencies.append(clock[0] - sent_at[i])
+            else:
+                errors[0] += 1
+        return reply
+
+    def start_idle_stages() -> None:
+        for stage in range(manifest.num_stages):
+            if busy[stage] is None and (work := scheduler.next_work(stage)) is not None:
+                result = run_work(work, engine, scheduler)
+                rows = len(work.queries)
+                length = next(iter(work.inputs.values())).shape[1] if manifest.has_seq else 0
+                done = clock[0] + cost.stage_seconds(stage, rows, length) + handoff_s
+                busy[stage] = work
+                heapq.heappush(events, (done, next(order), "done", (work, result)))
+
+    scheduled_wake: float | None = None
+    while events:
+        t, _, kind, data = heapq.heappop(events)
+        clock[0] = t
+        if kind == "arrive":
+            scheduler.submit(queries[data], reply_for(data))  # type: ignore[index]
+        elif kind == "done":
+            work, result = data  # type: ignore[misc]
+            busy[work.stage] = None
+            scheduler.finish_work(work, result)
+        elif kind == "wake":
+            scheduled_wake = None
+            scheduler.on_window()
+        start_idle_stages()
+        wake = scheduler.wake_at
+        if wake is not None and wake != scheduled_wake:
+            scheduled_wake = wake
+            heapq.heappush(events, (max(wake, t), next(order), "wake", None))
+    stats = scheduler.stats
+    counts = {name: int(getattr(stats, name)) for name in ("new", "stretch", "stretch_refused", "split")}
+    counts.update(stage0_batches=stats.stages[0].batches, stage0_rows=stats.stages[0].rows,
+                  end_ms=int(clock[0] * 1e3))
+    return OpenLoopResult(latencies, n, len(latencies), errors[0], float(sent_at[-1]) or 1e-9, counts)
+
+
 # --- statistics --------------------------------------------------------------------------
 
 

@@ -13,8 +13,8 @@ foresees a split is created with `no_stretch`; a batch marked `no_stretch` is ne
 stretched; and a batch that a stretch has grown to a size that foresees a split is not
 stretched again (the policy cannot set the flag on an existing batch, so it checks the size).
 
-Params: `t_comp_wait` (seconds; default the profiled time of stage 0 at bs 1, or 0.002 s) and
-`factor` (the 2 of the split rule).
+Params: `t_comp_wait` (seconds; default the profiled time of stage 0 at bs 1, or 0.002 s),
+`factor` (the 2 of the split rule) and `pad_tolerance` (Policy III's padding rule).
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from .operator_diversity import OperatorDiversityPolicy
 class HybridPolicy(LoadDiversityPolicy):
     name = "hybrid"
 
-    def __init__(self, t_comp_wait: float | None = None, factor: float = 2.0) -> None:
-        super().__init__(t_comp_wait)
+    def __init__(self, t_comp_wait: float | None = None, factor: float = 2.0, pad_tolerance: float = 0.25) -> None:
+        super().__init__(t_comp_wait, pad_tolerance)
         self.splitter = OperatorDiversityPolicy(factor)
 
     def bind(self, context: PolicyContext) -> None:

@@ -39,6 +39,7 @@ from typing import Sequence
 from .api import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo
 
 from ._profile import BatchCost, StageProfile
+from .clusters import length_clusters
 from .window import AdaptiveWindow
 
 
@@ -74,37 +75,7 @@ class InputDiversityPolicy(Policy):
 
     def clusters(self, waiting: Sequence[QueryInfo]) -> list[list[QueryInfo]]:
         """Waiting queries clustered by length, each sorted by length; oldest cluster first."""
-        bs_max = self.context.bs_max
-        # a model that is not pad-safe: exactly one length per cluster, never merged
-        tolerance = self.pad_tolerance if self.context.pad_safe else 0.0
-        out: list[list[QueryInfo]] = []
-        for q in sorted(waiting, key=lambda q: (q.length, q.arrival, q.id)):
-            if out and len(out[-1]) < bs_max and q.length <= (1 + tolerance) * out[-1][0].length:
-                out[-1].append(q)
-            else:
-                out.append([q])
-        if self.cost.available and self.context.pad_safe:
-            out = self._merge_by_cost(out)
-        out.sort(key=lambda c: min((q.arrival, q.id) for q in c))
-        return out
-
-    def _merge_by_cost(self, clusters: list[list[QueryInfo]]) -> list[list[QueryInfo]]:
-        """Merge neighbouring clusters (`clusters` in length order) while it saves profiled time."""
-        def cost(cluster: list[QueryInfo]) -> float:
-            return self.cost.seconds(len(cluster), max(q.length for q in cluster))
-
-        bs_max = self.context.bs_max
-        while True:
-            best, best_gain = -1, 0.0
-            for i in range(len(clusters) - 1):
-                a, b = clusters[i], clusters[i + 1]
-                if len(a) + len(b) <= bs_max:
-                    gain = cost(a) + cost(b) - cost(a + b)
-                    if gain > best_gain:
-                        best, best_gain = i, gain
-            if best < 0:
-                return clusters
-            clusters[best:best + 2] = [clusters[best] + clusters[best + 1]]
+        return length_clusters(waiting, self.context.bs_max, self.pad_tolerance, self.cost, self.context.pad_safe)
 
     def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
         bs_max = self.context.bs_max

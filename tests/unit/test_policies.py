@@ -402,3 +402,35 @@ def test_input_merges_neighbouring_clusters_while_the_profile_says_it_saves_time
     plain = bound(InputDiversityPolicy(pad_tolerance=0.0, window=0), num_stages=2)
     assert not plain.cost.available  # type: ignore[attr-defined]
     assert len(news(plain.on_arrival(queries([10, 12, 14, 11, 120]), Table(num_stages=2).view, now=0.0))) == 5
+
+
+# -- Policy III under overload: the padding rule ----------------------------------------------
+
+def _by_length(per_row_and_token: float, per_batch: float) -> dict[int, list[dict[int, float]]]:
+    """A per-length profile: T(bs, n) = per_batch + per_row_and_token * bs * n, every stage alike."""
+    return {n: [{bs: per_batch + per_row_and_token * bs * n for bs in (1, 2, 4, 8)}] * 4 for n in (16, 128)}
+
+
+def test_load_short_queries_do_not_join_a_long_batch_when_padding_costs_more() -> None:
+    # no gain from batching (time proportional to rows x tokens): padding 16 to 128 is pure loss
+    policy = bound(LoadDiversityPolicy(), max_length=128, stage_times_by_length=_by_length(1e-5, 0.0))
+    table = Table()
+    bid = table.new(1, pad=128, started=False)
+    plan = policy.on_arrival(queries([16, 16, 128]), table.view, now=0.0)
+    assert stretches(plan) == [Stretch(bid, (102,))]  # the 128 joins: it costs the same inside
+    assert [d.query_ids for d in news(plan)] == [(100, 101)]  # the short ones batch together
+
+
+def test_load_short_queries_join_when_a_batch_costs_mostly_per_batch() -> None:
+    # a large fixed cost per batch: one padded batch is cheaper than two
+    policy = bound(LoadDiversityPolicy(), max_length=128, stage_times_by_length=_by_length(1e-7, 1e-2))
+    table = Table()
+    bid = table.new(1, pad=128, started=False)
+    plan = policy.on_arrival(queries([16, 16, 120]), table.view, now=0.0)
+    assert stretches(plan) == [Stretch(bid, (100, 101, 102))] and not news(plan)
+
+
+def test_load_new_batches_are_length_clusters_shortest_first() -> None:
+    policy = bound(LoadDiversityPolicy(), max_length=128, stage_times_by_length=_by_length(1e-5, 0.0))
+    plan = policy.on_arrival(queries([100, 10, 11, 12, 110]), Table().view, now=0.0)
+    assert [d.query_ids for d in news(plan)] == [(101, 102, 103), (100, 104)]
