@@ -182,8 +182,5 @@ def cuda_fences(streams: Sequence[StreamLike]) -> FenceFactory:
 
 def install_fences(pipeline: Any, fence_factory: FenceFactory) -> None:
     """Give a `Pipeline`'s (or a `Scheduler`'s) buffer pool the fences of `fence_factory`, before it
-    starts. The `Scheduler` makes its `BufferPool` with host fences and takes no factory (yet):
-    this reaches its pool, and is the one place outside the scheduler that does."""
-    scheduler = getattr(pipeline, "scheduler", pipeline)
-    with scheduler.lock:
-        scheduler._buffers.install_fences(fence_factory)
+    starts (a `Scheduler` also takes `fence_factory` when it is made)."""
+    getattr(pipeline, "scheduler", pipeline).install_fences(fence_factory)

@@ -32,6 +32,7 @@ import numpy as np
 
 from .batch_table import BatchItem, BatchQueue, BatchTable, TableSnapshot
 from .buffers import BufferPool, BufferState, PairUse
+from .fences import FenceFactory, host_fences
 from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, Split, Stretch
 from .admission import Admission, ServiceModel
 from .errors import (BadInputError, CancelledError, OverloadedError, PolicyError, QueryError, QueueFullError,
@@ -118,6 +119,7 @@ class Scheduler:
         settings: RuntimeSettings = RuntimeSettings(),
         context: PolicyContext | None = None,
         clock: Clock = time.perf_counter,
+        fence_factory: FenceFactory = host_fences,
     ) -> None:
         bs_max = settings.bs_max or manifest.max_batch_size
         if not 1 <= bs_max <= manifest.max_batch_size:
@@ -136,7 +138,7 @@ class Scheduler:
         self._table = BatchTable(self.num_stages, bs_max)
         self._view = BatchTableView(self._table)
         self._queues = [BatchQueue() for _ in range(self.num_stages)]
-        self._buffers = BufferPool(manifest, settings.num_buffer_pairs, bs_max)
+        self._buffers = BufferPool(manifest, settings.num_buffer_pairs, bs_max, fence_factory)
         self._queries: dict[int, Query] = {}  # submitted and not yet answered, in arrival order
         self.admission = Admission(settings.queue, settings.slo,
                                    ServiceModel(manifest.stage_times(), self.num_stages), bs_max)
@@ -676,6 +678,11 @@ class Scheduler:
     def _record(self, kind: str, t0: float, stage: int | None, item: BatchItem, detail: str = "", t1: float | None = None) -> None:
         if self.settings.record_trace:
             self.trace.append(TraceEvent(kind, t0, t0 if t1 is None else t1, stage, item.batch_id, item.start, item.num, detail))
+
+    def install_fences(self, fence_factory: FenceFactory) -> None:
+        """Replace the buffers' fences (e.g. CUDA events once the stage streams exist); before any work."""
+        with self.lock:
+            self._buffers.install_fences(fence_factory)
 
     # -- observation --------------------------------------------------------------------
 
