@@ -1,7 +1,8 @@
 """Batching policies built on the meta operations new, stretch and split.
 
 `create_policy(name, **params)` makes a built-in policy by name; an unknown name fails with
-the bad value and the known ones in the message.
+the bad value and the known ones in the message. `load_policy("auto", ...)` picks the built-in
+policy the model's diversity calls for (`policies.auto`: the rule is in its docstring).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .api import Policy
+from .auto import AUTO, resolve_in
 
 from .hybrid import HybridPolicy
 from .input_diversity import InputDiversityPolicy
@@ -69,8 +71,11 @@ def load_object(spec: str, model_dir: Path, what: str) -> Any:
 
 def load_policy(spec: str, params: Mapping[str, str], model_dir: Path) -> Policy:
     """A policy named in config.pbtxt: a built-in name, `package.module:Class`, or `file.py:Class`
-    (a file in the model directory). String parameters become ints or floats where they parse."""
+    (a file in the model directory), or `auto` (the manifest's recorded choice, or the rule of
+    `policies.auto` on its profile). String parameters become ints or floats where they parse."""
     kwargs = {k: _number(v) for k, v in params.items()}
+    if spec == AUTO:
+        spec = resolve_in(model_dir)
     if ":" not in spec:
         return create_policy(spec, **kwargs)
     cls = load_object(spec, model_dir, "policy")

@@ -107,6 +107,9 @@ class SliceReport:
         div = self.profile["diversity"]
         lines.append(f"  diversity: input {'yes' if div['input'] else 'no'}, operator "
                      f"{'yes' if div['operator'] else 'no'}, load yes")
+        policy = self.manifest.extra.get("policy", {})
+        if policy:
+            lines.append(f"  policy: {policy.get('choice')} ({policy.get('why')})")
         if len(self.candidates) > 1:
             lines.append("  stage-count candidates (queries/s through the pipeline): "
                          + ", ".join(f"{x.stages}: {x.throughput:.0f}" for x in self.candidates))
@@ -195,9 +198,10 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
         pad = check_pad_safety(full, inputs, chosen.manifest.outputs, max_length, options.atol, int_bounds(model))
         profile = profile_stages(chosen.dir, chosen.manifest, batch_sizes, lengths, options.threads,
                                  max(3, options.repeats // 2), int_bounds(model), say)
-        manifest = _final_manifest(chosen, profile, ref, options, pad, int_bounds(model))
+        policy = _policy_choice(profile)
+        manifest = _final_manifest(chosen, profile, ref, options, pad, int_bounds(model), policy)
         _write_profile(chosen.dir, manifest, profile)
-        write_triton_files(chosen.dir.parent, manifest, threads_per_stage=options.threads)
+        write_triton_files(chosen.dir.parent, manifest, threads_per_stage=options.threads, policy=policy["choice"])
         if out_dir.exists():
             shutil.rmtree(out_dir)
         chosen.dir.parent.rename(out_dir)
@@ -344,9 +348,20 @@ def measure_pipeline(folder: Path, manifest: Manifest, length: int, threads: int
     return count / elapsed
 
 
+def _policy_choice(profile: dict[str, Any]) -> dict[str, str]:
+    """The policy the diversity report calls for (`policies.auto`), written in config.pbtxt and
+    recorded in the manifest (where `policy: auto` finds it)."""
+    from policies.auto import choose
+
+    div = profile["diversity"]
+    choice, why = choose(bool(div["input"]), bool(div["operator"]))
+    return {"choice": choice, "why": why}
+
+
 def _final_manifest(chosen: Candidate, profile: dict[str, Any], ref: Setting, options: SliceOptions,
-                    pad: PadSafety, input_bounds: dict[str, int]) -> Manifest:
+                    pad: PadSafety, input_bounds: dict[str, int], policy: dict[str, str]) -> Manifest:
     doc = chosen.manifest.to_json()
+    doc["policy"] = policy
     doc["pad_safe"] = pad.safe
     doc["input_bounds"] = {k: v for k, v in input_bounds.items() if k in {t.name for t in chosen.manifest.inputs}}
     doc["stage_times"] = stage_times_at(profile, ref.length)
