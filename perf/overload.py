@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dvabatch_backend.runtime.engine import available_cores
 from dvabatch_backend.tools.serve import TritonServer
 from perf.arrivals import poisson, stepping, stepping_rates
 from perf.drivers import run_closed_loop, run_open_loop
@@ -64,14 +65,8 @@ def serve(out: Path, zoo_name: str, size: str, target_ms: float):
     add_model_variant(repo, version_dir, names["dvabatch"])
     add_model_variant(repo, version_dir, names["dvabatch_unbounded"], extra={"max_queue_size": 0})
     add_model_variant(repo, version_dir, names["dvabatch_slo"], extra={"slo_ms": target_ms})
-    zero_batch(repo, version_dir, names["zerobatch"], threads=_threads(), bs_max=manifest.max_batch_size)
+    zero_batch(repo, version_dir, names["zerobatch"], threads=available_cores(), bs_max=manifest.max_batch_size)
     return repo, manifest, int_high, names
-
-
-def _threads() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0))
 
 
 def closed_loop_peak(setup: Setup, system: str, seconds: float = 4.0) -> float:

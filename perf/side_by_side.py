@@ -1,6 +1,6 @@
 """DVABatch side by side with ZeroBatch on the model `dvabatch demo --out DIR` wrote:
 
-    dvabatch demo --out work/demo && python -m perf.side_by_side work/demo [--seconds 45] [--baseline-threads 1]
+    dvabatch demo --out work/demo && python -m perf.side_by_side work/demo [--seconds 45] [--baseline-threads N]
 
 serves the demo's model (DIR/demo.json names it) beside ZeroBatch, the unsliced `model.onnx` of
 its version folder behind Triton's own dynamic batcher with no queue delay (`perf.baselines.zero_batch`),
@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dvabatch_backend.runtime.engine import available_cores
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.tools.demo import read_record
 from dvabatch_backend.tools.serve import TritonServer
@@ -45,10 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.side_by_side", description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", type=Path, metavar="DIR", help="the model repository dvabatch demo --out DIR wrote")
     parser.add_argument("--seconds", type=float, default=SECONDS, help="time budget of the runs (default: %(default)s)")
-    # one thread by default, as each dvabatch stage: on a small machine the load generator shares
-    # the cores, and ZeroBatch measured a higher peak with one thread than with every core
-    parser.add_argument("--baseline-threads", type=int, default=1, metavar="N",
-                        help="onnxruntime threads of ZeroBatch's unsliced model (default: 1)")
+    # the same threads as the served dvabatch model: its stages share one onnxruntime pool of every
+    # core (thread_pool: global, the slicer's default)
+    parser.add_argument("--baseline-threads", type=int, default=available_cores(), metavar="N",
+                        help="onnxruntime threads of ZeroBatch's unsliced model (default: every core, %(default)s)")
     args = parser.parse_args(argv)
     try:
         return run(args.dir, args.seconds, args.baseline_threads)
@@ -57,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def run(repo: Path, seconds: float = SECONDS, baseline_threads: int = 1) -> int:
+def run(repo: Path, seconds: float = SECONDS, baseline_threads: int | None = None) -> int:
     """Serves the demo's model in `repo` beside ZeroBatch and runs `side_by_side`; 1 if any query
     failed, else 0."""
     import onnx
@@ -74,7 +75,8 @@ def run(repo: Path, seconds: float = SECONDS, baseline_threads: int = 1) -> int:
     with tempfile.TemporaryDirectory(prefix="dvabatch-side-by-side-") as tmp:
         scratch = Path(tmp)
         shutil.copytree(repo / dva_name, scratch / dva_name, symlinks=True)  # config.pbtxt, and 1/ a link
-        zero_batch(scratch, version_dir, zero_name, threads=baseline_threads, bs_max=manifest.max_batch_size)
+        zero_batch(scratch, version_dir, zero_name, threads=baseline_threads or available_cores(),
+                   bs_max=manifest.max_batch_size)
         with TritonServer(scratch) as server:
             print(f"tritonserver up (gRPC {server.grpc_url}); loading {dva_name} and {zero_name}...", flush=True)
             for name in (dva_name, zero_name):

@@ -48,9 +48,10 @@ RECORD = "demo.json"  # in the repository: what the demo served, for perf.side_b
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="minilm", help="zoo model (default: MiniLM with its real weights)")
     parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--policy", default="input", help="batching policy of the served model")
-    parser.add_argument("--window", type=float, default=0.0,
-                        help="input policy: batch window, seconds (0: none; on a CPU a window costs more than it buys)")
+    parser.add_argument("--policy", default="auto",
+                        help="batching policy of the served model (default: the slicer's choice, as it writes it)")
+    parser.add_argument("--window", type=float, default=None,
+                        help="input policy: a fixed batch window, seconds (default: the adaptive one)")
     parser.add_argument("--rounds", type=int, default=2, help="bursts to send")
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="keep the model repository there (default: a temporary one, removed at the end)")
@@ -73,9 +74,11 @@ def run(args: argparse.Namespace) -> int:
             stages=args.stages, max_batch_size=16, max_length=max_length or 128, repeats=5,
             batch_sizes=(1, 2, 4, 8, 16), calibration_rounds=2, force=True))
         print(report.summary())
-        name = f"{args.model}_{args.policy}"
-        params = {"window": args.window} if args.policy == "input" else {}
-        add_model_variant(repo, report.out_dir / "1", name, policy=args.policy, policy_params=params)
+        # the served config is the one the slicer writes, with no tuning, unless told otherwise
+        policy = report.manifest.extra.get("policy", {}).get("choice", "pipelined") if args.policy == "auto" else args.policy
+        name = f"{args.model}_{policy}"
+        params = {"window": args.window} if policy == "input" and args.window is not None else {}
+        add_model_variant(repo, report.out_dir / "1", name, policy=policy, policy_params=params)
         write_record(repo, args.model, name, report.out_dir / "1")
         queries = _queries(args.model, report.manifest, int_bounds(model), max_length)
         with TritonServer(repo) as server:
