@@ -273,7 +273,9 @@ def rows_disagree(data: st.DataObject, model: FuzzModel, protocol: str) -> Reque
     spec = data.draw(st.sampled_from(model.inputs[1:]), label="input")
     other = data.draw(st.integers(0, model.manifest.max_batch_size).filter(lambda n: n != rows), label="rows")
     feeds[spec.name] = np.resize(feeds[spec.name], spec.shape(other, length))
-    return _bad("rows disagree", model, feeds, protocol, "batch size does not match")
+    # Triton sizes every input by the first one's rows: an empty one is told by its byte size
+    fragments = ("byte size mismatch", spec.name) if other == 0 else ("batch size does not match",)
+    return _bad("rows disagree", model, feeds, protocol, *fragments)
 
 
 def lengths_disagree(data: st.DataObject, model: FuzzModel, protocol: str) -> Request | None:
@@ -528,7 +530,9 @@ def _compare(feeds: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray], mod
 
 
 def template(message: str) -> str:
-    """The message with numbers (query ids, sizes, values) replaced by N: one line per distinct error."""
+    """The message with numbers (query ids, sizes, values) replaced by N and the list of the inputs
+    sent (drawn names) by [...]: one line per distinct error."""
+    message = re.sub(r"Got input\(s\) \[[^\]]*\]", "Got input(s) [...]", message)
     return re.sub(r"-?\d+", "N", message)
 
 
