@@ -34,7 +34,8 @@ Tensor = torch.Tensor
 OpFunction = Callable[..., Any]  # (node, *inputs) -> a tensor or a tuple of tensors
 
 # initializers of at most this many elements, of an integer or bool type, stay on the host: they
-# are shape arithmetic (axes, shape pieces, indices into shapes)
+# are shape arithmetic (axes, shape pieces, indices into shapes); so do scalars of any type (a
+# float scalar may be shape arithmetic too: a head size's square root, a length's ratio)
 HOST_CONSTANT_MAX_ELEMENTS = 64
 
 
@@ -556,7 +557,7 @@ def _to_torch(array: np.ndarray) -> Tensor:
 
 
 def _stays_on_host(t: Tensor) -> bool:
-    return not t.dtype.is_floating_point and t.numel() <= HOST_CONSTANT_MAX_ELEMENTS
+    return t.dim() == 0 or (not t.dtype.is_floating_point and t.numel() <= HOST_CONSTANT_MAX_ELEMENTS)
 
 
 class DeviceMemo:
@@ -608,6 +609,7 @@ class OnnxTorchModule(torch.nn.Module):
         self._drops = self._last_uses()
         self.memo: DeviceMemo | None = None
         self._constants_cache: dict[str, Tensor] | None = None
+        self._host_on_device: dict[tuple[str, torch.device], Tensor] = {}  # host constants a device op reads
 
     def _add_constant(self, name: str, value: Tensor) -> None:
         if _stays_on_host(value):
@@ -682,7 +684,9 @@ class OnnxTorchModule(torch.nn.Module):
         return self._placed(node, args)
 
     def _placed(self, node: Node, args: list[Tensor | None]) -> list[Tensor | None]:
-        """Host tensors that meet a device tensor are copied to its device (shape parameters stay)."""
+        """Host tensors that meet a device tensor are copied to its device (shape parameters stay):
+        a host constant once for good, a value computed on the host once per run (or, while a CUDA
+        graph is captured, the copy its warm-up made)."""
         params = HOST_PARAMS.get(node.op_type, frozenset())
         device = next((a.device for i, a in enumerate(args)
                        if a is not None and i not in params and a.device.type != "cpu"), None)
@@ -690,8 +694,17 @@ class OnnxTorchModule(torch.nn.Module):
             return args
         placed = list(args)
         for i, a in enumerate(args):
-            if a is not None and i not in params and a.device.type == "cpu":
-                placed[i] = self.memo.to_device((node.index, i), a, device) if self.memo else a.to(device)
+            if a is None or i in params or a.device.type != "cpu":
+                continue
+            name = node.inputs[i]
+            if name in self._host:
+                if (name, device) not in self._host_on_device:
+                    self._host_on_device[(name, device)] = a.to(device)
+                placed[i] = self._host_on_device[(name, device)]
+            elif self.memo is not None:
+                placed[i] = self.memo.to_device((node.index, i), a, device)
+            else:
+                placed[i] = a.to(device)
         return placed
 
 
@@ -740,6 +753,8 @@ class TorchStageEngine:
         self.device = torch.device(device)
         proto = onnx.load(str(self.path))
         self.module = OnnxTorchModule(proto, source=self.path.name).eval().to(self.device)
+        if self.device.type == "cuda":  # the weights' copies (default stream) are done before any run
+            torch.cuda.synchronize(self.device)
         self.input_names: list[str] = list(self.module.input_names)
         self.output_names: list[str] = list(self.module.output_names)
         self.input_dims = {vi.name: _dims(vi) for vi in proto.graph.input if vi.name in self.input_names}
@@ -824,7 +839,9 @@ class TorchStageEngine:
             self.stream.synchronize()
             memo.frozen = True
             graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=self.stream):
+            # thread_local: the other stages' executor threads may keep using CUDA meanwhile
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=self.stream,
+                                                          capture_error_mode="thread_local"):
                 results = self.module(*static.values())
         finally:
             self.module.memo = None

@@ -149,7 +149,8 @@ def test_make_engines_builds_the_torch_engine_when_asked(sliced: SlicedCache) ->
     model = sliced.get("conv_mean")
     engines = make_engines(model.folder, model.manifest, RuntimeSettings(engine="torch"))
     assert [type(e) for e in engines] == [TorchStageEngine] * model.manifest.num_stages
-    default = make_engines(model.folder, model.manifest, RuntimeSettings())
+    # per_stage: a global onnxruntime pool made in this process would outlive the test
+    default = make_engines(model.folder, model.manifest, RuntimeSettings(thread_pool="per_stage"))
     assert not any(isinstance(e, TorchStageEngine) for e in default)
 
 
