@@ -11,7 +11,7 @@ batches), each over a protocol it draws, at least one of them a good request. A 
   repeated input, a declared shape its data does not fill, a negative dim (gRPC only: Triton's HTTP
   frontend answers that one 500 "Unable to parse 'shape'", a Triton limitation we cannot reach), or
   a request of several rows one of which is bad. It must be answered INVALID_ARGUMENT (gRPC) /
-  HTTP 400 with a message naming the problem (`BadCase.fragments`).
+  HTTP 400 with a message naming the problem (`Request.fragments`).
 - **good**: valid rows (1..3, mixed lengths, masks with padded tails), sent as binary or, over
   HTTP, JSON. Every row must equal the unsliced model run on that row alone (same output names and
   shapes, atol 1e-4, rtol 1e-3).
@@ -47,7 +47,7 @@ from dvabatch_backend.runtime.manifest import SEQ, Manifest, TensorSpec
 
 log = logging.getLogger("perf.fuzz")
 
-__all__ = ["BadCase", "FuzzModel", "FuzzTally", "Fuzzer", "Outcome", "Request", "rounds", "main"]
+__all__ = ["FuzzModel", "FuzzTally", "Fuzzer", "Outcome", "Request", "liveness", "main", "rounds"]
 
 PROTOCOLS = ("http", "grpc")
 MAX_REQUEST_BYTES = 48 << 20  # one request's tensors: sane, under the 64 MiB the brief allows
@@ -127,8 +127,6 @@ class Request:
         shapes = [(name, str(arr.dtype), list(arr.shape)) for name, arr in self.feeds]
         return f"{self.protocol} {self.model} {self.kind!r} {shapes} declared={self.declared} binary={self.binary}"
 
-
-BadCase = Request  # a bad request is a Request with fragments
 
 
 # ----------------------------------------------------------------------------------------------
