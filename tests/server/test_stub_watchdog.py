@@ -17,7 +17,7 @@ import pytest
 
 from dvabatch_backend.tools.serve import SHM_DIR, TritonServer
 
-from ..triton_support import ServedModel, add_variant, slice_zoo_model, stub_pids
+from ..triton_support import add_variant, slice_zoo_model, stub_pids
 from .load_clients import Sender, SteadyLoad, outcome_of, poll
 
 MODEL = "watched"

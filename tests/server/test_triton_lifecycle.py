@@ -1,7 +1,10 @@
 """Model lifecycle on the real tritonserver (model control mode explicit): a model loads, serves
 answers equal to the unsliced model, unloads (its backend stub process exits, the server's
 threads go back to what they were), and reloads to serve correctly again, three times over;
-unloading while requests are in flight answers every one of them and nothing hangs."""
+unloading while requests are in flight answers every one of them and nothing hangs; unloading and
+loading again while clients keep sending answers every request (a result equal to the unsliced
+model, or a clear refusal while it is unloaded) and leaves no stub or shared-memory region. The
+server runs the stub watchdog: none of these deliberate unloads counts as a dead stub."""
 from __future__ import annotations
 
 import json
@@ -11,21 +14,19 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Callable, Mapping
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from dvabatch_backend.tools.serve import TritonServer, infer_inputs
+from dvabatch_backend.tools.serve import SHM_DIR, TritonServer
 
 from ..triton_support import ServedModel, add_variant, control_client, slice_zoo_model, stub_pids
+from .load_clients import MODES, TIMEOUT, Sender, SteadyLoad, assert_reference, infer, poll
 
-TIMEOUT = 30.0  # client timeout of every request
 THREAD_SLACK = 8  # threads the server may keep beyond its count before the first load (it has ~35 more per model)
-CYCLE, FLIGHT = "bert_cycle", "minilm_flight"
+CYCLE, FLIGHT, STEADY = "bert_cycle", "minilm_flight", "minilm_steady"
+CLIENTS = 4
 GATE_POLICY = Path(__file__).with_name("gate_policy.py")  # holds arrivals until a file exists
 
 
@@ -62,81 +63,10 @@ def zombie_children(server: TritonServer) -> list[int]:
     return found
 
 
-def poll(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
-MODES = ("http", "http-async", "grpc", "grpc-async")
-
-
-class Sender:
-    """A client in one mode, connected on creation; one query (one row) per `send`, 30 s timeout."""
-
-    def __init__(self, server: TritonServer, mode: str) -> None:
-        self.mode = mode
-        self._module = httpclient if mode.startswith("http") else grpcclient
-        if self._module is httpclient:
-            self._client = httpclient.InferenceServerClient(server.http_url, connection_timeout=TIMEOUT,
-                                                            network_timeout=TIMEOUT)
-        else:
-            self._client = grpcclient.InferenceServerClient(server.grpc_url)
-        assert self._client.is_server_live()  # the connection is up before any query
-
-    def send(self, model: str, query: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        inputs = infer_inputs(self._module, query)
-        if self.mode == "http":
-            result = self._client.infer(model, inputs)
-        elif self.mode == "http-async":
-            result = self._client.async_infer(model, inputs).get_result(timeout=TIMEOUT)
-        elif self.mode == "grpc":
-            result = self._client.infer(model, inputs, client_timeout=TIMEOUT)
-        else:
-            done = threading.Event()
-            box: list = []
-
-            def callback(result, error) -> None:  # tritonclient passes these by keyword
-                box.append((result, error))
-                done.set()
-
-            self._client.async_infer(model, inputs, callback, client_timeout=TIMEOUT)
-            if not done.wait(TIMEOUT + 5):
-                raise TimeoutError(f"no gRPC answer within {TIMEOUT + 5:.0f} s")
-            result, error = box[0]
-            if error is not None:
-                raise error
-        response = result.get_response()
-        names = [o["name"] for o in response["outputs"]] if isinstance(response, dict) else [o.name for o in response.outputs]
-        return {name: result.as_numpy(name)[0] for name in names}
-
-    def close(self) -> None:
-        self._client.close()
-
-
-def infer(server: TritonServer, mode: str, model: str, query: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """One query with a fresh client, closed afterwards (an open HTTP connection delays server shutdown)."""
-    sender = Sender(server, mode)
-    try:
-        return sender.send(model, query)
-    finally:
-        sender.close()
-
-
 def admitted(server: TritonServer, model: str) -> int:
     """Requests Triton has handed to the model's `execute` (which returns at once: they are in flight)."""
     with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/stats", timeout=5) as response:
         return int(json.load(response)["model_stats"][0]["inference_count"])
-
-
-def assert_reference(model: ServedModel, query: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray], what: str) -> None:
-    ref = model.reference(query)
-    assert set(got) == set(ref), what
-    for name, value in ref.items():
-        np.testing.assert_allclose(got[name], value, atol=1e-4, rtol=0, err_msg=f"{what} {name}")
 
 
 def check_serves(server: TritonServer, model: ServedModel, rng: np.random.Generator, per_mode: int = 2) -> None:
@@ -189,10 +119,12 @@ def served(tmp_path_factory) -> dict:
         # pipelined behind a gate: the test holds the requests in the model until it unloads it
         FLIGHT: add_variant(repo, minilm, FLIGHT, policy=f"{GATE_POLICY.name}:GatePolicy",
                             policy_params={"gate": gate, "inner": "pipelined"}),
+        STEADY: add_variant(repo, minilm, STEADY),
     }
-    server = TritonServer(repo, explicit=True).start()
+    server = TritonServer(repo, explicit=True, watch_stubs=True).start()
     try:
         yield {"server": server, "models": models, "gate": gate}
+        assert server.stub_restarts == 0, "the watchdog took a deliberate unload for a dead stub"
     finally:
         server.stop()
 
@@ -296,3 +228,63 @@ def test_unload_with_requests_in_flight_answers_every_request(served) -> None:
         unload_and_check_gone(server, client, FLIGHT, threads_before_load)
     finally:
         client.close()
+
+
+def stub_regions(model_dir: Path) -> set[str]:
+    """The shared-memory regions of the model's stubs (each stub's third argument)."""
+    regions = set()
+    for pid in stub_pids(model_dir):
+        try:
+            regions.add(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[2].decode())
+        except (OSError, IndexError):
+            pass
+    return regions
+
+
+def test_unload_and_reload_under_steady_load(served) -> None:
+    server: TritonServer = served["server"]
+    model: ServedModel = served["models"][STEADY]
+    model_dir = server.model_repository / STEADY
+    threads_before_load = server_threads(server)
+    client = control_client(server, "grpc")
+    load = None
+    try:
+        client.load_model(STEADY)
+        server.wait_model_ready(STEADY, timeout=60)
+        regions = stub_regions(model_dir)
+        assert len(regions) == 1 and all((SHM_DIR / r).exists() for r in regions)
+        load = SteadyLoad(server, model, CLIENTS, seed=11).start()
+        assert poll(lambda: load.count("ok") >= 2 * CLIENTS, 60), load.summary()
+
+        unload_at = time.monotonic()
+        client.unload_model(STEADY)
+        assert poll(lambda: not server.model_ready(STEADY)), f"{STEADY} still ready after unload"
+        assert poll(lambda: not stub_pids(model_dir)), f"stub(s) {stub_pids(model_dir)} left after unload"
+        assert not [r for r in regions if (SHM_DIR / r).exists()], "shared memory left after unload"
+        # the clients go on sending: refused while it is unloaded
+        assert poll(lambda: load.count("error", after=unload_at) >= CLIENTS, 30), load.summary()
+
+        client.load_model(STEADY)
+        server.wait_model_ready(STEADY, timeout=60)
+        loaded_at = time.monotonic()
+        assert len(stub_pids(model_dir)) == 1
+        assert poll(lambda: load.count("ok", after=loaded_at) >= 2 * CLIENTS, 60), load.summary()
+    finally:
+        if load is not None:
+            load.stop()
+        client.close()
+
+    load.assert_answers_correct()
+    failed = [o for o in load.outcomes if o.kind == "error"]
+    assert all(unload_at < o.done and o.sent < loaded_at for o in failed), "a request failed outside the unload"
+    unclear = {str(o.value) for o in failed if STEADY not in str(o.value) and "shutting down" not in str(o.value)}
+    assert unclear == set(), unclear
+    assert all(o.kind == "ok" for o in load.outcomes if o.sent > loaded_at)
+    print(f"\nunload + load under {CLIENTS} clients: {load.summary()}; "
+          f"refusals: {sorted({str(o.value)[:70] for o in failed})}")
+    control = control_client(server, "http")
+    try:
+        unload_and_check_gone(server, control, STEADY, threads_before_load)
+    finally:
+        control.close()
+    assert server.stub_restarts == 0
