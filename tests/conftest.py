@@ -2,7 +2,9 @@
 markers given by folder (tests/server -> server, tests/perf_smoke -> perf_smoke, tests/gpu -> gpu)."""
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -63,6 +65,70 @@ def _guard_server_start() -> None:
 
     guarded._guarded = True  # type: ignore[attr-defined]
     server.start = guarded
+
+
+# -- a test run leaves no /tmp/dvabatch-* folder behind -------------------------------------------
+# Folders made during the session that are still there at its end fail it. One made by this
+# process (tempfile.mkdtemp, which TemporaryDirectory uses too, is watched) is ours for sure; one
+# made by a child (a `dvabatch serve` command) is known only by comparing with the folders there
+# at the start, which another engineer's test run on this machine may also add to: those are
+# counted only when no other pytest runs, and reported otherwise.
+
+LEFTOVER_GLOB = "dvabatch-*"
+_tmp_at_start: set[Path] = set()
+_made_here: set[Path] = set()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _tmp_at_start.update(Path(tempfile.gettempdir()).glob(LEFTOVER_GLOB))
+    _watch_mkdtemp()
+
+
+def _watch_mkdtemp() -> None:
+    original = tempfile.mkdtemp
+    if getattr(original, "_watched", False):
+        return
+
+    def watched(suffix: str | None = None, prefix: str | None = None, dir: str | None = None) -> str:  # noqa: A002
+        path = original(suffix, prefix, dir)
+        if Path(path).name.startswith("dvabatch-"):
+            _made_here.add(Path(path))
+        return path
+
+    watched._watched = True  # type: ignore[attr-defined]
+    tempfile.mkdtemp = watched  # type: ignore[assignment]
+
+
+def _other_pytest_running() -> bool:
+    """Another pytest on this machine (not this process or one it runs under)."""
+    mine = {os.getpid(), os.getppid()}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in mine:
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(b"pytest" in a for a in argv[:3]):
+                return True
+    return False
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    left = sorted(p for p in Path(tempfile.gettempdir()).glob(LEFTOVER_GLOB) if p not in _tmp_at_start)
+    if not left:
+        return
+    shared = _other_pytest_running()
+    ours = [p for p in left if p in _made_here or not shared]
+    maybe = [p for p in left if p not in ours]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    write = reporter.write_line if reporter is not None else print
+    if maybe:
+        write(f"note: {len(maybe)} /tmp/dvabatch-* folder(s) appeared during the session, perhaps another "
+              f"test run's (another pytest runs): {[str(p) for p in maybe]}")
+    if ours:
+        write(f"ERROR: the test session left {len(ours)} folder(s) behind: {[str(p) for p in ours]}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 HIDDEN = 8
