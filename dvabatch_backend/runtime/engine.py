@@ -81,6 +81,10 @@ def ort_session_options(threads: int, thread_pool: str = PER_STAGE) -> "object":
     options = ort.SessionOptions()
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.log_severity_level = 3
+    if thread_pool == PER_STAGE and _global_pool_threads is not None:
+        # onnxruntime refuses a session with threads of its own once the process has the global pool
+        log.debug("this process has onnxruntime's global thread pool: a per-stage session uses it too")
+        thread_pool = GLOBAL
     if thread_pool == GLOBAL:
         use_global_thread_pool(threads or None)
         options.use_per_session_threads = False

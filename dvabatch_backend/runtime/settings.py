@@ -38,6 +38,9 @@ class RuntimeSettings:
     record_trace: bool = False
     engine: str = "onnxruntime"  # "onnxruntime" | "torch"
     device: str = "cpu"  # "cpu" | "cuda"
-    thread_pool: str = "global"  # onnxruntime: "per_stage" threads, or one "global" pool for all stages
+    # onnxruntime: "per_stage" threads, or one "global" pool for all stages. The served default is
+    # "global" (the adapter's, and what the slicer writes); in-process the default stays "per_stage":
+    # once a process has the global pool, onnxruntime refuses every session with threads of its own
+    thread_pool: str = "per_stage"
     queue: QueuePolicy = QueuePolicy()
     slo: SloPolicy = SloPolicy()

@@ -98,6 +98,9 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
 }
 
 
+# the stub process is ours alone: its stages share one onnxruntime pool of every core
+SERVED_THREAD_POOL = "global"
+
 # parameters Triton's Python backend reads itself (the GPU config sets the first)
 TRITON_PARAMETERS = frozenset({"FORCE_CPU_ONLY_INPUT_TENSORS", "EXECUTION_ENV_PATH"})
 
@@ -120,7 +123,7 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path) -> AdapterSetti
         threads_per_stage=values.get("threads_per_stage", defaults.threads_per_stage),
         engine=values.get("engine", defaults.engine),
         device=values.get("device", defaults.device),
-        thread_pool=values.get("thread_pool", defaults.thread_pool),
+        thread_pool=values.get("thread_pool", SERVED_THREAD_POOL),
         queue=QueuePolicy(
             max_queue_size=values.get("max_queue_size", queue_defaults.max_queue_size),
             default_timeout_us=values.get("default_timeout_microseconds", queue_defaults.default_timeout_us),
@@ -178,6 +181,10 @@ class _RequestAnswer:
         self._batch_axes = batch_axes  # outputs served in a layout whose batch axis is not the first
         self._responder = responder
         self._lock = threading.Lock()
+        # held while the final response is sent, and while the cancel watch asks Triton about the
+        # request: once the final response is out Triton frees the request, and asking then crashes it
+        self.sending = threading.Lock()
+        self.sent = False
 
     def reply_for(self, row: int) -> Any:
         def reply(answer: Answer) -> None:
@@ -195,13 +202,25 @@ class _RequestAnswer:
         if errors:
             response = pb_utils.InferenceResponse(error=pb_utils.TritonError(_describe(errors), _code(errors[0])))
         else:
-            tensors = [
-                pb_utils.Tensor(name, np.stack([a.outputs[name] for a in self._answers],  # type: ignore[union-attr,index]
-                                               axis=self._batch_axes.get(name, 0)))
-                for name in self._names
-            ]
+            tensors = [pb_utils.Tensor(name, self._batched(name)) for name in self._names]
             response = pb_utils.InferenceResponse(output_tensors=tensors)
-        self._sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        with self.sending:
+            self.sent = True
+            self._sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def is_cancelled(self, request: Any) -> bool:
+        """Whether Triton reports `request` cancelled; False once its final response is sent."""
+        with self.sending:
+            return not self.sent and bool(request.is_cancelled())
+
+    def _batched(self, name: str) -> np.ndarray:
+        """Output `name` of every row, along its batch axis. One row (most requests): a view with the
+        batch axis added, no copy (the runtime's answer is already the query's own array)."""
+        axis = self._batch_axes.get(name, 0)
+        if len(self._answers) == 1:
+            # contiguous already (scatter copies each answer): ascontiguousarray is then a no-op guard
+            return np.ascontiguousarray(np.expand_dims(self._answers[0].outputs[name], axis))  # type: ignore[union-attr,index]
+        return np.stack([a.outputs[name] for a in self._answers], axis=axis)  # type: ignore[union-attr,index]
 
 
 def _code(error: QueryError) -> int:
@@ -231,16 +250,16 @@ class _CancelWatch:
 
     def __init__(self, pipeline: Pipeline) -> None:
         self._pipeline = pipeline
-        self._open: dict[int, tuple[Any, list[int]]] = {}  # first query id -> (request, query ids)
+        self._open: dict[int, tuple[Any, _RequestAnswer, list[int]]] = {}  # first query id -> (request, answer, ids)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dvabatch-cancel-watch", daemon=True)
         self._thread.start()
 
-    def add(self, request: Any, ids: list[int]) -> None:
+    def add(self, request: Any, answer: "_RequestAnswer", ids: list[int]) -> None:
         if ids:
             with self._lock:
-                self._open[ids[0]] = (request, ids)
+                self._open[ids[0]] = (request, answer, ids)
 
     def _loop(self) -> None:
         while not self._stop.wait(CANCEL_POLL_SECONDS):
@@ -253,7 +272,7 @@ class _CancelWatch:
         with self._lock:
             entries = list(self._open.items())
         asked = 0
-        for first, (request, ids) in entries:
+        for first, (request, answer, ids) in entries:
             if not self._pipeline.any_queued(ids):  # running or answered: too late to save work
                 with self._lock:
                     self._open.pop(first, None)
@@ -261,7 +280,7 @@ class _CancelWatch:
             if asked == CANCEL_POLL_MAX:
                 break
             asked += 1
-            cancelled = request.is_cancelled()
+            cancelled = answer.is_cancelled(request)
             with self._lock:
                 entry = self._open.pop(first, None)
                 if entry is not None and not cancelled:
@@ -325,7 +344,7 @@ class TritonPythonModel:
                                     self._manifest.output_batch_axes)
             ids = self._scheduler.submit_many([(row, answer.reply_for(i)) for i, row in enumerate(rows)],
                                               timeout_us=_request_timeout_us(request))
-            self._cancel_watch.add(request, ids)
+            self._cancel_watch.add(request, answer, ids)
         return None
 
     def _rows(self, request: Any) -> list[dict[str, np.ndarray]]:
