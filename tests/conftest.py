@@ -122,7 +122,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     ours = [p for p in left if p in _made_here or not shared]
     maybe = [p for p in left if p not in ours]
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    write = reporter.write_line if reporter is not None else print
+
+    def write(line: str, **markup: bool) -> None:
+        reporter.write_line(line, **markup) if reporter is not None else print(line)
+
     if maybe:
         write(f"note: {len(maybe)} /tmp/dvabatch-* folder(s) appeared during the session, perhaps another "
               f"test run's (another pytest runs): {[str(p) for p in maybe]}")

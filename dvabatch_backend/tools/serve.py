@@ -338,6 +338,7 @@ class TritonServer:
         self.log_path = log_path or self._work / "tritonserver.log"
         self._process: subprocess.Popen[bytes] | None = None
         self._last_log = ""
+        self._exit_code: int | None = None  # what the last stop saw (a later stop returns it again)
         self.watchdog = StubWatchdog(self, stub_poll_interval, on_model_down, on_model_recovered) if watch_stubs else None
 
     @property
@@ -384,6 +385,7 @@ class TritonServer:
         """Start the server and wait until it is live (models named to load are loaded by then);
         `cancel`, when set while waiting, stops the server and raises StartCancelled."""
         self._work.mkdir(parents=True, exist_ok=True)  # `stop` removes it: a server may start again
+        self._exit_code = None
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and Path(p).exists())
         libs = pytriton_root().parent.parent / "nvidia_pytriton.libs"
@@ -476,8 +478,10 @@ class TritonServer:
             return None
 
     def stop(self, grace: float | None = None) -> int | None:
-        """Unload every model (each model's finalize answers what is in flight and joins its
-        threads), then SIGTERM, then SIGKILL after `grace` seconds (default: exit timeout + 30).
+        """Unload every model, then SIGTERM, then SIGKILL after `grace` seconds (default: exit
+        timeout + 30). Triton unloads a model once the requests it holds are answered and then
+        calls its finalize (which answers anything still queued "shutting down" and joins its
+        threads): a stop drains what is in flight, for `grace` seconds at most.
 
         Models are unloaded first because on SIGTERM Triton spends its exit timeout waiting for
         open client connections, and then exits without unloading anything. The stub watchdog
@@ -486,7 +490,7 @@ class TritonServer:
         grace = self.exit_timeout + 30.0 if grace is None else grace
         if self.watchdog is not None:
             self.watchdog.stop()
-        process, code = self._process, None
+        process, code = self._process, self._exit_code
         regions = set(self.watchdog.shm_regions) if self.watchdog is not None else set()
         if process is not None and process.poll() is None:
             regions.update(info.shm_region for info in server_stubs(process.pid).values())
@@ -507,6 +511,7 @@ class TritonServer:
             log.warning("removed shared-memory region(s) the server left behind: %s", left)
         self._last_log = self.log_tail(200)
         shutil.rmtree(self._work, ignore_errors=True)  # backends and default log: nothing left behind
+        self._exit_code = code
         return code
 
     def _kill_orphaned_stubs(self) -> set[str]:

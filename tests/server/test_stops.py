@@ -144,6 +144,42 @@ def send_in_flight(serve: ServeProcess, model: ServedModel, n: int) -> tuple[lis
     return threads, outcomes
 
 
+@dataclass
+class Started:
+    """What a `dvabatch serve` started, found while it runs: for the checks, and for cleaning up
+    after a failed test (a serve killed hard leaves its tritonserver, which runs in its own session)."""
+
+    triton: int
+    work: Path
+    region: str
+
+    @classmethod
+    def find(cls, serve: ServeProcess, repo: Path) -> "Started":
+        [triton] = [pid for pid in server_children(serve.process.pid) if alive(pid)]
+        [stub] = stub_pids(repo / MODEL)
+        argv = Path(f"/proc/{stub}/cmdline").read_bytes().split(b"\0")
+        work = Path(argv[0].decode()).parents[2]  # <work>/backends/python/triton_python_backend_stub
+        return cls(triton, work, argv[2].decode())
+
+
+def clean_up(serve: ServeProcess, started: Started | None, repo: Path) -> None:
+    """After the test, pass or fail: stop the command (a signal, then a kill) and remove whatever of
+    its server is left (nothing, when the test passed)."""
+    if serve.process.poll() is None:
+        serve.process.terminate()
+        try:
+            serve.process.wait(150)
+        except subprocess.TimeoutExpired:
+            serve.process.kill()
+            serve.process.wait(30)
+    if started is None:
+        return
+    for pid in [started.triton] * alive(started.triton) + stub_pids(repo / MODEL):
+        os.kill(pid, signal.SIGKILL)
+    (SHM_DIR / started.region).unlink(missing_ok=True)
+    shutil.rmtree(started.work, ignore_errors=True)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_answers_what_is_in_flight_and_leaves_nothing(gated, tmp_path, sig) -> None:
     model, gate = gated
@@ -151,14 +187,10 @@ def test_a_stop_signal_answers_what_is_in_flight_and_leaves_nothing(gated, tmp_p
     if gate.exists():
         gate.unlink()  # requests wait in the model
     serve = start_serve(repo, tmp_path / "serve.out")
+    started = None
     try:
-        [triton] = [pid for pid in server_children(serve.process.pid) if alive(pid)]
-        stubs = stub_pids(repo / MODEL)
-        assert len(stubs) == 1
-        argv = Path(f"/proc/{stubs[0]}/cmdline").read_bytes().split(b"\0")
-        region = argv[2].decode()
-        work = Path(argv[0].decode()).parents[2]  # <work>/backends/python/triton_python_backend_stub
-        assert work.name.startswith("dvabatch-triton-") and (SHM_DIR / region).exists()
+        started = Started.find(serve, repo)
+        assert started.work.name.startswith("dvabatch-triton-") and (SHM_DIR / started.region).exists()
         assert "listening on 127.0.0.1" in serve.text()
 
         start = admitted(serve.http_url, MODEL)
@@ -175,26 +207,51 @@ def test_a_stop_signal_answers_what_is_in_flight_and_leaves_nothing(gated, tmp_p
         for thread in threads:
             thread.join(CLIENT_TIMEOUT + 10)
         assert not any(t.is_alive() for t in threads), "a request hung across the stop"
-    finally:
-        if serve.process.poll() is None:
-            serve.process.kill()
-            serve.process.wait(30)
 
-    assert code == 0, serve.text()
-    kinds = [o.kind if o else "none" for o in outcomes]
-    assert all(k in ("ok", "error") for k in kinds), [(o.kind, o.value) if o else None for o in outcomes]
-    errors = {str(o.value) for o in outcomes if o and o.kind == "error"}
-    assert all("shutting down" in e for e in errors), errors
-    for outcome in outcomes:
-        if outcome is not None and outcome.kind == "ok":
-            assert_reference(model, outcome.query, outcome.value, outcome.mode)  # type: ignore[arg-type]
-    # nothing of that server is left
-    assert not alive(triton), "tritonserver left running"
-    assert poll(lambda: stub_pids(repo / MODEL) == [], 10), stub_pids(repo / MODEL)
-    assert not (SHM_DIR / region).exists(), f"shared memory {region} left"
-    assert not work.exists(), f"{work} left"
+        assert code == 0, serve.text()
+        kinds = [o.kind if o else "none" for o in outcomes]
+        assert all(k in ("ok", "error") for k in kinds), [(o.kind, o.value) if o else None for o in outcomes]
+        errors = {str(o.value) for o in outcomes if o and o.kind == "error"}
+        assert all("shutting down" in e for e in errors), errors
+        for outcome in outcomes:
+            if outcome is not None and outcome.kind == "ok":
+                assert_reference(model, outcome.query, outcome.value, outcome.mode)  # type: ignore[arg-type]
+        # nothing of that server is left
+        assert not alive(started.triton), "tritonserver left running"
+        assert poll(lambda: stub_pids(repo / MODEL) == [], 10), stub_pids(repo / MODEL)
+        assert not (SHM_DIR / started.region).exists(), f"shared memory {started.region} left"
+        assert not started.work.exists(), f"{started.work} left"
+    finally:
+        clean_up(serve, started, repo)
     print(f"\n{signal.Signals(sig).name}: {IN_FLIGHT} requests in flight, {kinds.count('ok')} answered with a "
           f"result, {kinds.count('error')} with an error ({sorted(e[:60] for e in errors)}); exit {code}")
+
+
+def test_sigterm_while_starting_stops_it_too(gated, tmp_path) -> None:
+    """SIGTERM as soon as tritonserver runs (it is loading the model): exit 0, nothing left."""
+    model, _ = gated
+    repo = model.version_dir.parent.parent.parent
+    out = tmp_path / "serve.out"
+    command = [sys.executable, "-m", "dvabatch_backend.tools.cli", "serve", "--model-repository", str(repo),
+               "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
+               "--explicit", "--load", MODEL]
+    with open(out, "wb") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    serve = ServeProcess(process, 0, 0, out)
+    try:
+        assert poll(lambda: bool(server_children(process.pid)), UP_TIMEOUT), serve.text()
+        [triton] = server_children(process.pid)
+        backends = [a for a in Path(f"/proc/{triton}/cmdline").read_bytes().split(b"\0") if b"--backend-directory=" in a]
+        work = Path(backends[0].decode().partition("=")[2]).parent
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(150)
+        assert code == 0, serve.text()
+        assert not alive(triton), "tritonserver left running"
+        assert poll(lambda: stub_pids(repo / MODEL) == [], 10), stub_pids(repo / MODEL)
+        assert not work.exists(), f"{work} left"
+    finally:
+        clean_up(serve, None, repo)
+    print(f"\nSIGTERM while starting: {serve.text().strip().splitlines()[-2:]}; exit {code}")
 
 
 def test_host_sets_every_address() -> None:
