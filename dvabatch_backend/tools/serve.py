@@ -207,6 +207,7 @@ class StubWatchdog:
         self.shm_regions: set[str] = set()  # every region a stub of this server used
         self._tracked: dict[int, StubInfo] = {}  # stubs seen alive, by pid
         self._suspects: dict[tuple[str, str], int] = {}  # (model, version) -> polls in a row seen dead
+        self._handled: set[int] = set()  # dead stubs restarted already (they stay zombies while their instance lingers)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -228,6 +229,7 @@ class StubWatchdog:
             self._thread = None
         self._tracked.clear()
         self._suspects.clear()
+        self._handled.clear()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -272,8 +274,8 @@ class StubWatchdog:
     def _dead_untracked(self, server_pid: int, live: Mapping[int, StubInfo]) -> set[tuple[str, str]]:
         """A stub that died before any poll saw it alive (loaded and killed within one interval) is a
         zombie of unknown model: suspect every READY Python model version with no live stub."""
-        tracked = set(self._tracked)
-        if not any(pid not in tracked for pid in zombie_stub_children(server_pid)):
+        known = set(self._tracked) | self._handled
+        if not any(pid not in known for pid in zombie_stub_children(server_pid)):
             return set()
         alive_keys = {(info.model, info.version) for info in live.values()}
         repository = self._server.model_repository
@@ -288,10 +290,13 @@ class StubWatchdog:
         pids = sorted(pid for pid, info in self._tracked.items() if (info.model, info.version) == (model, version))
         log.warning("stub process %s of model %r version %s died; unloading the model and loading it again",
                     pids, model, version)
-        # only until it is not ready: the requests the dead stub held are never released (their
-        # clients' timeouts end them), so the old instance stays UNLOADING until the server exits
+        # only until it is not ready: requests the dead stub held are never released (their
+        # clients' timeouts end them), and an instance that held some stays UNLOADING until the
+        # server exits; the load below makes a new instance beside it
         if not self._server.unload_model(model, timeout=30.0, until_unloaded=False):
             log.error("model %r still READY 30 s after its unload; loading it again anyway", model)
+        server_pid = self._server.pid
+        self._handled.update(pids + (zombie_stub_children(server_pid) if server_pid is not None else []))
         self._forget((model, version))
         self._call(self.on_model_down, model)
         if self._stop.is_set():  # the server is stopping: leave the model unloaded
