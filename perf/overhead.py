@@ -33,8 +33,9 @@
    by a `Pipeline` around a `Scheduler` subclass that timestamps those calls (engine end ->
    finish_work -> wake-up and next_work of the next stage -> engine start), with the executors'
    own wake-up counts, plus (c) a bare CPython thread-to-thread wake-up through a Condition over
-   a shared lock, and (d) the cost of one onnxruntime call with and without building the
-   IOBinding each time.
+   a shared lock, (d) the cost of one onnxruntime call with and without building the
+   IOBinding each time, and (e) the Triton adapter's own per-request work (`_rows`, the reply
+   callback, building the response), with a stand-in for `triton_python_backend_utils`.
 
 Every configuration of a part runs in the same process; blocks of queries alternate between
 them in shuffled order (rounds), so machine noise falls on all of them alike. The figures are
@@ -461,6 +462,70 @@ def _ort_call_costs(model_dir: Path, n: int) -> dict:
     return out
 
 
+def _pb_utils_stand_in() -> None:
+    """Outside Triton there is no `triton_python_backend_utils`: a stand-in with the names the adapter
+    uses, whose Tensor/InferenceResponse only hold what they are given (Triton's own serialization is
+    not measured here; the adapter's numpy work and bookkeeping are)."""
+    import types
+
+    if "triton_python_backend_utils" in sys.modules:
+        return
+    pb = types.ModuleType("triton_python_backend_utils")
+
+    class Holder:
+        def __init__(self, *args, **kwargs) -> None:
+            self.args, self.kwargs = args, kwargs
+
+    class TritonError(Holder):
+        INVALID_ARG, UNAVAILABLE, INTERNAL, CANCELLED = 1, 2, 3, 4
+
+    pb.Tensor = pb.InferenceResponse = Holder
+    pb.TritonError = TritonError
+    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    pb.Logger = SimpleNamespace(log_error=print, log_warn=print, log_info=print)
+    pb.get_input_tensor_by_name = lambda request, name: request.tensors.get(name)
+    sys.modules["triton_python_backend_utils"] = pb
+
+
+def _adapter_costs(model_dir: Path, queries: Sequence[Inputs], n: int) -> dict:
+    """The adapter's per-request work in this process, one row per request: `_rows` (request tensors to
+    query dicts), one answer's reply callback, and `send` (the response tensors; the sender is a no-op)."""
+    _pb_utils_stand_in()
+    from dvabatch_backend.triton_adapter import model as adapter
+
+    manifest = Manifest.load(model_dir / "manifest.json")
+    host = SimpleNamespace(_manifest=manifest)
+    requests = [SimpleNamespace(tensors={k: SimpleNamespace(as_numpy=lambda v=v: v[None]) for k, v in q.items()})
+                for q in queries]
+    outputs = [{t.name: np.zeros(t.sample_shape(1), t.np_dtype) for t in manifest.outputs}]
+    sender = SimpleNamespace(send=lambda response, flags: None)
+    inline = SimpleNamespace(submit=lambda request_answer: None)
+    names = [t.name for t in manifest.outputs]
+
+    def respond() -> object:
+        answer = adapter._RequestAnswer(sender, 1, names, inline, manifest.output_batch_axes)  # type: ignore[arg-type]
+        answer.reply_for(0)(Answer(0, dict(outputs[0]), None))
+        return answer
+
+    made = respond()
+    cases: dict[str, Callable[[], object]] = {
+        "_rows": lambda: adapter.TritonPythonModel._rows(host, requests[0]),  # type: ignore[arg-type]
+        "_RequestAnswer + reply": respond,
+        "send": made.send,
+    }
+    out = {}
+    for label, fn in cases.items():
+        for _ in range(200):
+            fn()
+        ts = []
+        for _ in range(n):
+            t0 = perf()
+            fn()
+            ts.append(perf() - t0)
+        out[label] = us(float(np.median(ts)))
+    return out
+
+
 def part_breakdown(tmp: Path, n_queries: int, warmup: int) -> dict:
     model_dir = tmp / "dense8"
     if not model_dir.exists():
@@ -474,6 +539,7 @@ def part_breakdown(tmp: Path, n_queries: int, warmup: int) -> dict:
         "condition_wakeup": _wakeup_pingpong(n_queries),
         "condition_wakeup_after_idle": _wakeup_pingpong(n_queries // 3, idle_s=200e-6),
         "ort_call": _ort_call_costs(model_dir, n_queries),
+        "adapter": _adapter_costs(model_dir, queries, n_queries),
     }
 
 
@@ -504,6 +570,8 @@ def print_breakdown(res: dict) -> None:
           f"(p90 {wi['p90_us']:.1f})")
     print("(d) one onnxruntime call, a middle stage (batch 1): " +
           ", ".join(f"{k} {v:.1f}" for k, v in o.items()))
+    print("(e) the Triton adapter per one-row request (pb_utils stood in for; sender a no-op): " +
+          ", ".join(f"{k} {v:.1f}" for k, v in res["adapter"].items()))
 
 
 # --- main ------------------------------------------------------------------------------

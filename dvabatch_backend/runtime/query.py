@@ -4,13 +4,14 @@ where it is in its life (`QueryState`); and the copies between queries and buffe
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import numpy as np
 
 from .errors import BadInputError, QueryError
-from .manifest import SEQ, Manifest, TensorSpec, dim_size, is_length_dim
+from .manifest import SEQ, Manifest, TensorSpec, is_length_dim, length_dim_terms
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,26 @@ class Query:
         self.info = QueryInfo(self.id, self.length, self.arrival)
 
 
+@dataclass(frozen=True)
+class _InputRule:
+    """What checking one input needs, worked out once per spec (a property like `np_dtype` or
+    `has_seq` costs a dtype lookup or a regex per call, and this runs for every query)."""
+
+    np_dtype: np.dtype
+    rank: int  # of one query's tensor: no batch dim
+    seq_axis: int | None  # the query tensor's length axis, if it has one
+
+
+@functools.lru_cache(maxsize=256)
+def _input_rule(spec: TensorSpec) -> _InputRule:
+    return _InputRule(spec.np_dtype, len(spec.dims) - 1, spec.dims.index(SEQ) - 1 if spec.has_seq else None)
+
+
+@functools.lru_cache(maxsize=64)
+def _specs_by_name(specs: tuple[TensorSpec, ...]) -> dict[str, TensorSpec]:
+    return {t.name: t for t in specs}
+
+
 def validate_inputs(
     query_id: int, inputs: Mapping[str, np.ndarray], manifest: Manifest
 ) -> tuple[dict[str, np.ndarray], int]:
@@ -75,27 +96,26 @@ def validate_inputs(
 
     NaN and infinities are data, not errors: they pass through.
     """
-    if not isinstance(inputs, Mapping):
+    if type(inputs) is not dict and not isinstance(inputs, Mapping):  # the ABC check is slow: dicts first
         raise BadInputError(query_id, f"inputs must map input names to tensors, got {type(inputs).__name__}")
-    specs = {t.name: t for t in manifest.inputs}
-    missing = sorted(set(specs) - set(inputs))
-    unknown = sorted(set(inputs) - set(specs))
-    if missing:
-        raise BadInputError(query_id, f"missing input(s) {missing}; the model expects {sorted(specs)}")
-    if unknown:
-        raise BadInputError(query_id, f"unknown input(s) {unknown}; the model expects {sorted(specs)}")
+    specs = _specs_by_name(manifest.inputs)
+    if len(inputs) != len(specs) or not all(name in inputs for name in specs):
+        _check_names(query_id, inputs, specs)
     arrays: dict[str, np.ndarray] = {}
     lengths: set[int] = set()
     for name, spec in specs.items():
         arr = np.asarray(inputs[name])
-        _check_tensor(query_id, arr, spec, manifest.max_length)
+        rule = _input_rule(spec)
+        _check_tensor(query_id, arr, spec, rule, manifest.max_length)
         bound = manifest.input_bounds.get(name)
-        if bound is not None and (int(arr.min()) < 0 or int(arr.max()) >= bound):
-            bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
-            raise BadInputError(query_id, f"input {name!r} holds {bad}, outside [0, {bound}): it indexes a table of "
-                                          f"{bound} rows")
-        if spec.has_seq:
-            length = arr.shape[spec.dims.index(SEQ) - 1]
+        if bound is not None:
+            low, high = int(arr.min()), int(arr.max())
+            if low < 0 or high >= bound:
+                bad = low if low < 0 else high
+                raise BadInputError(query_id, f"input {name!r} holds {bad}, outside [0, {bound}): it indexes a "
+                                              f"table of {bound} rows")
+        if rule.seq_axis is not None:
+            length = arr.shape[rule.seq_axis]
             if length % manifest.length_multiple:
                 raise BadInputError(query_id, f"input {spec.name!r} has length {length}, not a multiple of "
                                               f"{manifest.length_multiple} (the model's outputs are the length "
@@ -107,15 +127,24 @@ def validate_inputs(
     return arrays, (lengths.pop() if lengths else 0)
 
 
-def _check_tensor(query_id: int, arr: np.ndarray, spec: TensorSpec, max_length: int) -> None:
-    expected_rank = len(spec.dims) - 1
-    if arr.dtype != spec.np_dtype:
+def _check_names(query_id: int, inputs: Mapping[str, np.ndarray], specs: Mapping[str, TensorSpec]) -> None:
+    """Raise for missing or unknown input names (only reached when the names differ)."""
+    missing = sorted(set(specs) - set(inputs))
+    unknown = sorted(set(inputs) - set(specs))
+    if missing:
+        raise BadInputError(query_id, f"missing input(s) {missing}; the model expects {sorted(specs)}")
+    if unknown:
+        raise BadInputError(query_id, f"unknown input(s) {unknown}; the model expects {sorted(specs)}")
+
+
+def _check_tensor(query_id: int, arr: np.ndarray, spec: TensorSpec, rule: _InputRule, max_length: int) -> None:
+    if arr.dtype != rule.np_dtype:
         raise BadInputError(query_id, f"input {spec.name!r} has dtype {arr.dtype}, expected {spec.dtype}")
-    if arr.ndim != expected_rank:
+    if arr.ndim != rule.rank:
         raise BadInputError(
             query_id,
             f"input {spec.name!r} has rank {arr.ndim} (shape {list(arr.shape)}), expected rank "
-            f"{expected_rank} for one query of dims {list(spec.dims[1:])}",
+            f"{rule.rank} for one query of dims {list(spec.dims[1:])}",
         )
     if arr.size == 0:
         raise BadInputError(query_id, f"input {spec.name!r} is empty (shape {list(arr.shape)})")
@@ -135,8 +164,21 @@ def gather_inputs(queries: list[Query], rows: dict[str, np.ndarray], specs: tupl
         dest = rows[spec.name]
         for r, query in enumerate(queries):
             src = query.inputs[spec.name]
-            dest[r].fill(0)
-            dest[r][tuple(slice(0, n) for n in src.shape)] = src
+            row = dest[r]
+            if src.shape == row.shape:  # nothing to pad: the copy overwrites the whole row
+                row[...] = src
+            else:
+                row.fill(0)
+                row[tuple(slice(0, n) for n in src.shape)] = src
+
+
+@functools.lru_cache(maxsize=256)
+def _length_dims(spec: TensorSpec) -> tuple[tuple[int, int] | None, ...] | None:
+    """Per non-batch dim of an output, its length terms (A, K) when it is a length dim; None for an
+    output without one (worked out once: `is_length_dim` is a regex)."""
+    if not spec.has_seq:
+        return None
+    return tuple(length_dim_terms(d) if is_length_dim(d) else None for d in spec.dims[1:])
 
 
 def scatter_outputs(
@@ -144,14 +186,15 @@ def scatter_outputs(
 ) -> list[dict[str, np.ndarray]]:
     """Copy each query's results out of its output row, cut back to its own length on every
     length dim (`seq` and the lengths derived from it)."""
+    cuts = [(spec.name, rows[spec.name], _length_dims(spec)) for spec in specs]
     results = []
     for r, query in enumerate(queries):
         out = {}
-        for spec in specs:
-            row = rows[spec.name][r]
-            if spec.has_seq:
-                row = row[tuple(slice(0, dim_size(d, query.length)) if is_length_dim(d) else slice(None)
-                                for d in spec.dims[1:])]
-            out[spec.name] = np.array(row, copy=True)
+        for name, batch, length_dims in cuts:
+            row = batch[r]
+            if length_dims is not None:
+                n = query.length
+                row = row[tuple(slice(None) if t is None else slice(0, (n + t[0]) // t[1]) for t in length_dims)]
+            out[name] = np.array(row, copy=True)
         results.append(out)
     return results
