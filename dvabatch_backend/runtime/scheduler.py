@@ -140,6 +140,9 @@ class Scheduler:
         self._queues = [BatchQueue() for _ in range(self.num_stages)]
         self._buffers = BufferPool(manifest, settings.num_buffer_pairs, bs_max, fence_factory)
         self._queries: dict[int, Query] = {}  # submitted and not yet answered, in arrival order
+        # the WAITING ones among them, in arrival order: a dispatch looks at these, not at every query
+        # in flight (a query leaves only in `_apply`, batched, or in `_answer`)
+        self._waiting_queries: dict[int, Query] = {}
         self.admission = Admission(settings.queue, settings.slo,
                                    ServiceModel(manifest.stage_times(), self.num_stages), bs_max)
         self._stage_states = [ExecutorState.INACTIVE] * self.num_stages
@@ -171,6 +174,7 @@ class Scheduler:
             self._stopping = True
             queries = list(self._queries.values())
             self._queries.clear()
+            self._waiting_queries.clear()
             deliveries = [self._answer(q, Answer(q.id, None, ShuttingDownError(q.id))) for q in queries]
             self.stats.queued = 0
             self._table.clear()
@@ -236,6 +240,7 @@ class Scheduler:
         for q in queries:
             q.deadline, q.slo_deadline = deadline, slo_deadline
             self._queries[q.id] = q
+            self._waiting_queries[q.id] = q
         self.stats.queued += len(queries)
         return []
 
@@ -280,7 +285,7 @@ class Scheduler:
         return wake_at
 
     def _waiting(self) -> list[Query]:
-        return [q for q in self._queries.values() if q.state is QueryState.WAITING]
+        return list(self._waiting_queries.values())
 
     # -- admission: queries dropped before they run ------------------------------------
 
@@ -393,6 +398,7 @@ class Scheduler:
         queries = [self._queries[q] for q in ids]
         for q in queries:
             q.state = QueryState.BATCHED
+            self._waiting_queries.pop(q.id, None)
         if isinstance(decision, Stretch):
             why = self._table.stretch_refusal(decision.batch_id, [q.length for q in queries])
             if why is None and not self.manifest.pad_safe:
@@ -662,6 +668,7 @@ class Scheduler:
     def _answer(self, query: Query, answer: Answer) -> _Delivery:
         """Mark `query` answered and count it; the caller has taken it off the query table."""
         query.state = QueryState.ANSWERED
+        self._waiting_queries.pop(query.id, None)
         if not query.entered:
             query.entered = True
             self.stats.queued -= 1
