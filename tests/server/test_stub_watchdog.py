@@ -21,6 +21,7 @@ from ..triton_support import add_variant, slice_zoo_model, stub_pids
 from .load_clients import Sender, SteadyLoad, outcome_of, poll
 
 MODEL = "watched"
+POLLED = "polled"  # served by a second server whose watchdog polls only when the test says
 CLIENTS = 4
 RECOVERY_BOUND = 10.0  # a bound on a hang, not a speed requirement
 HOLD = 30.0  # longest the model-down hook holds the watchdog
@@ -55,6 +56,7 @@ class Episode:
 def watched(tmp_path_factory):
     repo = tmp_path_factory.mktemp("watchdog_repository")
     model = add_variant(repo, slice_zoo_model(repo / ".sliced", "minilm"), MODEL)
+    add_variant(repo, model, POLLED)
     episode = Episode()
     server = TritonServer(repo, explicit=True, load=[MODEL], watch_stubs=True,
                           on_model_down=episode.on_model_down, on_model_recovered=episode.on_model_recovered)
@@ -122,3 +124,40 @@ def test_kill_9_of_the_stub_under_load_is_recovered(watched) -> None:
           f"+1 probe refused while down: {refused.value!r}); noticed {episode.down_at - killed_at:.2f} s, "
           f"serving again {episode.recovered_at - killed_at:.2f} s after the kill; ready when down: "
           f"{episode.ready_when_down}; restarts {server.stub_restarts}; failures: {messages}")
+
+
+def test_polls_restart_a_stub_killed_before_any_poll_saw_it_and_leave_deliberate_unloads_alone(watched) -> None:
+    """The watchdog's own thread never polls here (an hour's interval): the test polls, so the
+    order is fixed. A stub killed before any poll saw it alive is found by its zombie; a deliberate
+    unload and load are not restarts."""
+    repo = watched[0].model_repository
+    server = TritonServer(repo, explicit=True, watch_stubs=True, stub_poll_interval=3600.0).start()
+    watchdog = server.watchdog
+    assert watchdog is not None
+    try:
+        assert server.load_model(POLLED, timeout=120), server.log_tail()
+        [stub] = stub_pids(repo / POLLED)
+        os.kill(stub, signal.SIGKILL)  # no poll has seen it
+        assert poll(lambda: not [p for p in stub_pids(repo / POLLED) if p == stub], 10)
+        watchdog.poll()  # suspected once: not yet
+        assert server.stub_restarts == 0 and server.model_ready(POLLED)
+        watchdog.poll()  # confirmed: unloaded and loaded again
+        assert server.stub_restarts == 1 and server.model_ready(POLLED)
+        [new_stub] = stub_pids(repo / POLLED)
+        assert new_stub != stub
+
+        for _ in range(3):
+            watchdog.poll()  # the zombie of the restarted stub is no news
+        assert server.stub_restarts == 1
+
+        # deliberate: an unload (polled while and after it goes), then a load
+        assert server.unload_model(POLLED)
+        for _ in range(3):
+            watchdog.poll()
+        assert server.load_model(POLLED, timeout=120)
+        for _ in range(3):
+            watchdog.poll()
+        assert server.stub_restarts == 1 and server.model_ready(POLLED)
+    finally:
+        server.stop()
+    assert stub_pids(repo / POLLED) == []
