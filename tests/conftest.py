@@ -68,19 +68,22 @@ def _guard_server_start() -> None:
 
 
 # -- a test run leaves no /tmp/dvabatch-* folder behind -------------------------------------------
-# Folders made during the session that are still there at its end fail it. One made by this
-# process (tempfile.mkdtemp, which TemporaryDirectory uses too, is watched) is ours for sure; one
-# made by a child (a `dvabatch serve` command) is known only by comparing with the folders there
-# at the start, which another engineer's test run on this machine may also add to: those are
-# counted only when no other pytest runs, and reported otherwise.
+# A folder made during the session and still there at its end fails it when it is this session's:
+# made by this process (tempfile.mkdtemp, which TemporaryDirectory uses too, is watched), or used
+# by a process this session started (its environment carries the session's mark: a server left
+# running). Other engineers' test runs share /tmp: other new folders are only reported. A child
+# that exits leaving an unused folder is not caught here; the tests that run `dvabatch serve`
+# check its work folder themselves.
 
 LEFTOVER_GLOB = "dvabatch-*"
+SESSION_MARK = "DVABATCH_TEST_SESSION"
 _tmp_at_start: set[Path] = set()
 _made_here: set[Path] = set()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     _tmp_at_start.update(Path(tempfile.gettempdir()).glob(LEFTOVER_GLOB))
+    os.environ.setdefault(SESSION_MARK, f"{os.getpid()}-{time.time_ns()}")
     _watch_mkdtemp()
 
 
@@ -99,18 +102,21 @@ def _watch_mkdtemp() -> None:
     tempfile.mkdtemp = watched  # type: ignore[assignment]
 
 
-def _other_pytest_running() -> bool:
-    """Another pytest on this machine (not this process or one it runs under)."""
-    mine = {os.getpid(), os.getppid()}
+def _used_by_this_session(folders: list[Path]) -> set[Path]:
+    """The folders named on the command line of a live process that carries this session's mark."""
+    mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
+    used = set()
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) not in mine:
-            try:
-                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            except OSError:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            if mark not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
                 continue
-            if any(b"pytest" in a for a in argv[:3]):
-                return True
-    return False
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        used.update(f for f in folders if str(f).encode() in cmdline)
+    return used
 
 
 @pytest.hookimpl(trylast=True)
@@ -118,17 +124,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     left = sorted(p for p in Path(tempfile.gettempdir()).glob(LEFTOVER_GLOB) if p not in _tmp_at_start)
     if not left:
         return
-    shared = _other_pytest_running()
-    ours = [p for p in left if p in _made_here or not shared]
-    maybe = [p for p in left if p not in ours]
+    used = _used_by_this_session(left)
+    ours = [p for p in left if p in _made_here or p in used]
+    others = [p for p in left if p not in ours]
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
 
     def write(line: str, **markup: bool) -> None:
         reporter.write_line(line, **markup) if reporter is not None else print(line)
 
-    if maybe:
-        write(f"note: {len(maybe)} /tmp/dvabatch-* folder(s) appeared during the session, perhaps another "
-              f"test run's (another pytest runs): {[str(p) for p in maybe]}")
+    if others:
+        write(f"note: {len(others)} /tmp/dvabatch-* folder(s) appeared during the session that are not this "
+              f"session's (another test run's?): {[str(p) for p in others]}")
     if ours:
         write(f"ERROR: the test session left {len(ours)} folder(s) behind: {[str(p) for p in ours]}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

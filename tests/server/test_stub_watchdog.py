@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from dvabatch_backend.tools.serve import SHM_DIR, TritonServer
+from dvabatch_backend.tools.serve import SHM_DIR, TritonServer, is_zombie
 
 from ..triton_support import add_variant, slice_zoo_model, stub_pids
 from .load_clients import Sender, SteadyLoad, outcome_of, poll
@@ -138,7 +138,7 @@ def test_polls_restart_a_stub_killed_before_any_poll_saw_it_and_leave_deliberate
         assert server.load_model(POLLED, timeout=120), server.log_tail()
         [stub] = stub_pids(repo / POLLED)
         os.kill(stub, signal.SIGKILL)  # no poll has seen it
-        assert poll(lambda: not [p for p in stub_pids(repo / POLLED) if p == stub], 10)
+        assert poll(lambda: is_zombie(stub), 10), "the killed stub is not a zombie"  # it has exited
         watchdog.poll()  # suspected once: not yet
         assert server.stub_restarts == 0 and server.model_ready(POLLED)
         watchdog.poll()  # confirmed: unloaded and loaded again
