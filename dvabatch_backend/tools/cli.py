@@ -8,12 +8,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..runtime.query import Answer
 from ..runtime.loading import load_pipeline
 from ..runtime.scheduler import RuntimeSettings
+
+if TYPE_CHECKING:
+    from .serve import TritonServer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve until SIGINT/SIGTERM; then `TritonServer.stop` (every model unloaded, what is in
-    flight answered, the server, its stubs, shared memory and work folder gone) and exit 0.
+    """Serve until SIGINT/SIGTERM; then `TritonServer.stop` (every model unloaded once what it
+    holds is answered, then the server, its stubs, shared memory and work folder gone) and exit 0.
     A signal while the server starts stops it too; a server that dies by itself exits 1."""
     import signal
 
@@ -119,7 +123,7 @@ def run_serve(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
-def _serve_until_stopped(server, stop: threading.Event) -> int:
+def _serve_until_stopped(server: "TritonServer", stop: threading.Event) -> int:
     server.start(cancel=stop)
     watchdog = "on" if server.watchdog is not None else "off"
     print(f"tritonserver is up: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url} "
