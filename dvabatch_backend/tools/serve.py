@@ -35,6 +35,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")  # where the Python backend's regions (named in each stub's argv) live
+SHM_PREFIX = "triton_python_backend_shm_region_"
 
 class ServerError(RuntimeError):
     """The server could not be started or did not become ready; carries its log's tail."""
@@ -143,6 +144,31 @@ def zombie_stub_children(parent: int) -> list[int]:
             if fields[:2] == ["Z", str(parent)] and "triton_python_backend_stub".startswith(name):
                 found.append(int(entry))
     return found
+
+
+def backend_shm_regions() -> set[str]:
+    """The Python backend's shared-memory regions in /dev/shm (of every server on the machine)."""
+    try:
+        return {name for name in os.listdir(SHM_DIR) if name.startswith(SHM_PREFIX)}
+    except OSError:
+        return set()
+
+
+def mapped_shm_regions() -> set[str]:
+    """Backend regions some live process has mapped (a server or stub that uses it)."""
+    mapped = set()
+    marker = f"{SHM_DIR}/{SHM_PREFIX}"
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                maps = Path(f"/proc/{entry}/maps").read_text(errors="replace")
+            except OSError:
+                continue
+            for line in maps.splitlines():
+                at = line.find(marker)
+                if at >= 0:
+                    mapped.add(line[at + len(SHM_DIR.as_posix()) + 1:].split()[0])
+    return mapped
 
 
 def remove_shm_regions(names: Sequence[str]) -> list[str]:
@@ -343,6 +369,7 @@ class TritonServer:
         self.log_path = log_path or self._work / "tritonserver.log"
         self._process: subprocess.Popen[bytes] | None = None
         self._last_log = ""
+        self._shm_at_start: set[str] = set()
         self._exit_code: int | None = None  # what the last stop saw (a later stop returns it again)
         self.watchdog = StubWatchdog(self, stub_poll_interval, on_model_down, on_model_recovered) if watch_stubs else None
 
@@ -391,6 +418,7 @@ class TritonServer:
         `cancel`, when set while waiting, stops the server and raises StartCancelled."""
         self._work.mkdir(parents=True, exist_ok=True)  # `stop` removes it: a server may start again
         self._exit_code = None
+        self._shm_at_start = backend_shm_regions()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and Path(p).exists())
         libs = pytriton_root().parent.parent / "nvidia_pytriton.libs"
@@ -511,6 +539,7 @@ class TritonServer:
         elif process is not None:
             code = process.returncode
         regions.update(self._kill_orphaned_stubs())
+        regions.update(self._unused_new_regions())
         left = remove_shm_regions(sorted(regions))
         if left:
             log.warning("removed shared-memory region(s) the server left behind: %s", left)
@@ -518,6 +547,14 @@ class TritonServer:
         shutil.rmtree(self._work, ignore_errors=True)  # backends and default log: nothing left behind
         self._exit_code = code
         return code
+
+    def _unused_new_regions(self) -> set[str]:
+        """Regions made while the server ran that nobody maps now: a stub that died before anyone
+        saw its command line (a stop while a model loads) leaves one whose name was never known.
+        Other servers' regions are mapped by them, so they stay."""
+        if self._process is not None and self._process.poll() is None:
+            return set()
+        return (backend_shm_regions() - self._shm_at_start) - mapped_shm_regions()
 
     def _kill_orphaned_stubs(self) -> set[str]:
         """Backend stubs outlive a server that was killed hard (and ignore SIGTERM): kill ours;

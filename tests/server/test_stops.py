@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dvabatch_backend.tools.serve import SHM_DIR, TritonServer, connect_host, free_port
+from dvabatch_backend.tools.serve import (SHM_DIR, TritonServer, backend_shm_regions, connect_host, free_port,
+                                          mapped_shm_regions)
 
 from ..triton_support import ServedModel, add_variant, slice_zoo_model, stub_pids
 from .load_clients import Outcome, Sender, assert_reference, outcome_of, poll
@@ -228,8 +229,10 @@ def test_a_stop_signal_answers_what_is_in_flight_and_leaves_nothing(gated, tmp_p
 
 
 def test_sigterm_while_starting_stops_it_too(gated, tmp_path) -> None:
-    """SIGTERM as soon as tritonserver runs (it is loading the model): exit 0, nothing left."""
+    """SIGTERM as soon as tritonserver runs (it is loading the model): exit 0, nothing left (its
+    stub's region, whose name no one may have seen: no region made meanwhile is left unused)."""
     model, _ = gated
+    regions_before = backend_shm_regions()
     repo = model.version_dir.parent.parent.parent
     out = tmp_path / "serve.out"
     command = [sys.executable, "-m", "dvabatch_backend.tools.cli", "serve", "--model-repository", str(repo),
@@ -249,6 +252,8 @@ def test_sigterm_while_starting_stops_it_too(gated, tmp_path) -> None:
         assert not alive(triton), "tritonserver left running"
         assert poll(lambda: stub_pids(repo / MODEL) == [], 10), stub_pids(repo / MODEL)
         assert not work.exists(), f"{work} left"
+        left = (backend_shm_regions() - regions_before) - mapped_shm_regions()
+        assert not left, f"shared memory left: {left}"
     finally:
         clean_up(serve, None, repo)
     print(f"\nSIGTERM while starting: {serve.text().strip().splitlines()[-2:]}; exit {code}")
