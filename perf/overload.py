@@ -141,9 +141,8 @@ def overload(setup: Setup, system: str, sustained: float, factor: float, seconds
     result = _open(setup, system, offsets, seed + 3)
     sampler.stop()
     records = sorted(result.records, key=lambda r: r.id)
-    during = [r for r in records[:len(heavy)]]
-    ok_during = [r for r in during if r.ok]
-    answered_qps = len(ok_during) / max(drop, 1e-9)
+    # answers that came while the overload lasted (not those of its queries answered later)
+    answered_qps = sum(1 for r in records if r.ok and r.answer is not None and r.answer <= drop) / max(drop, 1e-9)
     refused = sum(1 for r in records if not r.ok and r.error and ("503" in r.error or "UNAVAILABLE" in r.error
                                                                    or "queue size" in r.error or "overloaded" in r.error))
     other = sum(1 for r in records if not r.ok) - refused

@@ -20,7 +20,7 @@ scheduler and used under its lock.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .settings import QueuePolicy, SloPolicy
 
@@ -34,25 +34,27 @@ class ServiceModel:
     batch sizes, times a correction learnt from what the stages actually take (threads, load and
     the machine differ from the slicer's measurement)."""
 
-    def __init__(self, stage_times: Sequence[dict[int, float]], num_stages: int) -> None:
+    def __init__(self, stage_times: Sequence[dict[int, float]], num_stages: int,
+                 by_length: Mapping[int, Sequence[dict[int, float]]] | None = None) -> None:
         if not stage_times:
             stage_times = [{1: UNPROFILED_STAGE_SECONDS} for _ in range(num_stages)]
         self._points = [sorted(t.items()) for t in stage_times]
+        # per profiled length, the same: an observation is compared with the profile at its length
+        self._by_length = {length: [sorted(t.items()) for t in times] for length, times in sorted((by_length or {}).items())}
         self.correction = 1.0
 
     @property
     def num_stages(self) -> int:
         return len(self._points)
 
-    def profiled(self, stage: int, bs: int) -> float:
+    def profiled(self, stage: int, bs: int, length: int | None = None) -> float:
+        """Profiled seconds at batch size `bs` (at `length`: the shortest profiled length that holds
+        it; without one, the profile's own length, the longest)."""
         points = self._points[stage]
-        if bs <= points[0][0]:
-            return points[0][1] * (bs / points[0][0] if len(points) > 1 else 1.0)
-        for (b0, t0), (b1, t1) in zip(points, points[1:]):
-            if bs <= b1:
-                return t0 + (t1 - t0) * (bs - b0) / (b1 - b0)
-        b_last, t_last = points[-1]
-        return t_last * bs / b_last  # beyond the profile: no better per-row cost than the largest
+        if length is not None and self._by_length:
+            fits = [times for profiled, times in self._by_length.items() if profiled >= length]
+            points = (fits[0] if fits else list(self._by_length.values())[-1])[stage]
+        return _interpolate(points, bs)
 
     def stage_time(self, stage: int, bs: int) -> float:
         return self.profiled(stage, bs) * self.correction
@@ -64,10 +66,21 @@ class ServiceModel:
         """Queries per second through the slowest stage at bs_max."""
         return bs_max / max(self.stage_time(k, bs_max) for k in range(self.num_stages))
 
-    def observe(self, stage: int, bs: int, seconds: float) -> None:
-        predicted = self.profiled(stage, bs)
+    def observe(self, stage: int, bs: int, seconds: float, length: int | None = None) -> None:
+        predicted = self.profiled(stage, bs, length)
         if predicted > 0 and seconds > 0:
             self.correction += _EWMA * (seconds / predicted - self.correction)
+
+
+def _interpolate(points: list[tuple[int, float]], bs: int) -> float:
+    """Seconds at batch size `bs` from (batch size, seconds) points, linear between them."""
+    if bs <= points[0][0]:
+        return points[0][1] * (bs / points[0][0] if len(points) > 1 else 1.0)
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+        if bs <= b1:
+            return t0 + (t1 - t0) * (bs - b0) / (b1 - b0)
+    b_last, t_last = points[-1]
+    return t_last * bs / b_last  # beyond the profile: no better per-row cost than the largest
 
 
 class Admission:
@@ -76,13 +89,16 @@ class Admission:
         self.slo = slo
         self.service = service
         self.bs_max = bs_max
-        if queue.max_queue_size is None:
-            # from the profile as the slicer measured it: a fixed bound, known at load
-            peak = bs_max / max(service.profiled(k, bs_max) for k in range(service.num_stages))
-            self.max_queue_size = max(2 * bs_max, math.ceil(peak * QUEUE_SECONDS))
-        else:
-            self.max_queue_size = queue.max_queue_size  # 0: unbounded
         self.slo_seconds = None if slo.slo_ms is None else slo.slo_ms / 1000.0
+
+    @property
+    def max_queue_size(self) -> int:
+        """The bound in effect (0: none). Derived: the pipeline's peak at bs_max and the longest
+        length, from the profile corrected by the stage times measured while serving (the stages
+        share the cores, the slicer timed each alone), times `QUEUE_SECONDS`."""
+        if self.queue.max_queue_size is not None:
+            return self.queue.max_queue_size
+        return max(2 * self.bs_max, math.ceil(self.service.peak_rate(self.bs_max) * QUEUE_SECONDS))
 
     def stage_budgets(self) -> list[float]:
         """The latency target split over the stages in proportion to their profiled times at bs_max (s)."""
@@ -92,8 +108,9 @@ class Admission:
         return [self.slo_seconds * t / sum(times) for t in times]
 
     def queue_refusal(self, queued: int, rows: int) -> str | None:
-        if self.max_queue_size and queued + rows > self.max_queue_size:
-            return f"Exceeds maximum queue size ({queued} queued, max_queue_size {self.max_queue_size})"
+        bound = self.max_queue_size
+        if bound and queued + rows > bound:
+            return f"Exceeds maximum queue size ({queued} queued, max_queue_size {bound})"
         return None
 
     def deadline(self, arrival: float, request_timeout_us: int | None) -> float | None:

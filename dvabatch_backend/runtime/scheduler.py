@@ -144,7 +144,8 @@ class Scheduler:
         # in flight (a query leaves only in `_apply`, batched, or in `_answer`)
         self._waiting_queries: dict[int, Query] = {}
         self.admission = Admission(settings.queue, settings.slo,
-                                   ServiceModel(manifest.stage_times(), self.num_stages), bs_max)
+                                   ServiceModel(manifest.stage_times(), self.num_stages,
+                                                manifest.stage_times_by_length()), bs_max)
         self._stage_states = [ExecutorState.INACTIVE] * self.num_stages
         self._wake_at: float | None = None
         self._stopping = False
@@ -554,7 +555,8 @@ class Scheduler:
         stats.batches += 1
         stats.rows += item.num
         stats.busy_seconds += now - work.started
-        self.admission.service.observe(stage, item.num, now - work.started)
+        row = self._table.get(item.batch_id) if item.batch_id in self._table else None
+        self.admission.service.observe(stage, item.num, now - work.started, row.pad_length if row else None)
         self._record("run", work.started, stage, item, t1=now)
         if result.error is not None:
             deliveries += self._answer_errors(work, result.error, work.queries)
