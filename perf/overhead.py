@@ -449,17 +449,7 @@ def _ort_call_costs(model_dir: Path, n: int) -> dict:
         "session.run (numpy in/out)": lambda: session.run(None, inputs),
         "arr.ctypes.data": lambda: arr.ctypes.data,
     }
-    out = {}
-    for label, fn in cases.items():
-        for _ in range(200):
-            fn()
-        ts = []
-        for _ in range(n):
-            t0 = perf()
-            fn()
-            ts.append(perf() - t0)
-        out[label] = us(float(np.median(ts)))
-    return out
+    return _median_us(cases, n)
 
 
 def _pb_utils_stand_in() -> None:
@@ -513,17 +503,7 @@ def _adapter_costs(model_dir: Path, queries: Sequence[Inputs], n: int) -> dict:
         "_RequestAnswer + reply": respond,
         "send": made.send,
     }
-    out = {}
-    for label, fn in cases.items():
-        for _ in range(200):
-            fn()
-        ts = []
-        for _ in range(n):
-            t0 = perf()
-            fn()
-            ts.append(perf() - t0)
-        out[label] = us(float(np.median(ts)))
-    return out
+    return _median_us(cases, n)
 
 
 def part_breakdown(tmp: Path, n_queries: int, warmup: int) -> dict:
@@ -632,5 +612,21 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def _median_us(cases: dict, n: int) -> dict:
+    """Each case's median time over `n` calls after 200 warm-up calls, in µs."""
+    out = {}
+    for label, fn in cases.items():
+        for _ in range(200):
+            fn()
+        ts = []
+        for _ in range(n):
+            t0 = perf()
+            fn()
+            ts.append(perf() - t0)
+        out[label] = us(float(np.median(ts)))
+    return out
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

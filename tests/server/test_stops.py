@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from dvabatch_backend.tools.serve import (SHM_DIR, TritonServer, backend_shm_regions, connect_host, free_port,
-                                          mapped_shm_regions)
+                                          is_zombie, mapped_shm_regions)
 
 from ..triton_support import ServedModel, add_variant, slice_zoo_model, stub_pids
 from .load_clients import Outcome, Sender, assert_reference, outcome_of, poll
@@ -92,11 +92,7 @@ def server_children(pid: int) -> list[int]:
 
 
 def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
+    return Path(f"/proc/{pid}").exists() and not is_zombie(pid)
 
 
 def admitted(http_url: str, model: str) -> int:
