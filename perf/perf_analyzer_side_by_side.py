@@ -135,8 +135,10 @@ def _run(url: str, model: str, data: Path, plan: Plan, **load: Any) -> PerfResul
 
 
 def _note_errors(result: PerfResult, system: SystemResult, what: str, allow_missing: bool = False) -> None:
-    """A perf_analyzer run that exited badly or left levels out (unless a latency stop explains it)."""
-    if result.returncode != 0 or not result.rows or (result.missing_levels and not allow_missing):
+    """A perf_analyzer run that exited badly or left levels out (unless a latency stop explains it:
+    then even no level at all is an answer, the lowest rate was already past the target)."""
+    latency_stop = allow_missing and "went over the set limit" in (result.stdout_tail + result.stderr_tail)
+    if result.returncode != 0 or (not result.rows and not latency_stop) or (result.missing_levels and not allow_missing):
         tail = (result.stderr_tail or result.stdout_tail).strip().splitlines()[-3:]
         system.perf_analyzer_errors.append(f"{what}: {result.describe().splitlines()[0]}: {' | '.join(tail)}")
 

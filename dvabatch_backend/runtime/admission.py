@@ -90,15 +90,18 @@ class Admission:
         self.service = service
         self.bs_max = bs_max
         self.slo_seconds = None if slo.slo_ms is None else slo.slo_ms / 1000.0
+        peak = bs_max / max(service.profiled(k, bs_max) for k in range(service.num_stages))
+        self._derived_bound = max(2 * bs_max, math.ceil(peak * QUEUE_SECONDS))
 
     @property
     def max_queue_size(self) -> int:
         """The bound in effect (0: none). Derived: the pipeline's peak at bs_max and the longest
-        length, from the profile corrected by the stage times measured while serving (the stages
-        share the cores, the slicer timed each alone), times `QUEUE_SECONDS`."""
+        length from the profile, times `QUEUE_SECONDS`; fixed at load. (Following the measured
+        correction instead was tried: under contention, or with a slow engine, it shrank the bound
+        to a few batches and refused load the pipeline would have carried.)"""
         if self.queue.max_queue_size is not None:
             return self.queue.max_queue_size
-        return max(2 * self.bs_max, math.ceil(self.service.peak_rate(self.bs_max) * QUEUE_SECONDS))
+        return self._derived_bound
 
     def stage_budgets(self) -> list[float]:
         """The latency target split over the stages in proportion to their profiled times at bs_max (s)."""

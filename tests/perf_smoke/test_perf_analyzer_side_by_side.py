@@ -23,7 +23,8 @@ def test_a_row_per_system_and_every_request_succeeded(tmp_path: Path, capsys: py
         assert system["failed"] == 0 and system["succeeded"] > 0, (label, out)
         assert system["perf_analyzer_errors"] == [], (label, out)
         assert system["c1_p99_ms"] is not None and system["closed_loop_peak"] is not None, (label, out)
-        assert system["steps"], (label, out)
+        # a rate step, unless the lowest rate was already past the target (perf_analyzer's latency stop)
+        assert system["steps"] or system["sustained_rate"] is None, (label, out)
         assert any(line.startswith(label) for line in out.splitlines()), out
     assert code == 0, out
 
