@@ -120,30 +120,37 @@ def server_stubs(server_pid: int) -> dict[int, StubInfo]:
     return stubs
 
 
-def is_zombie(pid: int) -> bool:
-    """The process exited and its parent has not reaped it (a killed stub stays so until its model unloads)."""
+def process_stat(pid: int | str) -> tuple[str, str, int] | None:
+    """(name, state, parent pid) from /proc/PID/stat, or None once the process is gone. The kernel
+    keeps 15 characters of the name, and a zombie keeps its name but not its command line."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[:1] == ["Z"]
+        return None
+    name, _, rest = stat.partition("(")[2].rpartition(")")
+    fields = rest.split()
+    return name, fields[0], int(fields[1])
+
+
+def children(parent: int) -> list[tuple[int, str, str]]:
+    """(pid, name, state) of every process whose parent is `parent`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := process_stat(entry)) is not None and stat[2] == parent:
+            found.append((int(entry), stat[0], stat[1]))
+    return found
+
+
+def is_zombie(pid: int) -> bool:
+    """The process exited and its parent has not reaped it (a killed stub stays so until its model unloads)."""
+    stat = process_stat(pid)
+    return stat is not None and stat[1] == "Z"
 
 
 def zombie_stub_children(parent: int) -> list[int]:
     """Stub processes of `parent` that died unreaped (a zombie keeps its name, not its command line)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            name, _, rest = stat.partition("(")[2].rpartition(")")
-            fields = rest.split()
-            # the kernel keeps 15 characters of the name: "triton_python_b"
-            if fields[:2] == ["Z", str(parent)] and "triton_python_backend_stub".startswith(name):
-                found.append(int(entry))
-    return found
+    return [pid for pid, name, state in children(parent)
+            if state == "Z" and "triton_python_backend_stub".startswith(name)]
 
 
 def backend_shm_regions() -> set[str]:

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dvabatch_backend.tools.serve import (SHM_DIR, TritonServer, backend_shm_regions, connect_host, free_port,
-                                          is_zombie, mapped_shm_regions)
+from dvabatch_backend.tools.serve import (SHM_DIR, TritonServer, backend_shm_regions, children, connect_host,
+                                          free_port, is_zombie, mapped_shm_regions)
 
 from ..triton_support import ServedModel, add_variant, slice_zoo_model, stub_pids
 from .load_clients import Outcome, Sender, assert_reference, outcome_of, poll
@@ -79,16 +79,7 @@ def start_serve(repo: Path, out: Path, *extra: str) -> ServeProcess:
 
 
 def server_children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if stat.rpartition(")")[2].split()[1] == str(pid):
-                found.append(int(entry))
-    return found
+    return [child for child, _, _ in children(pid)]
 
 
 def alive(pid: int) -> bool:
