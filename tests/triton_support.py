@@ -3,9 +3,10 @@ one-query calls over HTTP and gRPC, sync and async."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, TypeVar
 
 import numpy as np
 import onnxruntime as ort
@@ -133,3 +134,23 @@ def stub_pids(model_dir: Path) -> list[int]:
     """Python-backend stub processes serving `model_dir` (their second argument is its model.py)."""
     prefix = str(model_dir).encode() + b"/"
     return stub_processes(lambda argv: len(argv) > 1 and argv[1].startswith(prefix))
+
+
+T = TypeVar("T")
+
+
+def settle(read: Callable[[], T], done: Callable[[T], bool], timeout: float) -> T:
+    """Read a sampled counter until `done` holds for it (or the timeout passes); the last value."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling: no assertion depends on how long this takes
+        value = read()
+    return value
+
+
+def admitted_requests(server: TritonServer, model: str) -> int:
+    """Requests Triton has handed to the model's `execute` (it returns at once: they are in the runtime)."""
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+    return int(stats.get("inference_count", 0))

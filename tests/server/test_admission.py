@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import shutil
 import threading
-import time
 import urllib.request
 from pathlib import Path
 from typing import Callable
@@ -23,7 +22,7 @@ from tritonclient.utils import InferenceServerException
 
 from dvabatch_backend.tools.serve import TritonServer, infer_inputs
 
-from ..triton_support import ServedModel, add_variant, slice_zoo_model
+from ..triton_support import ServedModel, add_variant, admitted_requests, settle, slice_zoo_model
 
 GATE_POLICY = Path(__file__).with_name("gate_policy.py")
 GATED = f"{GATE_POLICY.name}:GatePolicy"
@@ -61,20 +60,8 @@ def _metric(server: TritonServer, family: str, model: str, **labels: str) -> flo
     raise AssertionError(f"no {family} for model {model!r} with {labels}")
 
 
-def _admitted(server: TritonServer, model: str) -> int:
-    """Requests Triton has handed to the model's `execute`."""
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
-    return int(stats.get("inference_count", 0))
-
-
 def _settle(read: Callable[[], float], done: Callable[[float], bool]) -> float:
-    deadline = time.monotonic() + SETTLE
-    value = read()
-    while not done(value) and time.monotonic() < deadline:
-        time.sleep(0.05)  # polling: no assertion depends on how long this takes
-        value = read()
-    return value
+    return settle(read, done, SETTLE)
 
 
 class Outcomes:
@@ -151,7 +138,7 @@ def test_cancelled_and_timed_out_requests_never_run_and_the_others_are_answered(
         return sum(_metric(server, "dvabatch_refused_queries_total", model.name, reason=r) for r in ("timeout", "cancelled"))
 
     # the doomed requests that reached the model are all dropped before the gate opens
-    assert _settle(lambda: dropped() - (_admitted(server, model.name) - 100), lambda v: v >= 0) >= 0
+    assert _settle(lambda: dropped() - (admitted_requests(server, model.name) - 100), lambda v: v >= 0) >= 0
     assert _metric(server, "dvabatch_refused_queries_total", model.name, reason="timeout") == 50
     (gates / "cancel").touch()  # now the policy batches what is left
     assert outcomes.wait(200), f"only {len(outcomes.results)} of 200 requests ended"

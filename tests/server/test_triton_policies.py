@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 import shutil
 import threading
-import time
 import urllib.request
 from pathlib import Path
 from typing import Callable
@@ -28,7 +27,7 @@ from slicer import toy
 from slicer.profiler import int_bounds
 from slicer.slice_model import SliceOptions, slice_model
 
-from ..triton_support import Clients, ServedModel, add_variant
+from ..triton_support import Clients, ServedModel, add_variant, admitted_requests, settle
 
 HIDDEN, LONG, SHORT = 256, 256, 8
 GATE_POLICY = Path(__file__).with_name("gate_policy.py")
@@ -98,20 +97,7 @@ def _stage0(server: TritonServer, model: str) -> tuple[float, float]:
 
 
 def _settle(read: Callable[[], object], done: Callable[[object], bool], timeout: float = SETTLE) -> object:
-    """Read a sampled counter until `done` holds for it (or the timeout passes); the last value."""
-    deadline = time.monotonic() + timeout
-    value = read()
-    while not done(value) and time.monotonic() < deadline:
-        time.sleep(0.05)  # polling: no assertion depends on how long this takes
-        value = read()
-    return value
-
-
-def _admitted(server: TritonServer, model: str) -> int:
-    """Requests Triton has handed to the model's `execute` (it returns at once: they are in the runtime)."""
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
-    return int(stats.get("inference_count", 0))
+    return settle(read, done, timeout)
 
 
 def _gated_burst(triton: TritonServer, gate: Path, model: str, queries: list[dict]) -> list[int]:
@@ -133,10 +119,10 @@ def _gated_burst(triton: TritonServer, gate: Path, model: str, queries: list[dic
         return on_answer
 
     gate.unlink(missing_ok=True)
-    before = _admitted(triton, model)
+    before = admitted_requests(triton, model)
     for i, query in enumerate(queries):
         client.async_infer(model, Clients.inputs(grpcclient, query), callback(i), client_timeout=120)
-    admitted = _settle(lambda: _admitted(triton, model), lambda n: n >= before + len(queries))
+    admitted = _settle(lambda: admitted_requests(triton, model), lambda n: n >= before + len(queries))
     assert admitted == before + len(queries), admitted
     assert order == [], "answered before the gate opened"
     gate.touch()
