@@ -260,7 +260,8 @@ def test_unload_and_reload_under_steady_load(served) -> None:
         client.unload_model(STEADY)
         assert poll(lambda: not server.model_ready(STEADY)), f"{STEADY} still ready after unload"
         assert poll(lambda: not stub_pids(model_dir)), f"stub(s) {stub_pids(model_dir)} left after unload"
-        assert not [r for r in regions if (SHM_DIR / r).exists()], "shared memory left after unload"
+        # Triton unlinks a stub's region after the stub has exited, so the region outlives the pid briefly
+        assert poll(lambda: not [r for r in regions if (SHM_DIR / r).exists()], 10), "shared memory left after unload"
         # the clients go on sending: refused while it is unloaded
         assert poll(lambda: load.count("error", after=unload_at) >= CLIENTS, 30), load.summary()
 
