@@ -84,11 +84,11 @@ class ServedRunner:
     """The runtime (a Pipeline: a `scheduler_cls` Scheduler and a thread per timed OrtStageEngine),
     queried closed loop, one query at a time. `policy` defaults to the PipelinedPolicy; `threads`
     onnxruntime threads per stage (`thread_pool` "per_stage"), or the size of the global pool
-    (`thread_pool` "global"; 0: every core)."""
+    (`thread_pool` "global"; 0: every core); `run_on` as `RuntimeSettings.run_on`."""
 
     def __init__(self, model_dir: Path, pairs: int, scheduler_cls: type[Scheduler] = Scheduler,
                  engine_marks: bool = False, policy: Policy | None = None, threads: int = 1,
-                 thread_pool: str = PER_STAGE) -> None:
+                 thread_pool: str = PER_STAGE, run_on: bool = True) -> None:
         if policy is None:
             from policies.pipelined import PipelinedPolicy
 
@@ -97,7 +97,8 @@ class ServedRunner:
         self.engines = [TimedEngine(OrtStageEngine(model_dir / s.file, threads, thread_pool=thread_pool),
                                     [] if engine_marks else None)
                         for s in manifest.stages]
-        settings = RuntimeSettings(num_buffer_pairs=pairs, threads_per_stage=threads, thread_pool=thread_pool)
+        settings = RuntimeSettings(num_buffer_pairs=pairs, threads_per_stage=threads, thread_pool=thread_pool,
+                                   run_on=run_on)
         self.pipeline = Pipeline(scheduler_cls(manifest, policy, settings), self.engines)
         self.scheduler = self.pipeline.scheduler
         self.num_stages = manifest.num_stages

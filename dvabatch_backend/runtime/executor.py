@@ -1,9 +1,10 @@
 """Stage executors (paper §6.2, Figures 11 and 12): one thread per stage, and the batch window.
 
-An executor loops: ask the scheduler for work (`Scheduler.next_work`, which answers at once) ->
-run it on buffer views, outside the scheduler's lock (`run_work`) -> hand the result back
-(`Scheduler.finish_work`), where the policy's `Schedule()` runs, items go to the next queue and
-pairs are legitimated upstream. With nothing to run it waits for the scheduler's signal
+An executor loops: ask the scheduler for work of the stage it plays (`Scheduler.next_work_for`,
+which answers at once) -> run it on buffer views, outside the scheduler's lock (`run_work`) -> hand
+the result back (`Scheduler.finish_work`), where the policy's `Schedule()` runs, items go to the
+next queue and pairs are legitimated upstream; on a quiet pipeline it runs on with the item at the
+next stage (the scheduler swaps the two executors' stages). With nothing to run it waits for the scheduler's signal
 (`StageExecutor.wake`, through the `Pipeline`, the scheduler's `WorkListener`). Executors own
 their threads and nothing else: the runtime's state, each stage's `ExecutorState` included, is
 the scheduler's.
@@ -80,36 +81,48 @@ def run_until_idle(scheduler: Scheduler, engines: Sequence[StageEngine]) -> int:
 
 
 class StageExecutor:
-    """One stage's thread: runs the stage's work whenever the scheduler has some."""
+    """One executor thread: runs the work of the stage it plays whenever the scheduler has some.
 
-    def __init__(self, stage: int, engine: StageEngine, scheduler: Scheduler) -> None:
-        self.stage = stage
-        self.engine = engine
+    Executor i starts playing stage i; after running an item it may run on with that item at the
+    next stage, swapping stages with that stage's idle executor (`Scheduler.finish_work`), so it
+    holds every stage's engine and runs the one of each work's stage.
+    """
+
+    def __init__(self, index: int, engines: Sequence[StageEngine], scheduler: Scheduler) -> None:
+        self.index = index
+        self._engines = list(engines)
         self._scheduler = scheduler
         self._ready = threading.Event()
         self.wakeups = 0  # how often the thread waited for a signal and woke (written by the thread only)
-        self.thread = threading.Thread(target=self._loop, name=f"dvabatch-stage-{stage}", daemon=True)
+        self.thread = threading.Thread(target=self._loop, name=f"dvabatch-stage-{index}", daemon=True)
+
+    @property
+    def stage(self) -> int:
+        """The stage this executor plays now."""
+        return self._scheduler.stage_played_by(self.index)
 
     def wake(self) -> None:
-        """The stage may have work (or the scheduler stopped): look again."""
+        """The stage it plays may have work (or the scheduler stopped): look again."""
         self._ready.set()
 
     def _loop(self) -> None:
         scheduler = self._scheduler
         while True:
             self._ready.clear()  # before asking: a signal from now on is not lost
-            work = scheduler.next_work(self.stage)
+            work = scheduler.next_work_for(self.index)
             if work is None:
                 if scheduler.stopping:
                     return
                 self._ready.wait()
                 self.wakeups += 1
                 continue
-            result = run_work(work, self.engine, scheduler)
-            try:
-                scheduler.finish_work(work, result)
-            except Exception:  # a runtime bug: keep serving, the rest of the pipeline still needs us
-                log.exception("stage %d: bookkeeping failed after %s", self.stage, work.item)
+            while work is not None:
+                result = run_work(work, self._engines[work.stage], scheduler)
+                try:
+                    work = scheduler.finish_work(work, result, executor=self.index)
+                except Exception:  # a runtime bug: keep serving, the rest of the pipeline still needs us
+                    log.exception("stage %d: bookkeeping failed after %s", work.stage, work.item)
+                    work = None
 
 
 class BatchWindow:

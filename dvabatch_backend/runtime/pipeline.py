@@ -33,7 +33,7 @@ class Pipeline(WorkListener):
         if len(engines) != scheduler.num_stages:
             raise ValueError(f"{len(engines)} engines for {scheduler.num_stages} stages")
         self.scheduler = scheduler
-        self._executors = [StageExecutor(i, e, scheduler) for i, e in enumerate(engines)]
+        self._executors = [StageExecutor(i, engines, scheduler) for i in range(len(engines))]
         self._window = BatchWindow(scheduler)
         self._state_lock = threading.Lock()  # guards _started and _stop_called
         self._started = False
@@ -55,7 +55,7 @@ class Pipeline(WorkListener):
     # -- WorkListener: called under the scheduler's lock, so only signal ----------------
 
     def stage_ready(self, stage: int) -> None:
-        self._executors[stage].wake()
+        self._executors[self.scheduler.executor_playing(stage)].wake()
 
     def window_moved(self) -> None:
         self._window.moved()

@@ -13,6 +13,12 @@ moves, the scheduler tells its `WorkListener` (under the lock; the listener must
 State: one table of queries (`_queries`, each with its `QueryState`), the batch table, the batch
 queues, the buffer pool, each stage's `ExecutorState`, stats and trace.
 
+Executors and stages: executor i starts playing stage i (`next_work_for(i)`). When an executor
+finishes an item at stage k, stage k has nothing it can run and the executor of stage k+1 is idle,
+`finish_work` hands it the item at k+1 and the two executors swap stages (`RuntimeSettings.run_on`):
+a quiet pipeline runs a query through every stage on one thread, without a wake-up per hand-off,
+and a busy one keeps one executor per stage. Each stage still runs one item at a time.
+
 Lock discipline: one lock, `Scheduler.lock`, guards all of it. Every public method takes it;
 engines run, and replies are delivered, outside it. Policies and the listener are called under
 it. `wait_until` waits on a condition over the same lock.
@@ -147,6 +153,8 @@ class Scheduler:
                                    ServiceModel(manifest.stage_times(), self.num_stages,
                                                 manifest.stage_times_by_length()), bs_max)
         self._stage_states = [ExecutorState.INACTIVE] * self.num_stages
+        self._plays = list(range(self.num_stages))  # executor -> the stage it plays (a run-on swaps two)
+        self._held_signals: list[int] | None = None  # stage_ready signals held while finish_work decides a run-on
         self._wake_at: float | None = None
         self._stopping = False
         self.stats = RuntimeStats(stages=[StageStats() for _ in range(self.num_stages)])
@@ -477,28 +485,51 @@ class Scheduler:
     def next_work(self, stage: int) -> Work | None:
         """The item `stage` may run now (its buffer pair legitimate), taken off its queue; or None.
 
-        Never blocks. None also when stopping (see `stopping`). Stage 0 first drops the queued
-        queries that timed out, were cancelled or can no longer meet the latency target.
+        Never blocks. None also when stopping (see `stopping`) or while the stage already runs an
+        item. Stage 0 first drops the queued queries that timed out, were cancelled or can no
+        longer meet the latency target.
         """
+        return self._next_work(lambda: stage)
+
+    def next_work_for(self, executor: int) -> Work | None:
+        """`next_work` of the stage that `executor` plays now (executor threads ask this way)."""
+        return self._next_work(lambda: self._plays[executor])
+
+    def stage_played_by(self, executor: int) -> int:
+        return self._plays[executor]
+
+    def executor_playing(self, stage: int) -> int:
+        """The executor that plays `stage` (the listener asks, under the lock, whom to wake)."""
+        return self._plays.index(stage)
+
+    def _next_work(self, stage_now: Callable[[], int]) -> Work | None:
         deliveries: list[_Delivery] = []
         try:
             with self.lock:
                 if self._stopping:
                     return None
+                stage = stage_now()
                 if stage == 0:
                     deliveries = self._prune_queued_head(self.clock())
                 return self._take_work(stage)
         finally:
             _deliver(deliveries)
 
-    def _take_work(self, stage: int) -> Work | None:
-        """`next_work` under the lock."""
+    def _runnable(self, stage: int) -> bool:
+        """Whether `stage` has an item whose buffer pair is legitimate. Under the lock."""
         item = self._queues[stage].head()
         pair = None if item is None else self._pair_for(stage, item)
-        if pair is None or not self._buffers.is_legitimate(stage, pair):
+        return pair is not None and self._buffers.is_legitimate(stage, pair)
+
+    def _take_work(self, stage: int) -> Work | None:
+        """`next_work` under the lock."""
+        if self._stage_states[stage] is ExecutorState.WORKING:
+            return None
+        if not self._runnable(stage):
             self._stage_states[stage] = self._idle_state(stage)
             self._notify_progress()
             return None
+        pair = self._pair_for(stage, self._queues[stage].head())
         item = self._queues[stage].pop_coalesced()
         row = self._table.get(item.batch_id)
         row.pair = pair
@@ -538,16 +569,51 @@ class Scheduler:
             return row.pair
         return self._buffers.first_legitimate(stage)
 
-    def finish_work(self, work: Work, result: WorkResult) -> None:
-        """`work` ran: answer exits, carry out `Schedule()`, hand on, legitimate."""
+    def finish_work(self, work: Work, result: WorkResult, executor: int | None = None) -> Work | None:
+        """`work` ran: answer exits, carry out `Schedule()`, hand on, legitimate.
+
+        From an executor thread (`executor` given, playing `work.stage`), returns the item that
+        executor runs next at the following stage, if it runs on (see the module docstring);
+        otherwise None, and the executor asks `next_work_for` again.
+        """
         now = self.clock()
         deliveries: list[_Delivery] = []
+        run_on: Work | None = None
         try:
             with self.lock:
-                if not self._stopping:
+                if self._stopping:
+                    return None
+                may_run_on = (executor is not None and self.settings.run_on
+                              and work.stage + 1 < self.num_stages and self._plays[executor] == work.stage)
+                if not may_run_on:
                     self._finish_locked(work, result, now, deliveries)
+                    return None
+                self._held_signals = []
+                try:
+                    self._finish_locked(work, result, now, deliveries)
+                    run_on = self._run_on(executor, work.stage)  # type: ignore[arg-type]
+                finally:
+                    held, self._held_signals = self._held_signals, None
+                    for stage in dict.fromkeys(held):  # the executor now playing it runs it: no wake-up
+                        if run_on is None or stage != run_on.stage:
+                            self.listener.stage_ready(stage)
         finally:  # answers already taken from the query table are delivered whatever happens
             _deliver(deliveries)
+        return run_on
+
+    def _run_on(self, executor: int, stage: int) -> Work | None:
+        """After `executor` finished an item at `stage`: the item at stage + 1 it runs itself, or None.
+
+        Only while `stage` has nothing to run and stage + 1's executor is idle; the two executors
+        then swap stages, so each stage keeps one executor and runs one item at a time."""
+        following = stage + 1
+        if (self._runnable(stage) or self._stage_states[following] is ExecutorState.WORKING
+                or not self._runnable(following)):
+            return None
+        other = self._plays.index(following)
+        self._plays[executor], self._plays[other] = following, stage
+        self.stats.run_ons += 1
+        return self._take_work(following)
 
     def _finish_locked(self, work: Work, result: WorkResult, now: float, deliveries: list[_Delivery]) -> None:
         stage, item = work.stage, work.item
@@ -651,7 +717,7 @@ class Scheduler:
     def _legitimated(self, stage: int) -> None:
         """`stage` got a pair back: tell the listener only if it has an item to run."""
         if len(self._queues[stage]):
-            self.listener.stage_ready(stage)
+            self._signal(stage)
         elif self._stage_states[stage] is ExecutorState.INACTIVE and self._buffers.is_active(stage):
             self._stage_states[stage] = ExecutorState.ACTIVE  # waits for an item either way
 
@@ -663,7 +729,14 @@ class Scheduler:
         self._queues[stage].push(item)
         self.stats.handoffs += 1
         self._record("push", now, stage, item)
-        self.listener.stage_ready(stage)
+        self._signal(stage)
+
+    def _signal(self, stage: int) -> None:
+        """`stage` may have work: tell the listener, or hold it until `finish_work` knows its run-on."""
+        if self._held_signals is not None:
+            self._held_signals.append(stage)
+        else:
+            self.listener.stage_ready(stage)
 
     # -- answers ------------------------------------------------------------------------
 

@@ -42,5 +42,8 @@ class RuntimeSettings:
     # "global" (the adapter's, and what the slicer writes); in-process the default stays "per_stage":
     # once a process has the global pool, onnxruntime refuses every session with threads of its own
     thread_pool: str = "per_stage"
+    # the executor that finishes an item at stage k runs it at k+1 itself when k has nothing to run
+    # and k+1's executor is idle (the two swap stages): no thread wake-up on a quiet pipeline
+    run_on: bool = True
     queue: QueuePolicy = QueuePolicy()
     slo: SloPolicy = SloPolicy()

@@ -11,7 +11,7 @@ last stage would otherwise stand idle through one per query of its batch.
 Settings come from `config.pbtxt` parameters, each checked at load with the bad value named
 (`_PARSERS` lists them): manifest (default manifest.json), policy (default pipelined),
 num_buffer_pairs (2), bs_max (the manifest's), threads_per_stage (1), engine, device,
-thread_pool, engine_wrapper; Triton's queue policy (max_queue_size, default_timeout_microseconds,
+thread_pool, run_on, engine_wrapper; Triton's queue policy (max_queue_size, default_timeout_microseconds,
 allow_timeout_override, timeout_action); a latency target (slo_ms, slo_action); and policy
 parameters prefixed "policy.".
 Only this module imports `triton_python_backend_utils`; the runtime does not.
@@ -87,6 +87,7 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "engine": lambda k, v: _choice(k, v, ("onnxruntime", "torch")),
     "device": lambda k, v: _choice(k, v, ("cpu", "cuda")),
     "thread_pool": lambda k, v: _choice(k, v, ("global", "per_stage")),
+    "run_on": _boolean,
     "engine_wrapper": lambda k, v: v,
     # Triton's default_queue_policy, under the names its config uses
     "max_queue_size": lambda k, v: _integer(k, v, 0),
@@ -124,6 +125,7 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path) -> AdapterSetti
         engine=values.get("engine", defaults.engine),
         device=values.get("device", defaults.device),
         thread_pool=values.get("thread_pool", SERVED_THREAD_POOL),
+        run_on=values.get("run_on", defaults.run_on),
         queue=QueuePolicy(
             max_queue_size=values.get("max_queue_size", queue_defaults.max_queue_size),
             default_timeout_us=values.get("default_timeout_microseconds", queue_defaults.default_timeout_us),

@@ -4,6 +4,8 @@ Overlap is shown with gated engines, not by timing: stage 1 is held on batch A w
 watches whether stage 0 gets to run batch B."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from dvabatch_backend import ExecutorState
@@ -93,3 +95,58 @@ def test_one_buffer_pair_keeps_stage_0_from_the_next_batch_while_stage_1_holds_o
     assert collector.wait_for(a)
     gates[0].wait_started()  # now B
     _finish(gates, scheduler, collector, ids)
+
+
+class ThreadRecordingEngine:
+    """A real engine that notes which thread ran it, for each run."""
+
+    def __init__(self, inner, stage: int, runs: list[tuple[int, int]]) -> None:
+        self.inner, self.stage, self.runs = inner, stage, runs
+
+    def run(self, inputs, outputs) -> None:
+        self.runs.append((self.stage, threading.get_ident()))
+        self.inner.run(inputs, outputs)
+
+
+def _lone_queries(zoo, run_on: bool, queries: int = 2):
+    model = zoo.stages("token", 4)
+    runs: list[tuple[int, int]] = []
+    engines = [ThreadRecordingEngine(e, i, runs) for i, e in enumerate(model.engines())]
+    scheduler = make_scheduler(model, PipelinedPolicy(), engines, num_buffer_pairs=2, bs_max=2, run_on=run_on)
+    rng = np.random.default_rng(3)
+    collector = Collector()
+    per_query = []
+    with scheduler:
+        for _ in range(queries):  # one at a time: each query alone in the pipeline
+            [qid] = scheduler.submit_many([(model.query(rng), collector)])
+            assert collector.wait_for([qid])
+            assert collector.one(qid).ok
+            per_query.append(list(runs))
+            runs.clear()
+        wakeups = [ex.wakeups for ex in scheduler.executors]
+    assert scheduler.buffer_violations == []
+    return scheduler, per_query, wakeups
+
+
+def test_a_lone_query_runs_every_stage_on_one_thread(zoo) -> None:
+    scheduler, per_query, wakeups = _lone_queries(zoo, run_on=True)
+    for runs in per_query:
+        assert [stage for stage, _ in runs] == [0, 1, 2, 3]
+        assert len({thread for _, thread in runs}) == 1, "a hand-off woke another executor"
+    assert scheduler.stats.run_ons == 2 * 3
+    # the executor that ran the first query through plays the last stage now; stage 0's new player
+    # (the executor that played stage 1) takes the second query
+    assert per_query[0][0][1] != per_query[1][0][1]
+    assert sorted(ex.stage for ex in scheduler.executors) == [0, 1, 2, 3]
+    # each query woke one executor (stage 0's), none of the others
+    assert sum(wakeups) <= 2
+
+
+def test_without_run_on_each_stage_keeps_its_own_thread(zoo) -> None:
+    scheduler, per_query, _ = _lone_queries(zoo, run_on=False)
+    threads = {}
+    for runs in per_query:
+        for stage, thread in runs:
+            threads.setdefault(stage, set()).add(thread)
+    assert all(len(t) == 1 for t in threads.values()) and len({next(iter(t)) for t in threads.values()}) == 4
+    assert scheduler.stats.run_ons == 0
