@@ -1,25 +1,31 @@
-"""DVABatch beside ZeroBatch, measured by NVIDIA's perf_analyzer: each system's sustained open-loop rate.
+"""DVABatch beside Triton's dynamic batcher, measured by NVIDIA's perf_analyzer (issue "faster by default").
 
     python -m perf.perf_analyzer_side_by_side [--model bert] [--size bench] [--latency-target-ms 500]
         [--lengths rte] [--quick] [--out work/perf]
 
 One tritonserver serves the zoo model sliced as `dvabatch slice` would (the config.pbtxt the slicer
-wrote, untouched: its policy choice and settings) beside ZeroBatch (the unsliced model behind
-Triton's dynamic batcher, no queue delay, with the same threads as the dvabatch stages' global pool:
-every core, `available_cores()`). Every perf_analyzer run sends the same input data: seeded
-queries of GLUE-like lengths (`--lengths`, default "rte"), one entry per request. For each system:
+wrote, untouched: its policy choice and settings) beside two baselines on the unsliced model, with
+the same threads as the dvabatch stages' global pool (every core, `available_cores()`):
+ZeroBatch (Triton's dynamic batcher, no queue delay) and DelayBatch (the same with a queue delay
+of one lone query's profiled time, the sum of the stages' batch-1 times). Every perf_analyzer run
+sends the same input data: seeded queries of GLUE-like lengths (`--lengths`, default "rte"), one
+entry per request. For each system:
 
-1. concurrency 1: the latency of a lone query (p50, p99);
+1. concurrency 1: the latency of a lone query (mean, p50, p99);
 2. closed loop at bs_max clients: its closed-loop peak;
 3. `--request-rate-range` with `--request-distribution poisson` (open loop), stepping from 0.3x to
-   1.2x of the larger closed-loop peak (the same rates for both systems), stopping once p99 passes
-   the target (`--percentile 99 -l TARGET`).
+   1.2x of its own closed-loop peak, stopping once p99 passes the target (`--percentile 99 -l
+   TARGET`). Its sustained rate is the highest step whose p99 is within the target and whose
+   answered throughput kept up with the rate (>= 90 %);
+4. Poisson at 0.5x and 0.9x ZeroBatch's sustained rate (the same rates for every system, the
+   order of the systems alternating): mean and p99.
 
-A system's sustained rate is the highest step whose p99 is within the target and whose answered
-throughput kept up with the rate (>= 90 %). Every request must succeed: Triton's own statistics
-(`/v2/models/NAME/stats`, fail count) are read after the runs; a failure makes the command exit 1.
-Defaults take about 3-5 minutes at the "bench" size on 2 cores (plus slicing, once); `--quick`
-about a minute. Results: OUT/perf_analyzer_side_by_side/SIZE/results.json.
+The report gives DVABatch's ratios against the better baseline for each figure (the lower latency,
+the higher sustained rate) beside the targets: concurrency-1 mean within +0.3 ms; at 0.5x mean
+<= 1.0x and p99 <= 0.8x; at 0.9x both <= 0.5x; sustained rate >= 1.5x. Every request must succeed:
+Triton's own statistics (`/v2/models/NAME/stats`, fail count) are read after the runs; a failure
+makes the command exit 1. Defaults take about 6-10 minutes at the "bench" size on 2 cores (plus
+slicing, once); `--quick` about two. Results: OUT/perf_analyzer_side_by_side/MODEL/SIZE/results.json.
 """
 from __future__ import annotations
 
@@ -41,12 +47,18 @@ from perf.perf_analyzer import PerfResult, PerfRow, run_perf_analyzer, write_inp
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "work" / "perf"
 LATENCY_TARGET_MS = 500.0
 KEEP_UP = 0.9  # answered throughput / sent rate for a step to count as sustained
-RATE_FRACTIONS = (0.3, 1.2, 0.1)  # start, end, step: fractions of the larger closed-loop peak
+RATE_FRACTIONS = (0.3, 1.2, 0.1)  # start, end, step: fractions of the system's closed-loop peak
 QUICK_RATE_FRACTIONS = (0.4, 1.2, 0.2)
 MEASUREMENT_INTERVAL_MS = 2000
 QUICK_MEASUREMENT_INTERVAL_MS = 1000
 WINDOWS = 3  # perf_analyzer judges a level over 3 windows; -r 3 with a huge -s: exactly 3 per level
 INPUT_QUERIES = 200
+LOAD_FRACTIONS = (0.5, 0.9)  # fixed Poisson rates, x ZeroBatch's sustained rate
+FIXED_LOAD_WINDOWS_X = 2  # the fixed rates get windows this many times longer: more queries for a p99
+# DVABatch against the better baseline (issue "faster by default"): c=1 mean difference (ms), and ratios
+TARGETS = {"c1_mean_plus_ms": 0.3, "0.5x mean": 1.0, "0.5x p99": 0.8, "0.9x mean": 0.5, "0.9x p99": 0.5,
+           "sustained": 1.5}
+DVA, ZERO, DELAY = "DVABatch", "ZeroBatch", "DelayBatch"
 
 
 @dataclass(frozen=True)
@@ -74,12 +86,14 @@ class SystemResult:
 
     label: str
     model: str
+    c1_mean_ms: float | None = None
     c1_p50_ms: float | None = None
     c1_p99_ms: float | None = None
     closed_loop_peak: float | None = None
     sustained_rate: float | None = None
     sustained_p99_ms: float | None = None
     steps: list[dict[str, float]] = field(default_factory=list)
+    loads: dict[str, dict[str, float]] = field(default_factory=dict)  # "0.5x" -> rate, throughput, mean_ms, p99_ms
     succeeded: int = 0  # Triton's statistics after every run
     failed: int = 0
     perf_analyzer_errors: list[str] = field(default_factory=list)
@@ -89,20 +103,30 @@ class SystemResult:
 # the repository
 
 
-def build_repository(scratch: Path, model_dir: Path) -> tuple[str, str]:
-    """scratch/NAME (the slicer's config.pbtxt as written, its version folder linked) and
-    scratch/NAME_zerobatch; returns both names."""
+def delay_batch_delay_us(manifest: Any) -> int:
+    """DelayBatch's queue delay: one lone query's profiled time (the stages' batch-1 times summed)."""
+    times = manifest.stage_times()
+    return max(100, round(sum(t[min(t)] for t in times) * 1e6)) if times else 1000
+
+
+def build_repository(scratch: Path, model_dir: Path, delay_batch_too: bool = True) -> dict[str, str]:
+    """scratch/NAME (the slicer's config.pbtxt as written, its version folder linked),
+    scratch/NAME_zerobatch and scratch/NAME_delaybatch; returns {label: model name}."""
     from dvabatch_backend.runtime.manifest import Manifest
-    from perf.baselines import zero_batch
+    from perf.baselines import delay_batch, zero_batch
 
     version_dir = (model_dir / "1").resolve()
     manifest = Manifest.load(version_dir / "manifest.json")
-    dva_name, zero_name = manifest.name, f"{manifest.name}_zerobatch"
-    (scratch / dva_name).mkdir(parents=True)
-    shutil.copyfile(model_dir / "config.pbtxt", scratch / dva_name / "config.pbtxt")
-    (scratch / dva_name / "1").symlink_to(version_dir, target_is_directory=True)
-    zero_batch(scratch, version_dir, zero_name, threads=available_cores(), bs_max=manifest.max_batch_size)
-    return dva_name, zero_name
+    names = {DVA: manifest.name, ZERO: f"{manifest.name}_zerobatch"}
+    (scratch / manifest.name).mkdir(parents=True)
+    shutil.copyfile(model_dir / "config.pbtxt", scratch / manifest.name / "config.pbtxt")
+    (scratch / manifest.name / "1").symlink_to(version_dir, target_is_directory=True)
+    zero_batch(scratch, version_dir, names[ZERO], threads=available_cores(), bs_max=manifest.max_batch_size)
+    if delay_batch_too:
+        names[DELAY] = f"{manifest.name}_delaybatch"
+        delay_batch(scratch, version_dir, delay_batch_delay_us(manifest), names[DELAY], threads=available_cores(),
+                    bs_max=manifest.max_batch_size)
+    return names
 
 
 def write_queries(path: Path, model_dir: Path, int_high: dict[str, int], preset: str, n: int = INPUT_QUERIES,
@@ -127,10 +151,11 @@ def failure_counts(http_url: str, model: str) -> tuple[int, int]:
     return (sum(int(s["success"]["count"]) for s in inference), sum(int(s["fail"]["count"]) for s in inference))
 
 
-def _run(url: str, model: str, data: Path, plan: Plan, **load: Any) -> PerfResult:
-    windows_s = WINDOWS * plan.measurement_interval_ms / 1000
+def _run(url: str, model: str, data: Path, plan: Plan, windows_x: int = 1, **load: Any) -> PerfResult:
+    interval_ms = plan.measurement_interval_ms * windows_x
+    windows_s = WINDOWS * interval_ms / 1000
     return run_perf_analyzer(model, url, protocol="grpc", input_data=data,
-                             measurement_interval_ms=plan.measurement_interval_ms, stability_percentage=1000.0,
+                             measurement_interval_ms=interval_ms, stability_percentage=1000.0,
                              max_trials=WINDOWS, timeout=max(120.0, 40 * windows_s), **load)
 
 
@@ -147,7 +172,8 @@ def measure_closed_loop(url: str, system: SystemResult, data: Path, plan: Plan, 
     lone = _run(url, system.model, data, plan, concurrency_range=(1,))
     _note_errors(lone, system, "concurrency 1")
     if lone.rows:
-        system.c1_p50_ms, system.c1_p99_ms = lone.rows[0].p50_us / 1e3, lone.rows[0].p99_us / 1e3
+        row = lone.rows[0]
+        system.c1_mean_ms, system.c1_p50_ms, system.c1_p99_ms = row.avg_us / 1e3, row.p50_us / 1e3, row.p99_us / 1e3
     full = _run(url, system.model, data, plan, concurrency_range=(bs_max,))
     _note_errors(full, system, f"concurrency {bs_max}")
     if full.rows:
@@ -174,24 +200,89 @@ def measure_open_loop(url: str, system: SystemResult, data: Path, plan: Plan,
         system.sustained_rate, system.sustained_p99_ms = best.level, best.p99_us / 1e3
 
 
+def measure_fixed_load(url: str, system: SystemResult, data: Path, plan: Plan, key: str, rate: float) -> None:
+    """Poisson at one rate, longer windows: mean and p99 (no latency stop: the figure is wanted)."""
+    result = _run(url, system.model, data, plan, windows_x=FIXED_LOAD_WINDOWS_X, request_rate_range=(rate,),
+                  request_distribution="poisson", async_mode=True)
+    _note_errors(result, system, f"request rate {rate:g}")
+    if result.rows:
+        row = result.rows[0]
+        system.loads[key] = {"rate": rate, "throughput": row.throughput, "mean_ms": row.avg_us / 1e3,
+                             "p99_ms": row.p99_us / 1e3}
+
+
+def fixed_rates(zero: SystemResult) -> tuple[dict[str, float], str]:
+    """The fixed Poisson rates (LOAD_FRACTIONS x ZeroBatch's sustained rate), and what they are
+    fractions of: its closed-loop peak when it sustained no step within the target."""
+    base, of = zero.sustained_rate, "ZeroBatch's sustained rate"
+    if not base:
+        base, of = zero.closed_loop_peak or 1.0, "ZeroBatch's closed-loop peak (it sustained no step)"
+    return {f"{f:g}x": max(1.0, round(f * base, 1)) for f in LOAD_FRACTIONS}, of
+
+
 def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: int,
-            progress: Any = print) -> list[SystemResult]:
-    """Every measurement of both systems on the running server, in the module docstring's order."""
+            progress: Any = print) -> tuple[list[SystemResult], str]:
+    """Every measurement of every system on the running server, in the module docstring's order;
+    returns the systems and what the fixed rates are fractions of."""
     systems = [SystemResult(label, model) for label, model in names.items()]
     for system in systems:
         progress(f"{system.label}: concurrency 1 and {bs_max} (closed loop)")
         measure_closed_loop(server.grpc_url, system, data, plan, bs_max)
-    peak = max((s.closed_loop_peak or 0.0) for s in systems)
-    if peak <= 0:
+    if not any(s.closed_loop_peak for s in systems):
         raise RuntimeError("no closed-loop peak was measured: " + "; ".join(
             e for s in systems for e in s.perf_analyzer_errors))
-    rates = plan.rates(peak)
     for system in systems:
+        rates = plan.rates(system.closed_loop_peak or 1.0)
         progress(f"{system.label}: Poisson request rates {rates[0]:g} to {rates[1]:g} by {rates[2]:g}/s")
         measure_open_loop(server.grpc_url, system, data, plan, rates)
+    by_label = {s.label: s for s in systems}
+    loads, of = fixed_rates(by_label.get(ZERO, systems[-1]))
+    for i, (key, rate) in enumerate(loads.items()):
+        for system in (systems if i % 2 == 0 else systems[::-1]):
+            progress(f"{system.label}: Poisson at {rate:g}/s ({key} {of})")
+            measure_fixed_load(server.grpc_url, system, data, plan, key, rate)
     for system in systems:
         system.succeeded, system.failed = failure_counts(server.http_url, system.model)
-    return systems
+    return systems, of
+
+
+def verdicts(systems: Sequence[SystemResult]) -> dict[str, dict[str, Any]]:
+    """DVABatch against the better baseline for each figure: {figure: {value, better baseline, target, met}}.
+    Latencies: the lower baseline; rates: the higher. A figure some system lacks is left out."""
+    by_label = {s.label: s for s in systems}
+    dva, baselines = by_label.get(DVA), [s for s in systems if s.label != DVA]
+    if dva is None or not baselines:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+
+    def best(values: dict[str, float | None], lower: bool) -> tuple[str, float] | None:
+        known = {k: v for k, v in values.items() if v is not None}
+        if not known:
+            return None
+        label = (min if lower else max)(known, key=lambda k: known[k])
+        return label, known[label]
+
+    base = best({b.label: b.c1_mean_ms for b in baselines}, lower=True)
+    if base and dva.c1_mean_ms is not None:
+        diff = dva.c1_mean_ms - base[1]
+        out["c1 mean (ms over)"] = {"value": round(diff, 3), "baseline": base[0],
+                                    "target": TARGETS["c1_mean_plus_ms"], "met": diff <= TARGETS["c1_mean_plus_ms"]}
+    for key in (f"{f:g}x" for f in LOAD_FRACTIONS):
+        for stat in ("mean", "p99"):
+            target = TARGETS.get(f"{key} {stat}")
+            base = best({b.label: b.loads.get(key, {}).get(f"{stat}_ms") for b in baselines}, lower=True)
+            mine = dva.loads.get(key, {}).get(f"{stat}_ms")
+            if target is None or base is None or mine is None or base[1] <= 0:
+                continue
+            ratio = mine / base[1]
+            out[f"{key} {stat}"] = {"value": round(ratio, 3), "baseline": base[0], "target": target,
+                                    "met": ratio <= target}
+    base = best({b.label: b.sustained_rate for b in baselines}, lower=False)
+    if base and dva.sustained_rate:
+        ratio = dva.sustained_rate / base[1]
+        out["sustained"] = {"value": round(ratio, 3), "baseline": base[0], "target": TARGETS["sustained"],
+                            "met": ratio >= TARGETS["sustained"]}
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,11 +293,20 @@ def table(systems: Sequence[SystemResult], latency_target_ms: float) -> list[str
     def num(value: float | None, digits: int = 1) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
-    lines = [f"{'system':<10} {'c=1 p50 ms':>10} {'c=1 p99 ms':>10} {'closed peak/s':>13} "
-             f"{'sustained/s':>11} {'its p99 ms':>10} {'requests ok/failed':>19}"]
+    keys = [f"{f:g}x" for f in LOAD_FRACTIONS]
+    lines = [f"{'system':<10} {'c=1 mean':>8} {'c=1 p99':>8} {'closed peak/s':>13} {'sustained/s':>11} "
+             + " ".join(f"{k + ' mean/p99 ms':>18}" for k in keys) + f" {'ok/failed':>12}"]
     for s in systems:
-        lines.append(f"{s.label:<10} {num(s.c1_p50_ms, 2):>10} {num(s.c1_p99_ms, 2):>10} {num(s.closed_loop_peak):>13} "
-                     f"{num(s.sustained_rate, 0):>11} {num(s.sustained_p99_ms):>10} {s.succeeded:>11}/{s.failed:<7}")
+        fixed = " ".join(f"{num(s.loads.get(k, {}).get('mean_ms')) + ' / ' + num(s.loads.get(k, {}).get('p99_ms')):>18}"
+                         for k in keys)
+        lines.append(f"{s.label:<10} {num(s.c1_mean_ms, 2):>8} {num(s.c1_p99_ms, 2):>8} {num(s.closed_loop_peak):>13} "
+                     f"{num(s.sustained_rate, 0):>11} {fixed} {s.succeeded:>6}/{s.failed:<5}")
+    rates = {k: next((s.loads[k]["rate"] for s in systems if k in s.loads), None) for k in keys}
+    lines.append("fixed rates: " + ", ".join(f"{k} = {num(r)}/s" for k, r in rates.items()))
+    for figure, v in verdicts(systems).items():
+        sign = "<=" if figure != "sustained" else ">="
+        lines.append(f"DVABatch {figure}: {v['value']:g} vs {v['baseline']} (target {sign} {v['target']:g}): "
+                     f"{'met' if v['met'] else 'NOT met'}")
     lines.append(f"sustained: the highest Poisson rate with p99 <= {latency_target_ms:g} ms and >= {KEEP_UP:.0%} of it "
                  "answered")
     for s in systems:
@@ -231,18 +331,21 @@ def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str) -> tuple[l
     model_dir = version_dir.parent
     with tempfile.TemporaryDirectory(prefix="dvabatch-pa-side-by-side-") as tmp:
         scratch = Path(tmp)
-        dva_name, zero_name = build_repository(scratch / "repo", model_dir)
+        names = build_repository(scratch / "repo", model_dir)
         data = write_queries(scratch / "input_data.json", model_dir, int_high, preset)
         with TritonServer(scratch / "repo") as server:
-            for name in (dva_name, zero_name):
+            for name in names.values():
                 server.wait_model_ready(name, timeout=300)
-            print(f"tritonserver up; {dva_name} (the slicer's config) beside {zero_name} "
-                  f"({available_cores()} threads)", flush=True)
-            systems = compare(server, {"DVABatch": dva_name, "ZeroBatch": zero_name}, data, plan,
-                              manifest.max_batch_size, progress=lambda m: print(m, flush=True))
+            print(f"tritonserver up; {names[DVA]} (the slicer's config) beside "
+                  f"{', '.join(n for k, n in names.items() if k != DVA)} ({available_cores()} threads; "
+                  f"DelayBatch's delay {delay_batch_delay_us(manifest)} us)", flush=True)
+            systems, fixed_of = compare(server, names, data, plan, manifest.max_batch_size,
+                                        progress=lambda m: print(m, flush=True))
     info = {"model": zoo_name, "size": size, "slice": str(model_dir), "reused_slice": reused, "lengths": preset,
             "bs_max": manifest.max_batch_size, "max_length": manifest.max_length, "plan": asdict(plan),
-            "baseline_threads": available_cores(), "policy": _policy(model_dir / "config.pbtxt")}
+            "baseline_threads": available_cores(), "policy": _policy(model_dir / "config.pbtxt"),
+            "delay_batch_delay_us": delay_batch_delay_us(manifest), "fixed_rates_of": fixed_of,
+            "verdicts": verdicts(systems)}
     return systems, info
 
 
@@ -270,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     systems, info = run(args.model, args.size, args.out, plan, args.lengths)
     for line in table(systems, plan.latency_target_ms):
         print(line)
-    results = args.out / "perf_analyzer_side_by_side" / args.size / "results.json"
+    results = args.out / "perf_analyzer_side_by_side" / args.model / args.size / "results.json"
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps({**info, "systems": [asdict(s) for s in systems]}, indent=2) + "\n")
     print(f"took {time.perf_counter() - began:.0f} s; results in {results}")

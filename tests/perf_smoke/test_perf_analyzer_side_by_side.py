@@ -1,7 +1,8 @@
 """`python -m perf.perf_analyzer_side_by_side` at the zoo's test size, short windows: the slicer's
-model beside ZeroBatch in one real tritonserver, measured by the real perf_analyzer (concurrency 1,
-closed loop at bs_max, Poisson request rates). A row per system, and every request succeeded
-(Triton's own statistics: no failure, some successes); no timing assertions."""
+model beside ZeroBatch and DelayBatch in one real tritonserver, measured by the real perf_analyzer
+(concurrency 1, closed loop at bs_max, stepping Poisson rates, the fixed 0.5x and 0.9x rates). A row
+per system, every request succeeded (Triton's own statistics: no failure, some successes), and a
+verdict per figure; no timing assertions."""
 from __future__ import annotations
 
 import json
@@ -16,21 +17,50 @@ from perf import perf_analyzer_side_by_side as sbs
 def test_a_row_per_system_and_every_request_succeeded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = sbs.main(["--size", "test", "--quick", "--measurement-interval", "500", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    results = json.loads((tmp_path / "perf_analyzer_side_by_side" / "test" / "results.json").read_text())
+    results = json.loads((tmp_path / "perf_analyzer_side_by_side" / "bert" / "test" / "results.json").read_text())
     systems = {s["label"]: s for s in results["systems"]}
-    assert set(systems) == {"DVABatch", "ZeroBatch"}, out
+    assert set(systems) == {"DVABatch", "ZeroBatch", "DelayBatch"}, out
     for label, system in systems.items():
         assert system["failed"] == 0 and system["succeeded"] > 0, (label, out)
         assert system["perf_analyzer_errors"] == [], (label, out)
         assert system["c1_p99_ms"] is not None and system["closed_loop_peak"] is not None, (label, out)
         # a rate step, unless the lowest rate was already past the target (perf_analyzer's latency stop)
         assert system["steps"] or system["sustained_rate"] is None, (label, out)
+        assert set(system["loads"]) == {"0.5x", "0.9x"}, (label, out)
+        assert all(load["mean_ms"] > 0 and load["p99_ms"] >= load["mean_ms"] * 0.5 for load in system["loads"].values())
         assert any(line.startswith(label) for line in out.splitlines()), out
+    # the same fixed rates for every system, fractions of ZeroBatch's sustained rate (or its peak)
+    assert len({system["loads"]["0.5x"]["rate"] for system in systems.values()}) == 1
+    assert {"c1 mean (ms over)", "0.5x mean", "0.5x p99", "0.9x mean", "0.9x p99"} <= set(results["verdicts"]), out
+    assert all(isinstance(v["met"], bool) and v["baseline"] in ("ZeroBatch", "DelayBatch")
+               for v in results["verdicts"].values())
     assert code == 0, out
 
 
-def test_rates_step_over_the_larger_peak() -> None:
+def test_rates_step_over_a_peak() -> None:
     plan = sbs.Plan.for_args(quick=True, latency_target_ms=500.0)
     assert plan.rates(100.0) == (40.0, 120.0, 20.0)
     assert sbs.Plan.for_args(quick=False, latency_target_ms=500.0).rates(100.0) == (30.0, 120.0, 10.0)
     assert plan.rates(0.5)[0] >= 1.0  # perf_analyzer needs a rate of at least 1/s
+
+
+def test_verdicts_take_the_better_baseline_for_each_figure() -> None:
+    dva = sbs.SystemResult("DVABatch", "m", c1_mean_ms=10.2, sustained_rate=30.0,
+                           loads={"0.5x": {"mean_ms": 10.0, "p99_ms": 16.0}, "0.9x": {"mean_ms": 20.0, "p99_ms": 40.0}})
+    zero = sbs.SystemResult("ZeroBatch", "z", c1_mean_ms=10.0, sustained_rate=20.0,
+                            loads={"0.5x": {"mean_ms": 12.0, "p99_ms": 30.0}, "0.9x": {"mean_ms": 50.0, "p99_ms": 70.0}})
+    delay = sbs.SystemResult("DelayBatch", "d", c1_mean_ms=11.0, sustained_rate=10.0,
+                             loads={"0.5x": {"mean_ms": 9.0, "p99_ms": 40.0}, "0.9x": {"mean_ms": 60.0, "p99_ms": 90.0}})
+    v = sbs.verdicts([dva, zero, delay])
+    assert v["c1 mean (ms over)"]["baseline"] == "ZeroBatch" and v["c1 mean (ms over)"]["met"]  # +0.2 ms
+    assert v["0.5x mean"]["baseline"] == "DelayBatch" and not v["0.5x mean"]["met"]  # 10 / 9
+    assert v["0.5x p99"]["baseline"] == "ZeroBatch" and v["0.5x p99"]["value"] == round(16 / 30, 3)
+    assert v["0.9x mean"]["met"] and not v["0.9x p99"]["met"]  # 20/50 = 0.4; 40/70 = 0.57
+    assert v["sustained"] == {"value": 1.5, "baseline": "ZeroBatch", "target": 1.5, "met": True}
+
+
+def test_fixed_rates_are_fractions_of_zerobatchs_sustained_rate_or_its_peak() -> None:
+    rates, of = sbs.fixed_rates(sbs.SystemResult("ZeroBatch", "z", closed_loop_peak=50.0, sustained_rate=40.0))
+    assert rates == {"0.5x": 20.0, "0.9x": 36.0} and "sustained" in of
+    rates, of = sbs.fixed_rates(sbs.SystemResult("ZeroBatch", "z", closed_loop_peak=50.0))
+    assert rates == {"0.5x": 25.0, "0.9x": 45.0} and "peak" in of
