@@ -16,7 +16,8 @@ entry per request. For each system:
 3. `--request-rate-range` with `--request-distribution poisson` (open loop), stepping from 0.3x to
    1.2x of its own closed-loop peak, stopping once p99 passes the target (`--percentile 99 -l
    TARGET`). Its sustained rate is the highest step whose p99 is within the target and whose
-   answered throughput kept up with the rate (>= 90 %);
+   answered throughput kept up with the rate (>= 90 % of what the generator delivered at the
+   lowest step, see `sustained`);
 4. Poisson at 0.5x and 0.9x ZeroBatch's sustained rate (the same rates for every system, the
    order of the systems alternating): mean and p99.
 
@@ -181,8 +182,18 @@ def measure_closed_loop(url: str, system: SystemResult, data: Path, plan: Plan, 
 
 
 def sustained(rows: Sequence[PerfRow], latency_target_ms: float) -> PerfRow | None:
-    """The highest rate whose p99 is within the target and whose throughput kept up with it."""
-    good = [r for r in rows if r.p99_us / 1e3 <= latency_target_ms and r.throughput >= KEEP_UP * r.level]
+    """The highest rate whose p99 is within the target and whose throughput kept up with it.
+
+    perf_analyzer's Poisson generator reports fewer answers per second than the rate it was given
+    even from a system far from saturation (about 0.75x of 18/s on 2 cores, the same for every
+    system), so "kept up" is judged against what the generator delivered at the lowest step (the
+    system there at 0.3x its own peak): throughput >= KEEP_UP x rate x that step's throughput/rate."""
+    if not rows:
+        return None
+    lowest = min(rows, key=lambda r: r.level)
+    delivered = min(1.0, lowest.throughput / lowest.level) if lowest.level > 0 else 1.0
+    good = [r for r in rows
+            if r.p99_us / 1e3 <= latency_target_ms and r.throughput >= KEEP_UP * delivered * r.level]
     return max(good, key=lambda r: r.level, default=None)
 
 

@@ -64,3 +64,16 @@ def test_fixed_rates_are_fractions_of_zerobatchs_sustained_rate_or_its_peak() ->
     assert rates == {"0.5x": 20.0, "0.9x": 36.0} and "sustained" in of
     rates, of = sbs.fixed_rates(sbs.SystemResult("ZeroBatch", "z", closed_loop_peak=50.0))
     assert rates == {"0.5x": 25.0, "0.9x": 45.0} and "peak" in of
+
+
+def _row(rate: float, throughput: float, p99_ms: float) -> sbs.PerfRow:
+    return sbs.PerfRow("request_rate", rate, throughput, p99_ms * 500, p99_ms * 900, p99_ms * 950, p99_ms * 1e3,
+                       p99_ms * 600)
+
+
+def test_sustained_is_judged_against_what_the_generator_delivered() -> None:
+    # the generator delivers 0.75x at every rate; the system falls behind only at 40/s
+    rows = [_row(10, 7.5, 40), _row(20, 15.0, 50), _row(30, 22.5, 80), _row(40, 24.0, 90), _row(50, 37.5, 150)]
+    assert sbs.sustained(rows, latency_target_ms=100).level == 30
+    assert sbs.sustained(rows, latency_target_ms=60).level == 20
+    assert sbs.sustained([_row(10, 7.5, 120)], latency_target_ms=100) is None
