@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Mapping
 
 from dvabatch_backend.runtime.manifest import Manifest, TensorSpec, is_length_dim
+from dvabatch_backend.runtime.settings import default_buffer_pairs
 
 VERSION_DIR = "1"
 # config.pbtxt's data_type of each manifest dtype: "TYPE_" + Triton's datatype name, the name a
@@ -59,7 +60,7 @@ def python_model_config(manifest: Manifest, name: str, parameters: Mapping[str, 
     return "\n".join(lines) + "\n"
 
 
-def config_pbtxt(manifest: Manifest, policy: str = "pipelined", num_buffer_pairs: int = 2,
+def config_pbtxt(manifest: Manifest, policy: str = "pipelined", num_buffer_pairs: int | None = None,
                  threads_per_stage: int = 1, name: str | None = None,
                  policy_params: Mapping[str, object] | None = None, thread_pool: str = "global",
                  extra: Mapping[str, object] | None = None) -> str:
@@ -67,7 +68,10 @@ def config_pbtxt(manifest: Manifest, policy: str = "pipelined", num_buffer_pairs
     only hands `execute` every request that queued while the last call ran, each request its own
     object with its own shapes: one call per request would cap admission at one stub round trip
     per request. `thread_pool` "global" (one onnxruntime pool of every core for all stages) or
-    "per_stage" (`threads_per_stage` threads each)."""
+    "per_stage" (`threads_per_stage` threads each). `num_buffer_pairs` None: the served default for
+    the CPU and that pool (`default_buffer_pairs`: 1 with the global pool), written out."""
+    if num_buffer_pairs is None:
+        num_buffer_pairs = default_buffer_pairs(str((extra or {}).get("device", "cpu")), thread_pool)
     parameters = {
         "manifest": "manifest.json", "policy": policy, "num_buffer_pairs": str(num_buffer_pairs),
         "thread_pool": thread_pool, "threads_per_stage": str(threads_per_stage),

@@ -10,7 +10,7 @@ last stage would otherwise stand idle through one per query of its batch.
 
 Settings come from `config.pbtxt` parameters, each checked at load with the bad value named
 (`_PARSERS` lists them): manifest (default manifest.json), policy (default pipelined),
-num_buffer_pairs (2), bs_max (the manifest's), threads_per_stage (1), engine, device,
+num_buffer_pairs (1 on the CPU with the global pool, else 2: `default_buffer_pairs`), bs_max (the manifest's), threads_per_stage (1), engine, device,
 thread_pool, run_on, engine_wrapper; Triton's queue policy (max_queue_size, default_timeout_microseconds,
 allow_timeout_override, timeout_action); a latency target (slo_ms, slo_action); and policy
 parameters prefixed "policy.".
@@ -34,6 +34,7 @@ from ..runtime.query import Answer
 from ..runtime.loading import load_pipeline
 from ..runtime.pipeline import Pipeline
 from ..runtime.scheduler import QueuePolicy, RuntimeSettings, SloPolicy
+from ..runtime.settings import default_buffer_pairs
 from .metrics import StageMetrics
 
 
@@ -118,13 +119,15 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path) -> AdapterSetti
         raise ValueError(f"parameter 'manifest': {manifest} not found")
     defaults = RuntimeSettings()
     queue_defaults = defaults.queue
+    device = values.get("device", defaults.device)
+    thread_pool = values.get("thread_pool", SERVED_THREAD_POOL)
     runtime = RuntimeSettings(
-        num_buffer_pairs=values.get("num_buffer_pairs", defaults.num_buffer_pairs),
+        num_buffer_pairs=values.get("num_buffer_pairs", default_buffer_pairs(device, thread_pool)),
         bs_max=values.get("bs_max"),
         threads_per_stage=values.get("threads_per_stage", defaults.threads_per_stage),
         engine=values.get("engine", defaults.engine),
-        device=values.get("device", defaults.device),
-        thread_pool=values.get("thread_pool", SERVED_THREAD_POOL),
+        device=device,
+        thread_pool=thread_pool,
         run_on=values.get("run_on", defaults.run_on),
         queue=QueuePolicy(
             max_queue_size=values.get("max_queue_size", queue_defaults.max_queue_size),
