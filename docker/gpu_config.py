@@ -6,7 +6,9 @@
   runs on; the torch engine uses CUDA's current device);
 - `engine: torch`, `device: cuda`: each stage a `TorchStageEngine` on its own CUDA stream;
 - `FORCE_CPU_ONLY_INPUT_TENSORS: yes`: the Python backend hands requests' tensors over in host
-  memory, which the runtime's buffers are (the engine copies each batch to the GPU once).
+  memory, which the runtime's buffers are (the engine copies each batch to the GPU once);
+- `num_buffer_pairs: 2`: stages on their own streams overlap (the slicer writes 1 for the CPU,
+  where the stages share every core).
 
 Parameters already set are replaced, the others kept. Used by docker/Dockerfile at image build.
 """
@@ -16,7 +18,7 @@ import argparse
 import re
 from pathlib import Path
 
-GPU_PARAMETERS = {"engine": "torch", "device": "cuda", "FORCE_CPU_ONLY_INPUT_TENSORS": "yes"}
+GPU_PARAMETERS = {"engine": "torch", "device": "cuda", "FORCE_CPU_ONLY_INPUT_TENSORS": "yes", "num_buffer_pairs": "2"}
 _INSTANCE_GROUP = re.compile(r"instance_group\s*\[.*?\]", re.S)
 
 

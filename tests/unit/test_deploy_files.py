@@ -89,9 +89,12 @@ def test_gpu_config_replaces_what_was_set() -> None:
         sys.path.pop(0)
     text = ('name: "m"\ninstance_group [ { kind: KIND_CPU count: 1 } ]\n'
             'parameters: { key: "engine" value: { string_value: "onnxruntime" } }\n'
-            'parameters: { key: "policy" value: { string_value: "input" } }\n')
+            'parameters: { key: "policy" value: { string_value: "input" } }\n'
+            'parameters: { key: "num_buffer_pairs" value: { string_value: "1" } }\n')
     out = gpu_config(text, gpus=2)
     assert "gpus: [ 0, 1 ]" in out and 'string_value: "onnxruntime"' not in out
+    # the CPU's one pair becomes two: stages on their own streams overlap
+    assert 'key: "num_buffer_pairs" value: { string_value: "2" }' in out and 'string_value: "1"' not in out
     assert 'key: "policy" value: { string_value: "input" }' in out
     with pytest.raises(ValueError):
         gpu_config('name: "m"\n')
