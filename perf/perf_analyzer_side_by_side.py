@@ -11,7 +11,9 @@ of one lone query's profiled time, the sum of the stages' batch-1 times). Every 
 sends the same input data: seeded queries of GLUE-like lengths (`--lengths`, default "rte"), one
 entry per request. For each system:
 
-1. concurrency 1: the latency of a lone query (mean, p50, p99);
+0. a short closed-loop warm-up, not kept;
+1. concurrency 1: the latency of a lone query (mean, p50, p99), the average of two rounds with the
+   systems' order reversed;
 2. closed loop at bs_max clients: its closed-loop peak;
 3. `--request-rate-range` with `--request-distribution poisson` (open loop), stepping from 0.3x to
    1.2x of its own closed-loop peak, stopping once p99 passes the target (`--percentile 99 -l
@@ -25,7 +27,7 @@ The report gives DVABatch's ratios against the better baseline for each figure (
 the higher sustained rate) beside the targets: concurrency-1 mean within +0.3 ms; at 0.5x mean
 <= 1.0x and p99 <= 0.8x; at 0.9x both <= 0.5x; sustained rate >= 1.5x. Every request must succeed:
 Triton's own statistics (`/v2/models/NAME/stats`, fail count) are read after the runs; a failure
-makes the command exit 1. Defaults take about 6-10 minutes at the "bench" size on 2 cores (plus
+makes the command exit 1. Defaults take about 6-12 minutes at the "bench" size on 2 cores (plus
 slicing, once); `--quick` about two. Results: OUT/perf_analyzer_side_by_side/MODEL/SIZE/results.json.
 """
 from __future__ import annotations
@@ -42,6 +44,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dvabatch_backend.runtime.engine import available_cores
 from perf.perf_analyzer import PerfResult, PerfRow, run_perf_analyzer, write_input_data
 
@@ -50,10 +54,11 @@ LATENCY_TARGET_MS = 500.0
 KEEP_UP = 0.9  # answered throughput / sent rate for a step to count as sustained
 RATE_FRACTIONS = (0.3, 1.2, 0.1)  # start, end, step: fractions of the system's closed-loop peak
 QUICK_RATE_FRACTIONS = (0.4, 1.2, 0.2)
-MEASUREMENT_INTERVAL_MS = 2000
+MEASUREMENT_INTERVAL_MS = 3000
 QUICK_MEASUREMENT_INTERVAL_MS = 1000
 WINDOWS = 3  # perf_analyzer judges a level over 3 windows; -r 3 with a huge -s: exactly 3 per level
 INPUT_QUERIES = 200
+C1_ROUNDS = 2
 LOAD_FRACTIONS = (0.5, 0.9)  # fixed Poisson rates, x ZeroBatch's sustained rate
 FIXED_LOAD_WINDOWS_X = 2  # the fixed rates get windows this many times longer: more queries for a p99
 # DVABatch against the better baseline (issue "faster by default"): c=1 mean difference (ms), and ratios
@@ -169,12 +174,33 @@ def _note_errors(result: PerfResult, system: SystemResult, what: str, allow_miss
         system.perf_analyzer_errors.append(f"{what}: {result.describe().splitlines()[0]}: {' | '.join(tail)}")
 
 
-def measure_closed_loop(url: str, system: SystemResult, data: Path, plan: Plan, bs_max: int) -> None:
-    lone = _run(url, system.model, data, plan, concurrency_range=(1,))
-    _note_errors(lone, system, "concurrency 1")
-    if lone.rows:
-        row = lone.rows[0]
-        system.c1_mean_ms, system.c1_p50_ms, system.c1_p99_ms = row.avg_us / 1e3, row.p50_us / 1e3, row.p99_us / 1e3
+def warm_up(url: str, system: SystemResult, data: Path, plan: Plan, bs_max: int) -> None:
+    """One short closed-loop run at bs_max clients, not kept: the engines meet their first batch
+    sizes and lengths (onnxruntime plans memory per new shape) before anything is measured."""
+    result = run_perf_analyzer(system.model, url, protocol="grpc", input_data=data, concurrency_range=(bs_max,),
+                               measurement_interval_ms=max(300, plan.measurement_interval_ms // 4),
+                               stability_percentage=1000.0, max_trials=WINDOWS, timeout=120.0)
+    _note_errors(result, system, "warm-up")
+
+
+def measure_lone(url: str, systems: Sequence[SystemResult], data: Path, plan: Plan) -> None:
+    """Concurrency 1, C1_ROUNDS rounds with the systems' order reversed each round; the figures
+    are the rounds' averages (one lone query's latency moves with whatever else the machine does)."""
+    figures: dict[str, list[tuple[float, float, float]]] = {s.label: [] for s in systems}
+    for r in range(C1_ROUNDS):
+        for system in (systems if r % 2 == 0 else list(reversed(systems))):
+            lone = _run(url, system.model, data, plan, concurrency_range=(1,))
+            _note_errors(lone, system, "concurrency 1")
+            if lone.rows:
+                row = lone.rows[0]
+                figures[system.label].append((row.avg_us / 1e3, row.p50_us / 1e3, row.p99_us / 1e3))
+    for system in systems:
+        if figures[system.label]:
+            system.c1_mean_ms, system.c1_p50_ms, system.c1_p99_ms = (
+                round(float(np.mean(column)), 3) for column in zip(*figures[system.label]))
+
+
+def measure_peak(url: str, system: SystemResult, data: Path, plan: Plan, bs_max: int) -> None:
     full = _run(url, system.model, data, plan, concurrency_range=(bs_max,))
     _note_errors(full, system, f"concurrency {bs_max}")
     if full.rows:
@@ -237,8 +263,13 @@ def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: 
     returns the systems and what the fixed rates are fractions of."""
     systems = [SystemResult(label, model) for label, model in names.items()]
     for system in systems:
-        progress(f"{system.label}: concurrency 1 and {bs_max} (closed loop)")
-        measure_closed_loop(server.grpc_url, system, data, plan, bs_max)
+        progress(f"{system.label}: warm-up")
+        warm_up(server.grpc_url, system, data, plan, bs_max)
+    progress(f"concurrency 1, {C1_ROUNDS} rounds")
+    measure_lone(server.grpc_url, systems, data, plan)
+    for system in systems:
+        progress(f"{system.label}: concurrency {bs_max} (closed loop)")
+        measure_peak(server.grpc_url, system, data, plan, bs_max)
     if not any(s.closed_loop_peak for s in systems):
         raise RuntimeError("no closed-loop peak was measured: " + "; ".join(
             e for s in systems for e in s.perf_analyzer_errors))
