@@ -7,14 +7,16 @@ its version folder behind Triton's own dynamic batcher with no queue delay (`per
 from one tritonserver over a scratch repository (DIR is left as it is). ZeroBatch's peak
 throughput is measured closed loop at bs_max clients; then the same seeded Poisson schedule of
 variable-length queries (RTE-like lengths) goes open loop to both systems at each fraction of that
-peak (`LOADS`), the order alternating, within about `--seconds` in all. A table shows each
+peak (`LOADS`: 0.5x and 0.9x), the order alternating, within about `--seconds` in all, after
+each system answered `LONE_QUERIES` queries one at a time (concurrency 1). A table shows each
 system's mean and p99 latency, answered/sent, and the ratios DVABatch/ZeroBatch of mean and p99
-latency (< 1: DVABatch answers faster). Any failed or unanswered query is printed and makes the
+latency (< 1: DVABatch answers faster), and a line the concurrency-1 means. Any failed or unanswered query is printed and makes the
 command exit with 1.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import sys
 import tempfile
@@ -35,7 +37,8 @@ from perf.stats import LoadResult
 
 # fractions of ZeroBatch's peak, and bounds on the queries of one open-loop run (enough for a p99
 # to mean something, few enough to stay within the time budget)
-LOADS = (0.3, 0.8)
+LOADS = (0.5, 0.9)
+LONE_QUERIES = 40  # concurrency 1, per system
 SECONDS = 45.0
 MIN_QUERIES_PER_RUN = 30
 MAX_QUERIES_PER_RUN = 150
@@ -103,6 +106,7 @@ def side_by_side(server: TritonServer, dva_name: str, zero_name: str, manifest: 
     n = queries_per_run(rates, seconds - (time.perf_counter() - began))
     print(f"ZeroBatch peak {peak_qps:.1f} qps (closed loop, {bs_max} clients); "
           f"{n} queries per run, RTE-like lengths up to {manifest.max_length} tokens", flush=True)
+    lone = lone_latency(server.grpc_url, (dva_name, zero_name), manifest, int_high, seed, timeout)
     rows = []
     for k, (fraction, rate) in enumerate(zip(loads, rates)):
         offsets = poisson(rate, n, rng=seed + 100 + k)
@@ -114,7 +118,11 @@ def side_by_side(server: TritonServer, dva_name: str, zero_name: str, manifest: 
         rows.append(Row(fraction, rate, results[dva_name], results[zero_name]))
     for line in table(rows):
         print(line)
+    dva_mean, zero_mean = (lone[m].summary()["latency_mean_ms"] for m in (dva_name, zero_name))
+    print(f"concurrency 1 ({LONE_QUERIES} queries each): mean DVABatch {dva_mean:.2f} ms, ZeroBatch "
+          f"{zero_mean:.2f} ms ({dva_mean - zero_mean:+.2f} ms)")
     failed = sum(len(row.dva.errors()) + len(row.zero.errors()) for row in rows)
+    failed += sum(len(result.errors()) for result in lone.values())
     for line in error_lines(rows):
         print(line)
     print(f"side by side took {time.perf_counter() - began:.1f} s", flush=True)
@@ -138,6 +146,19 @@ def warm_up_and_peak(url: str, models: Sequence[str], manifest: Manifest, int_hi
         raise RuntimeError(f"{models[-1]}: peak measurement failed ({len(peak.errors())} errors, "
                            f"{peak_qps:.1f} qps): {first}")
     return peak_qps
+
+
+def lone_latency(url: str, models: Sequence[str], manifest: Manifest, int_high: Mapping[str, int], seed: int,
+                 timeout: float) -> dict[str, LoadResult]:
+    """`LONE_QUERIES` queries to each model one at a time, in two halves with the order reversed."""
+    queries, _ = sample_queries(manifest, int_high, LONE_QUERIES, seed + 300)
+    half = LONE_QUERIES // 2
+    runs: dict[str, list[LoadResult]] = {m: [] for m in models}
+    for part, order in ((queries[:half], models), (queries[half:], list(reversed(models)))):
+        for model in order:
+            runs[model].append(run_closed_loop(url, model, part, concurrency=1, n=len(part), timeout=timeout))
+    return {m: dataclasses.replace(r[0], records=[rec for result in r for rec in result.records])
+            for m, r in runs.items()}
 
 
 def queries_per_run(rates: Sequence[float], seconds_left: float) -> int:

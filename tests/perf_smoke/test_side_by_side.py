@@ -49,6 +49,8 @@ def test_every_query_is_answered_and_ratios_are_finite(demo_dir, monkeypatch, ca
             assert ratio is not None and math.isfinite(ratio) and ratio > 0
         assert f"{row.mean_ratio:.2f}" in out and f"{sent}/{sent}" in out
     assert "DVABatch/ZeroBatch" in out and "ERROR" not in out
+    lone = [line for line in out.splitlines() if line.startswith("concurrency 1")]
+    assert len(lone) == 1 and "mean DVABatch" in lone[0] and "ZeroBatch" in lone[0], out
     assert sorted(p.name for p in demo_dir.iterdir()) == before  # ZeroBatch went to a scratch repository
 
 
