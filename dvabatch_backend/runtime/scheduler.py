@@ -515,21 +515,22 @@ class Scheduler:
         finally:
             _deliver(deliveries)
 
-    def _runnable(self, stage: int) -> bool:
-        """Whether `stage` has an item whose buffer pair is legitimate. Under the lock."""
+    def _ready_pair(self, stage: int) -> int | None:
+        """The buffer pair of `stage`'s next item when that pair is legitimate (the stage can run
+        it now), else None. Under the lock."""
         item = self._queues[stage].head()
         pair = None if item is None else self._pair_for(stage, item)
-        return pair is not None and self._buffers.is_legitimate(stage, pair)
+        return pair if pair is not None and self._buffers.is_legitimate(stage, pair) else None
 
     def _take_work(self, stage: int) -> Work | None:
         """`next_work` under the lock."""
         if self._stage_states[stage] is ExecutorState.WORKING:
             return None
-        if not self._runnable(stage):
+        pair = self._ready_pair(stage)
+        if pair is None:
             self._stage_states[stage] = self._idle_state(stage)
             self._notify_progress()
             return None
-        pair = self._pair_for(stage, self._queues[stage].head())
         item = self._queues[stage].pop_coalesced()
         row = self._table.get(item.batch_id)
         row.pair = pair
@@ -555,12 +556,9 @@ class Scheduler:
         or has an item whose pair is not legitimate yet."""
         if not self._buffers.is_active(stage):
             return ExecutorState.INACTIVE
-        item = self._queues[stage].head()
-        if item is None:
+        if self._queues[stage].head() is None or self._ready_pair(stage) is not None:
             return ExecutorState.ACTIVE
-        pair = self._pair_for(stage, item)
-        ready = pair is not None and self._buffers.is_legitimate(stage, pair)
-        return ExecutorState.ACTIVE if ready else ExecutorState.CHECKING
+        return ExecutorState.CHECKING
 
     def _pair_for(self, stage: int, item: BatchItem) -> int | None:
         """The item's buffer pair; a new batch takes the first legitimate one at stage 0."""
@@ -607,8 +605,8 @@ class Scheduler:
         Only while `stage` has nothing to run and stage + 1's executor is idle; the two executors
         then swap stages, so each stage keeps one executor and runs one item at a time."""
         following = stage + 1
-        if (self._runnable(stage) or self._stage_states[following] is ExecutorState.WORKING
-                or not self._runnable(following)):
+        if (self._ready_pair(stage) is not None or self._stage_states[following] is ExecutorState.WORKING
+                or self._ready_pair(following) is None):
             return None
         other = self._plays.index(following)
         self._plays[executor], self._plays[other] = following, stage
