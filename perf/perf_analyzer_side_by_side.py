@@ -33,6 +33,7 @@ slicing, once); `--quick` about two. Results: OUT/perf_analyzer_side_by_side/MOD
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -177,12 +178,10 @@ def _note_errors(result: PerfResult, system: SystemResult, what: str, allow_miss
 def warm_up(url: str, system: SystemResult, data: Path, plan: Plan, bs_max: int) -> None:
     """One short closed-loop run at bs_max clients, not kept: the engines meet their first batch
     sizes and lengths (onnxruntime plans memory per new shape) before anything is measured."""
-    result = run_perf_analyzer(system.model, url, protocol="grpc", input_data=data, concurrency_range=(bs_max,),
-                               measurement_interval_ms=max(300, plan.measurement_interval_ms // 4),
-                               stability_percentage=1000.0, max_trials=WINDOWS, timeout=120.0)
-    # a window too short for a slow system's first answers is no error here; a failed request is
-    # still counted, by Triton's statistics at the end
-    del result
+    short = dataclasses.replace(plan, measurement_interval_ms=max(300, plan.measurement_interval_ms // 4))
+    # its result is not looked at: a window too short for a slow system's first answers is no error
+    # here, and a failed request is still counted, by Triton's statistics at the end
+    _run(url, system.model, data, short, concurrency_range=(bs_max,))
 
 
 def measure_lone(url: str, systems: Sequence[SystemResult], data: Path, plan: Plan) -> None:

@@ -10,10 +10,10 @@ last stage would otherwise stand idle through one per query of its batch.
 
 Settings come from `config.pbtxt` parameters, each checked at load with the bad value named
 (`_PARSERS` lists them): manifest (default manifest.json), policy (default pipelined),
-num_buffer_pairs (1 on the CPU with the global pool, else 2: `default_buffer_pairs`), bs_max (the manifest's), threads_per_stage (1), engine, device,
-thread_pool, run_on, engine_wrapper; Triton's queue policy (max_queue_size, default_timeout_microseconds,
-allow_timeout_override, timeout_action); a latency target (slo_ms, slo_action); and policy
-parameters prefixed "policy.".
+num_buffer_pairs (1 on the CPU with the global pool, else 2: `default_buffer_pairs`), bs_max (the
+manifest's), threads_per_stage (1), engine, device, thread_pool, run_on, engine_wrapper; Triton's
+queue policy (max_queue_size, default_timeout_microseconds, allow_timeout_override,
+timeout_action); a latency target (slo_ms, slo_action); and policy parameters prefixed "policy.".
 Only this module imports `triton_python_backend_utils`; the runtime does not.
 """
 from __future__ import annotations
