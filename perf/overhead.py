@@ -273,10 +273,11 @@ def _instrumented_scheduler(num_stages: int) -> type[Scheduler]:
                 self.nw_marks[stage].append(perf())
             return work
 
-        def finish_work(self, work, result):
+        def finish_work(self, work, result, executor=None):
             t0 = perf()
-            super().finish_work(work, result)
+            following = super().finish_work(work, result, executor=executor)
             self.fw_marks[work.stage].append((t0, perf()))
+            return following
 
     return InstrumentedScheduler
 

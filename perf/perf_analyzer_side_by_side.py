@@ -2,6 +2,11 @@
 
     python -m perf.perf_analyzer_side_by_side [--model bert] [--size bench] [--latency-target-ms 500]
         [--lengths rte] [--quick] [--out work/perf]
+    python -m perf.perf_analyzer_side_by_side --model-dir model_repository/my_model --lengths sst2
+
+`--model-dir` takes any sliced model folder (`dvabatch slice` wrote it) instead of a zoo model. The
+report also gives, for DVABatch, the share of each figure's queries answered on the fast path
+(runtime/fast_path.py), so the pipeline's own part shows.
 
 One tritonserver serves the zoo model sliced as `dvabatch slice` would (the config.pbtxt the slicer
 wrote, untouched: its policy choice and settings) beside two baselines on the unsliced model, with
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -101,6 +107,8 @@ class SystemResult:
     sustained_p99_ms: float | None = None
     steps: list[dict[str, float]] = field(default_factory=list)
     loads: dict[str, dict[str, float]] = field(default_factory=dict)  # "0.5x" -> rate, throughput, mean_ms, p99_ms
+    # DVABatch: the share of the queries of each figure answered on the fast path (run inline)
+    fast_path_share: dict[str, float] = field(default_factory=dict)
     succeeded: int = 0  # Triton's statistics after every run
     failed: int = 0
     perf_analyzer_errors: list[str] = field(default_factory=list)
@@ -156,6 +164,36 @@ def failure_counts(http_url: str, model: str) -> tuple[int, int]:
         stats = json.loads(response.read())["model_stats"]
     inference = [s["inference_stats"] for s in stats]
     return (sum(int(s["success"]["count"]) for s in inference), sum(int(s["fail"]["count"]) for s in inference))
+
+
+def fast_path_queries(metrics_url: str, model: str) -> float:
+    """The model's `dvabatch_fast_path_queries_total` (0 for a model without it: the baselines)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    pattern = rf'^dvabatch_fast_path_queries_total{{[^}}]*model="{re.escape(model)}"[^}}]*}} ([0-9.e+-]+)$'
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+
+
+class FastPathShare:
+    """Counts, around one measurement, the share of a model's answers that took the fast path."""
+
+    METRICS_PERIOD_S = 0.6  # the adapter samples its counters every 0.25 s: wait for the last sample
+
+    def __init__(self, server: Any, system: SystemResult) -> None:
+        self._server, self._system = server, system
+
+    def __call__(self, key: str, measure: Any) -> None:
+        if self._system.label != DVA:
+            measure()
+            return
+        before = (fast_path_queries(self._server.metrics_url, self._system.model),
+                  failure_counts(self._server.http_url, self._system.model)[0])
+        measure()
+        time.sleep(self.METRICS_PERIOD_S)
+        fast = fast_path_queries(self._server.metrics_url, self._system.model) - before[0]
+        answered = failure_counts(self._server.http_url, self._system.model)[0] - before[1]
+        if answered > 0:
+            self._system.fast_path_share[key] = round(fast / answered, 3)
 
 
 def _run(url: str, model: str, data: Path, plan: Plan, windows_x: int = 1, **load: Any) -> PerfResult:
@@ -266,24 +304,26 @@ def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: 
     for system in systems:
         progress(f"{system.label}: warm-up")
         warm_up(server.grpc_url, system, data, plan, bs_max)
+    share = {s.label: FastPathShare(server, s) for s in systems}
     progress(f"concurrency 1, {C1_ROUNDS} rounds")
-    measure_lone(server.grpc_url, systems, data, plan)
+    lone = share.get(DVA, share[systems[0].label])  # the rounds take every system in turn
+    lone("c1", lambda: measure_lone(server.grpc_url, systems, data, plan))
     for system in systems:
         progress(f"{system.label}: concurrency {bs_max} (closed loop)")
-        measure_peak(server.grpc_url, system, data, plan, bs_max)
+        share[system.label]("closed loop", lambda: measure_peak(server.grpc_url, system, data, plan, bs_max))
     if not any(s.closed_loop_peak for s in systems):
         raise RuntimeError("no closed-loop peak was measured: " + "; ".join(
             e for s in systems for e in s.perf_analyzer_errors))
     for system in systems:
         rates = plan.rates(system.closed_loop_peak or 1.0)
         progress(f"{system.label}: Poisson request rates {rates[0]:g} to {rates[1]:g} by {rates[2]:g}/s")
-        measure_open_loop(server.grpc_url, system, data, plan, rates)
+        share[system.label]("stepping", lambda: measure_open_loop(server.grpc_url, system, data, plan, rates))
     by_label = {s.label: s for s in systems}
     loads, of = fixed_rates(by_label.get(ZERO, systems[-1]))
     for i, (key, rate) in enumerate(loads.items()):
         for system in (systems if i % 2 == 0 else systems[::-1]):
             progress(f"{system.label}: Poisson at {rate:g}/s ({key} {of})")
-            measure_fixed_load(server.grpc_url, system, data, plan, key, rate)
+            share[system.label](key, lambda: measure_fixed_load(server.grpc_url, system, data, plan, key, rate))
     for system in systems:
         system.succeeded, system.failed = failure_counts(server.http_url, system.model)
     return systems, of
@@ -353,6 +393,10 @@ def table(systems: Sequence[SystemResult], latency_target_ms: float) -> list[str
     lines.append(f"sustained: the highest Poisson rate with p99 <= {latency_target_ms:g} ms and >= {KEEP_UP:.0%} of it "
                  "answered")
     for s in systems:
+        if s.fast_path_share:
+            lines.append(f"{s.label} answers on the fast path: "
+                         + ", ".join(f"{k} {v:.0%}" for k, v in s.fast_path_share.items()))
+    for s in systems:
         steps = ", ".join(f"{st['rate']:g}/s: {st['throughput']:.0f}/s p99 {st['p99_ms']:.0f} ms" for st in s.steps)
         lines.append(f"  {s.label} steps: {steps or '-'}")
         lines += [f"  {s.label} perf_analyzer: {e}" for e in s.perf_analyzer_errors]
@@ -363,15 +407,22 @@ def table(systems: Sequence[SystemResult], latency_target_ms: float) -> list[str
 # command line
 
 
-def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str) -> tuple[list[SystemResult], dict[str, Any]]:
-    """Slices (or reuses OUT/sliced/SIZE/MODEL), serves both systems from one server, measures them."""
+def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str,
+        model_dir: Path | None = None) -> tuple[list[SystemResult], dict[str, Any]]:
+    """Slices (or reuses OUT/sliced/SIZE/MODEL), or takes `model_dir` (any sliced model folder, as
+    `dvabatch slice` wrote it), serves the systems from one server, measures them."""
+    from dvabatch_backend.runtime.manifest import Manifest
     from dvabatch_backend.tools.serve import TritonServer
     from perf.bench import sliced
     from perf.perf_analyzer import ensure_system_deps
 
     ensure_system_deps()
-    version_dir, manifest, int_high, reused = sliced(zoo_name, size, out, progress=lambda m: print(m, flush=True))
-    model_dir = version_dir.parent
+    if model_dir is None:
+        version_dir, manifest, int_high, reused = sliced(zoo_name, size, out, progress=lambda m: print(m, flush=True))
+        model_dir = version_dir.parent
+    else:
+        manifest, int_high, reused = Manifest.load(model_dir / "1" / "manifest.json"), {}, True
+        zoo_name, size = manifest.name, "own"
     with tempfile.TemporaryDirectory(prefix="dvabatch-pa-side-by-side-") as tmp:
         scratch = Path(tmp)
         names = build_repository(scratch / "repo", model_dir)
@@ -402,6 +453,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.perf_analyzer_side_by_side",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="bert", help="a zoo model (default: %(default)s)")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="any sliced model folder (config.pbtxt and 1/), instead of a zoo model")
     parser.add_argument("--size", default="bench", help="zoo size preset (default: %(default)s)")
     parser.add_argument("--lengths", default="rte", help="perf.lengths preset (default: %(default)s)")
     parser.add_argument("--latency-target-ms", type=float, default=LATENCY_TARGET_MS)
@@ -413,10 +466,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     plan = Plan.for_args(args.quick, args.latency_target_ms, args.measurement_interval)
     began = time.perf_counter()
-    systems, info = run(args.model, args.size, args.out, plan, args.lengths)
+    systems, info = run(args.model, args.size, args.out, plan, args.lengths, args.model_dir)
     for line in table(systems, plan.latency_target_ms):
         print(line)
-    results = args.out / "perf_analyzer_side_by_side" / args.model / args.size / "results.json"
+    results = args.out / "perf_analyzer_side_by_side" / info["model"] / info["size"] / "results.json"
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps({**info, "systems": [asdict(s) for s in systems]}, indent=2) + "\n")
     print(f"took {time.perf_counter() - began:.0f} s; results in {results}")

@@ -26,6 +26,7 @@ from .operator_diversity import OperatorDiversityPolicy
 
 class HybridPolicy(LoadDiversityPolicy):
     name = "hybrid"
+    runs_inline = True  # its splits change how a batch runs, never an answer
 
     def __init__(self, t_comp_wait: float | None = None, factor: float = 2.0, pad_tolerance: float = 0.25) -> None:
         super().__init__(t_comp_wait, pad_tolerance)

@@ -29,6 +29,7 @@ _EPS = 1e-9  # relative: equal times compare as equal despite float rounding
 
 class OperatorDiversityPolicy(Policy):
     name = "operator"
+    runs_inline = True  # its splits change how a batch runs, never an answer
 
     def __init__(self, factor: float = 2.0) -> None:
         if factor <= 0:

@@ -14,6 +14,7 @@ from .api import ArrivalPlan, BatchInfo, BatchTableView, New, Policy, QueryInfo,
 
 class RandomLegalPolicy(Policy):
     name = "random"
+    runs_inline = True  # its splits change how a batch runs, never an answer
 
     def __init__(self, seed: int = 0, stretch: float = 0.5, split: float = 0.3, hold: float = 0.1,
                  window: float = 0.002) -> None:

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import onnx
@@ -110,6 +110,9 @@ class SliceReport:
         policy = self.manifest.extra.get("policy", {})
         if policy:
             lines.append(f"  policy: {policy.get('choice')} ({policy.get('why')})")
+        fast_path = self.manifest.extra.get("fast_path", {})
+        if fast_path:
+            lines.append(f"  fast path (a query that meets nobody): {fast_path.get('why')}")
         if len(self.candidates) > 1:
             lines.append("  stage-count candidates (queries/s through the pipeline): "
                          + ", ".join(f"{x.stages}: {x.throughput:.0f}" for x in self.candidates))
@@ -199,7 +202,9 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
         profile = profile_stages(chosen.dir, chosen.manifest, batch_sizes, lengths, options.threads,
                                  max(3, options.repeats // 2), int_bounds(model), say)
         policy = _policy_choice(profile)
-        manifest = _final_manifest(chosen, profile, ref, options, pad, int_bounds(model), policy)
+        say("timing the unsliced model beside the stages in a row (the fast path's engine)")
+        fast_path = fast_path_choice(chosen.dir, chosen.manifest, lengths, options.threads, int_bounds(model))
+        manifest = _final_manifest(chosen, profile, ref, options, pad, int_bounds(model), policy, fast_path)
         _write_profile(chosen.dir, manifest, profile)
         write_triton_files(chosen.dir.parent, manifest, threads_per_stage=options.threads, policy=policy["choice"])
         if out_dir.exists():
@@ -358,10 +363,36 @@ def _policy_choice(profile: dict[str, Any]) -> dict[str, str]:
     return {"choice": choice, "why": why}
 
 
+FAST_PATH_MARGIN = 0.05  # the unsliced model serves the fast path when it is this much faster: it costs memory
+
+
+def fast_path_choice(folder: Path, manifest: Manifest, lengths: Sequence[int], threads: int,
+                     int_high: dict[str, int]) -> dict[str, Any]:
+    """Which engine runs a lone query on the fast path (runtime/fast_path.py): the unsliced model
+    (`model.onnx`, loaded beside the stages) or the stages in a row, from one query timed at each
+    profiled length, the two timed in turns. {"engine": "model" | "stages", "why", "seconds"}."""
+    files = [folder / (manifest.full_model or "model.onnx")] + [folder / st.file for st in manifest.stages]
+    specs = [manifest.inputs] + [st.inputs for st in manifest.stages]
+    seconds = {}
+    for length in lengths:
+        times = time_stages(files, specs, Setting(1, length), threads, repeats=20, int_high=int_high)
+        seconds[str(length)] = {"model": times[0], "stages": sum(times[1:])}
+    model, stages = (sum(t[k] for t in seconds.values()) for k in ("model", "stages"))
+    engine = "model" if model < (1 - FAST_PATH_MARGIN) * stages else "stages"
+    why = (f"one query: the unsliced model {model * 1e3:.2f} ms, the stages in a row {stages * 1e3:.2f} ms "
+           f"(summed over lengths {list(lengths)}): "
+           + ("the unsliced model, loaded beside the stages" if engine == "model"
+              else f"the stages (the unsliced model is not {FAST_PATH_MARGIN:.0%} faster: no second copy of the weights)"))
+    return {"engine": engine, "why": why, "seconds": seconds}
+
+
 def _final_manifest(chosen: Candidate, profile: dict[str, Any], ref: Setting, options: SliceOptions,
-                    pad: PadSafety, input_bounds: dict[str, int], policy: dict[str, str]) -> Manifest:
+                    pad: PadSafety, input_bounds: dict[str, int], policy: dict[str, str],
+                    fast_path: dict[str, Any] | None = None) -> Manifest:
     doc = chosen.manifest.to_json()
     doc["policy"] = policy
+    if fast_path is not None:
+        doc["fast_path"] = fast_path
     doc["pad_safe"] = pad.safe
     doc["input_bounds"] = {k: v for k, v in input_bounds.items() if k in {t.name for t in chosen.manifest.inputs}}
     doc["stage_times"] = stage_times_at(profile, ref.length)

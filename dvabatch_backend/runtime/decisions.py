@@ -120,9 +120,23 @@ class BatchTableView:
 
 
 class Policy(ABC):
-    """Base class of batching policies; subclasses name themselves with `name`."""
+    """Base class of batching policies; subclasses name themselves with `name`.
+
+    `runs_inline` says whether a batch that meets nobody may skip the policy and run on the fast
+    path (runtime/fast_path.py): the stages in a row, answered with the model's final outputs.
+    None (the default) allows it unless the policy overrides `on_stage_done`, whose splits may
+    answer early from an exit head; a policy whose splits never change an answer sets True.
+    """
 
     name: str = "policy"
+    runs_inline: bool | None = None
+
+    @classmethod
+    def allows_inline(cls) -> bool:
+        """Whether the fast path may serve for this policy (see `runs_inline`)."""
+        if cls.runs_inline is not None:
+            return cls.runs_inline
+        return cls.on_stage_done is Policy.on_stage_done
 
     def bind(self, context: PolicyContext) -> None:
         self.context = context

@@ -120,8 +120,9 @@ class StageExecutor:
                 result = run_work(work, self._engines[work.stage], scheduler)
                 try:
                     work = scheduler.finish_work(work, result, executor=self.index)
-                except Exception:  # a runtime bug: keep serving, the rest of the pipeline still needs us
+                except Exception as exc:  # a runtime bug: its queries get an error, the pipeline serves on
                     log.exception("stage %d: bookkeeping failed after %s", work.stage, work.item)
+                    scheduler.fail_work(work, exc)
                     work = None
 
 

@@ -22,28 +22,40 @@ def find_version_dir(model_dir: str | Path, manifest_file: str = "manifest.json"
 EngineWrapper = Callable[[int, StageEngine], StageEngine]
 
 
-def make_engines(version_dir: Path, manifest: Manifest, settings: RuntimeSettings) -> list[StageEngine]:
-    """One engine per stage, of the kind `settings` names."""
+def make_engine(path: Path, settings: RuntimeSettings) -> StageEngine:
+    """An engine over one ONNX file (a stage, or the unsliced model), of the kind `settings` names."""
     if settings.engine == "torch":  # imported only here: the runtime runs without torch
         from .torch_engine import TorchStageEngine
 
-        return [TorchStageEngine(version_dir / s.file, settings.device, settings.threads_per_stage)
-                for s in manifest.stages]
+        return TorchStageEngine(path, settings.device, settings.threads_per_stage)
     # per_stage: threads_per_stage threads each; global: one pool of every available core (0)
     threads = settings.threads_per_stage if settings.thread_pool == PER_STAGE else 0
-    return [OrtStageEngine(version_dir / s.file, threads, thread_pool=settings.thread_pool) for s in manifest.stages]
+    return OrtStageEngine(path, threads, thread_pool=settings.thread_pool)
+
+
+def make_engines(version_dir: Path, manifest: Manifest, settings: RuntimeSettings) -> list[StageEngine]:
+    """One engine per stage, of the kind `settings` names."""
+    return [make_engine(version_dir / s.file, settings) for s in manifest.stages]
 
 
 def load_pipeline(model_dir: str | Path, policy: Policy, settings: RuntimeSettings = RuntimeSettings(),
                   manifest_file: str = "manifest.json", wrap: EngineWrapper | None = None) -> Pipeline:
     """A pipeline (not started) over a sliced model folder, one engine per stage; `wrap(stage,
-    engine)`, when given, replaces each engine (instrumentation, fault injection)."""
+    engine)`, when given, replaces each engine (instrumentation, fault injection).
+
+    The fast path runs the unsliced model where the slicer found it faster than the stages in a
+    row (`Manifest.fast_path_engine`), loaded here; with `wrap` it runs the wrapped stages, so that
+    what the wrapper injects or records covers every query."""
     version_dir = find_version_dir(model_dir, manifest_file)
     manifest = Manifest.load(version_dir / manifest_file)
     engines = make_engines(version_dir, manifest, settings)
     if wrap is not None:
         engines = [wrap(stage, engine) for stage, engine in enumerate(engines)]
-    return Pipeline.create(manifest, engines, policy, settings)
+    whole = None
+    if (wrap is None and settings.fast_path and manifest.fast_path_engine == "model" and manifest.num_stages > 1
+            and type(policy).allows_inline()):
+        whole = make_engine(version_dir / str(manifest.full_model), settings)
+    return Pipeline.create(manifest, engines, policy, settings, whole_model=whole)
 
 
 # the name earlier releases used; it returns a Pipeline (which has the old Scheduler's methods)

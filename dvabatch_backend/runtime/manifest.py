@@ -131,6 +131,14 @@ class Manifest:
     def has_seq(self) -> bool:
         return any(t.has_seq for t in self.inputs)
 
+    @property
+    def fast_path_engine(self) -> str:
+        """What runs a query that meets nobody (runtime/fast_path.py): "model", the unsliced model
+        (`full_model`), when the slicer measured it faster than the stages in a row; else "stages"."""
+        choice = self.extra.get("fast_path")
+        engine = choice.get("engine") if isinstance(choice, dict) else None
+        return "model" if engine == "model" and self.full_model else "stages"
+
     def stage_times(self) -> tuple[dict[int, float], ...]:
         """Profiled seconds per stage keyed by batch size (the slicer's `stage_times`); () without a profile."""
         return _per_stage_times(self.extra.get("stage_times"), self.num_stages) or ()

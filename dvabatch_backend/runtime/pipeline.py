@@ -1,6 +1,7 @@
 """The pipeline: a `Scheduler` with one `StageExecutor` thread per stage and a `BatchWindow` thread.
 
-This is what serves: `start` starts the threads, `submit` hands queries to the scheduler, `stop`
+This is what serves: `start` starts the threads, `submit` hands queries to the scheduler,
+`run_inline` runs a batch that meets nobody on the caller's thread (the fast path), `stop`
 answers what is left ("shutting down") and joins every thread. The scheduler owns the state; the
 pipeline owns the threads and is the scheduler's `WorkListener`, turning its signals into wake-ups.
 """
@@ -16,6 +17,7 @@ import numpy as np
 from .decisions import Policy, PolicyContext
 from .engine import StageEngine
 from .executor import BatchWindow, StageExecutor
+from .fast_path import FastPath
 from .manifest import Manifest
 from .query import Reply
 from .scheduler import Clock, RuntimeSettings, Scheduler, WorkListener
@@ -29,11 +31,15 @@ class Pipeline(WorkListener):
     `Pipeline.create(manifest, engines, policy, settings)` makes the scheduler too.
     """
 
-    def __init__(self, scheduler: Scheduler, engines: Sequence[StageEngine]) -> None:
+    def __init__(self, scheduler: Scheduler, engines: Sequence[StageEngine],
+                 whole_model: StageEngine | None = None) -> None:
+        """`whole_model`: the unsliced model's engine, which then runs the fast path instead of the
+        stages in a row."""
         if len(engines) != scheduler.num_stages:
             raise ValueError(f"{len(engines)} engines for {scheduler.num_stages} stages")
         self.scheduler = scheduler
         self._executors = [StageExecutor(i, engines, scheduler) for i in range(len(engines))]
+        self._fast_path = FastPath(scheduler, engines, whole_model) if scheduler.inline_allowed else None
         self._window = BatchWindow(scheduler)
         self._state_lock = threading.Lock()  # guards _started and _stop_called
         self._started = False
@@ -49,8 +55,9 @@ class Pipeline(WorkListener):
         settings: RuntimeSettings = RuntimeSettings(),
         context: PolicyContext | None = None,
         clock: Clock = time.perf_counter,
+        whole_model: StageEngine | None = None,
     ) -> "Pipeline":
-        return cls(Scheduler(manifest, policy, settings, context, clock), engines)
+        return cls(Scheduler(manifest, policy, settings, context, clock), engines, whole_model)
 
     # -- WorkListener: called under the scheduler's lock, so only signal ----------------
 
@@ -101,6 +108,11 @@ class Pipeline(WorkListener):
         self.stop()
 
     @property
+    def fast_path_engine(self) -> str:
+        """What runs the fast path: "model" (the unsliced model), "stages" (in a row) or "off"."""
+        return "off" if self._fast_path is None else self._fast_path.engine
+
+    @property
     def executors(self) -> list[StageExecutor]:
         return list(self._executors)
 
@@ -116,6 +128,18 @@ class Pipeline(WorkListener):
     def submit_many(self, requests: Sequence[tuple[Mapping[str, np.ndarray], Reply]],
                     timeout_us: int | None = None) -> list[int]:
         return self.scheduler.submit_many(requests, timeout_us)
+
+    def run_inline(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """The fast path (runtime/fast_path.py): the model's outputs for a batch of rows in the model's
+        layout, run at once on this thread while the pipeline holds nothing; None when the rows must
+        be submitted instead (the fast path is off, the pipeline busy, the rows not one batch, or the
+        run failed)."""
+        return None if self._fast_path is None else self._fast_path.run(inputs)
+
+    def run_inline_requests(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]] | None:
+        """`run_inline` for several requests' rows that make one batch (one shape, or lengths the
+        input policy would pad into one batch: `FastPath.run_requests`); each request's outputs."""
+        return None if self._fast_path is None else self._fast_path.run_requests(requests)
 
     def cancel(self, query_ids: Sequence[int]) -> None:
         self.scheduler.cancel(query_ids)

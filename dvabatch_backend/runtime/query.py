@@ -127,6 +127,39 @@ def validate_inputs(
     return arrays, (lengths.pop() if lengths else 0)
 
 
+def batch_shape(inputs: Mapping[str, np.ndarray], manifest: Manifest, bs_max: int) -> tuple[int, int] | None:
+    """(rows, length) of a batch of queries in the model's own layout (every input [rows, ...], one
+    length), when every row is well-formed and they fit one batch of `bs_max`; else None.
+
+    The fast path's check: the same rules as `validate_inputs`, on whole tensors. None sends the
+    rows the usual way, where a bad one is answered with its own error."""
+    specs = _specs_by_name(manifest.inputs)
+    if len(inputs) != len(specs):
+        return None
+    rows, length = -1, -1
+    for name, spec in specs.items():
+        arr = inputs.get(name)
+        rule = _input_rule(spec)
+        if (not isinstance(arr, np.ndarray) or arr.dtype != rule.np_dtype or arr.ndim != rule.rank + 1
+                or arr.size == 0 or rows not in (-1, arr.shape[0])):
+            return None
+        rows = arr.shape[0]
+        for got, want in zip(arr.shape[1:], spec.dims[1:]):
+            if want != SEQ and got != want:
+                return None
+        if rule.seq_axis is not None:
+            n = arr.shape[rule.seq_axis + 1]
+            if n > manifest.max_length or n % manifest.length_multiple or length not in (-1, n):
+                return None
+            length = n
+        bound = manifest.input_bounds.get(name)
+        if bound is not None and (int(arr.min()) < 0 or int(arr.max()) >= bound):
+            return None
+    if rows > bs_max:
+        return None
+    return rows, max(length, 0)
+
+
 def _check_names(query_id: int, inputs: Mapping[str, np.ndarray], specs: Mapping[str, TensorSpec]) -> None:
     """Raise for missing or unknown input names (only reached when the names differ)."""
     missing = sorted(set(specs) - set(inputs))

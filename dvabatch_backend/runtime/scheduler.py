@@ -157,6 +157,7 @@ class Scheduler:
         self._held_signals: list[int] | None = None  # stage_ready signals held while finish_work decides a run-on
         self._wake_at: float | None = None
         self._stopping = False
+        self._inline = False  # a fast-path run holds the pipeline (`reserve_inline`): no stage starts work
         self.stats = RuntimeStats(stages=[StageStats() for _ in range(self.num_stages)])
         self.trace: list[TraceEvent] = []
         self._progress = threading.Condition(self.lock)
@@ -295,6 +296,50 @@ class Scheduler:
 
     def _waiting(self) -> list[Query]:
         return list(self._waiting_queries.values())
+
+    # -- the fast path (runtime/fast_path.py) ------------------------------------------
+
+    @property
+    def inline_allowed(self) -> bool:
+        """Whether the fast path serves: the setting, and a policy that allows it."""
+        return self.settings.fast_path and type(self._policy).allows_inline()
+
+    def reserve_inline(self, rows: int) -> bool:
+        """Hold the pipeline for one fast-path run of `rows` rows on the caller's thread, if it holds
+        nothing: no query unanswered, no batch in the table, no stage working. While held, queries
+        submitted are admitted and batched as usual but no stage starts work, so none overtakes the
+        run; `release_inline` lets them go."""
+        with self.lock:
+            if (self._stopping or self._inline or self._queries or len(self._table) or rows > self.bs_max
+                    or ExecutorState.WORKING in self._stage_states or self._misses_target()):
+                return False
+            self._inline = True
+            return True
+
+    def _misses_target(self) -> bool:
+        """A latency target no query can meet now: the usual way refuses it, or serves it late."""
+        admission, now = self.admission, self.clock()
+        deadline = admission.slo_deadline(now)
+        return deadline is not None and admission.slo_refusal(admission.predicted_finish(now, 0), deadline) is not None
+
+    def release_inline(self, rows: int, seconds: float | None) -> None:
+        """The fast-path run ended: `rows` rows answered in `seconds` (None: it did not finish, and
+        the caller sends them the usual way). Stages with work waiting are signalled."""
+        with self.lock:
+            self._inline = False
+            if seconds is None:
+                self.stats.inline_fallbacks += 1
+            else:
+                self.stats.inline_runs += 1
+                self.stats.inline_queries += rows
+                self.stats.submitted += rows
+                self.stats.answered_ok += rows
+                if self.admission.slo_seconds is None or self.admission.within_slo(seconds):
+                    self.stats.within_slo += rows
+            for stage in range(self.num_stages):
+                if self._ready_pair(stage) is not None:
+                    self._signal(stage)
+            self._notify_progress()
 
     # -- admission: queries dropped before they run ------------------------------------
 
@@ -524,7 +569,7 @@ class Scheduler:
 
     def _take_work(self, stage: int) -> Work | None:
         """`next_work` under the lock."""
-        if self._stage_states[stage] is ExecutorState.WORKING:
+        if self._inline or self._stage_states[stage] is ExecutorState.WORKING:
             return None
         pair = self._ready_pair(stage)
         if pair is None:
@@ -598,6 +643,40 @@ class Scheduler:
         finally:  # answers already taken from the query table are delivered whatever happens
             _deliver(deliveries)
         return run_on
+
+    def fail_work(self, work: Work, error: BaseException) -> None:
+        """`finish_work` raised (a runtime bug, or a subclass that breaks it): answer the queries of
+        the work's batch with an error naming the stage and the cause, and free what the batch held
+        (its buffer rows, its queue items, its table row) so the pipeline serves on."""
+        deliveries: list[_Delivery] = []
+        try:
+            with self.lock:
+                cause = f"the runtime failed after the stage ran: {type(error).__name__}: {error}"
+                row = self._table.get(work.item.batch_id) if work.item.batch_id in self._table else None
+                queries = {id(q): q for q in [*work.queries, *(row.queries if row else [])]}.values()
+                deliveries = [self._answer(q, Answer(q.id, None, StageFailedError(q.id, cause, work.stage)))
+                              for q in queries if self._queries.pop(q.id, None) is not None]
+                inp, out = self._buffers.pair(work.stage, work.use.pair)
+                if inp.state is BufferState.INREADING and out.state is BufferState.INWRITING:
+                    self._buffers.finish(work.use, handed_on=False)
+                if row is not None:
+                    for queue in self._queues:
+                        queue.remove_batch(row.id)
+                    for boundary in range(1, self.num_stages):
+                        self._buffers.discard(boundary, work.use.pair, range(row.row_start, row.row_start + row.bs))
+                    self._table.drop(row.id)
+                self._record("exit", self.clock(), work.stage, work.item, f"failed: {cause}")
+                for stage in range(self.num_stages):
+                    for upstream in self._buffers.legitimate_upstream(stage):
+                        self._legitimated(upstream)
+                    if self._stage_states[stage] is not ExecutorState.WORKING or stage == work.stage:
+                        self._stage_states[stage] = self._idle_state(stage)
+                    if self._ready_pair(stage) is not None:
+                        self._signal(stage)
+                deliveries += self._dispatch(self.clock())
+                self._notify_progress()
+        finally:
+            _deliver(deliveries)
 
     def _run_on(self, executor: int, stage: int) -> Work | None:
         """After `executor` finished an item at `stage`: the item at stage + 1 it runs itself, or None.

@@ -45,6 +45,9 @@ class RuntimeSettings:
     # the executor that finishes an item at stage k runs it at k+1 itself when k has nothing to run
     # and k+1's executor is idle (the two swap stages): no thread wake-up on a quiet pipeline
     run_on: bool = True
+    # a batch that meets nobody (the pipeline empty) runs its stages in a row on the caller's thread
+    # (runtime/fast_path.py), unless the policy may answer early (`Policy.allows_inline`)
+    fast_path: bool = True
     queue: QueuePolicy = QueuePolicy()
     slo: SloPolicy = SloPolicy()
 

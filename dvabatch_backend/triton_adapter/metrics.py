@@ -2,7 +2,7 @@
 
 A sampler thread copies the scheduler's counters into Triton custom metrics every `period`
 seconds (the hot path is left alone): batches, rows and busy seconds per stage, batch-queue
-lengths, and the meta operations done. Only the adapter imports this module.
+lengths, the meta operations done, and the queries the fast path answered. Only the adapter imports this module.
 """
 from __future__ import annotations
 
@@ -45,10 +45,13 @@ class StageMetrics:
                                         description="Queries answered without running, by reason; cancelled_in_flight ran anyway")
         goodput = pb_utils.MetricFamily(name="dvabatch_goodput_queries_total", kind=counter,
                                         description="Queries answered with their result within the latency target (slo_ms; every result without one)")
+        fast = pb_utils.MetricFamily(name="dvabatch_fast_path_queries_total", kind=counter,
+                                     description="Queries answered on the fast path (run inline: the pipeline held nothing)")
+        self._fast = fast.Metric(labels={"model": model})
         self._queued = queued.Metric(labels={"model": model})
         self._refused = {reason: refused.Metric(labels={"model": model, "reason": reason}) for reason in _REFUSALS}
         self._goodput = goodput.Metric(labels={"model": model})
-        self._families = [*families.values(), queue, ops, queued, refused, goodput]  # alive while reporting
+        self._families = [*families.values(), queue, ops, queued, refused, goodput, fast]  # alive while reporting
         self._last: dict[tuple[str, int], float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dvabatch-metrics", daemon=True)
@@ -70,6 +73,7 @@ class StageMetrics:
         for reason, metric in self._refused.items():
             self._increment(metric, reason, getattr(stats, _REFUSALS[reason]))
         self._increment(self._goodput, "within_slo", stats.within_slo)
+        self._increment(self._fast, "inline_queries", stats.inline_queries)
         self._queued.set(stats.queued)
 
     def _increment(self, metric: object, key: str, total: float) -> None:

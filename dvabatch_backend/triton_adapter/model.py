@@ -1,6 +1,9 @@
 """The Triton adapter: a thin `TritonPythonModel` over the runtime.
 
-It translates requests into queries and answers into responses, nothing more. `execute`
+It translates requests into queries and answers into responses, nothing more. When the
+pipeline holds nothing and the requests of one `execute` call make one batch (one length, at most
+bs_max rows), they run on the fast path: inline on this thread, their responses returned from
+`execute` (runtime/fast_path.py; parameter `fast_path`, default true). Otherwise `execute`
 hands every request to the scheduler and returns None at once (Triton then sends the next
 requests while earlier batches are in flight); each request is answered through its response
 sender when all of its rows have left the pipeline. A request of shape [k, ...] is k queries
@@ -11,7 +14,7 @@ last stage would otherwise stand idle through one per query of its batch.
 Settings come from `config.pbtxt` parameters, each checked at load with the bad value named
 (`_PARSERS` lists them): manifest (default manifest.json), policy (default pipelined),
 num_buffer_pairs (1 on the CPU with the global pool, else 2: `default_buffer_pairs`), bs_max (the
-manifest's), threads_per_stage (1), engine, device, thread_pool, run_on, engine_wrapper; Triton's
+manifest's), threads_per_stage (1), engine, device, thread_pool, run_on, fast_path, engine_wrapper; Triton's
 queue policy (max_queue_size, default_timeout_microseconds, allow_timeout_override,
 timeout_action); a latency target (slo_ms, slo_action); and policy parameters prefixed "policy.".
 Only this module imports `triton_python_backend_utils`; the runtime does not.
@@ -89,6 +92,7 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "device": lambda k, v: _choice(k, v, ("cpu", "cuda")),
     "thread_pool": lambda k, v: _choice(k, v, ("global", "per_stage")),
     "run_on": _boolean,
+    "fast_path": _boolean,
     "engine_wrapper": lambda k, v: v,
     # Triton's default_queue_policy, under the names its config uses
     "max_queue_size": lambda k, v: _integer(k, v, 0),
@@ -129,6 +133,7 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path) -> AdapterSetti
         device=device,
         thread_pool=thread_pool,
         run_on=values.get("run_on", defaults.run_on),
+        fast_path=values.get("fast_path", defaults.fast_path),
         queue=QueuePolicy(
             max_queue_size=values.get("max_queue_size", queue_defaults.max_queue_size),
             default_timeout_us=values.get("default_timeout_microseconds", queue_defaults.default_timeout_us),
@@ -325,6 +330,8 @@ class TritonPythonModel:
             settings.manifest.parent, policy, settings.runtime, manifest_file=settings.manifest.name, wrap=wrap
         ).start()
         self._output_names = [t.name for t in manifest.outputs]
+        self._input_names = [t.name for t in manifest.inputs]
+        self._fast_path = self._scheduler.scheduler.inline_allowed
         self._responder = _Responder()
         self._cancel_watch = _CancelWatch(self._scheduler)
         self._metrics = StageMetrics(self._scheduler, args["model_name"])
@@ -332,11 +339,15 @@ class TritonPythonModel:
         budgets = ", ".join(f"{b * 1000:.1f}" for b in admission.stage_budgets())
         pb_utils.Logger.log_info(
             f"dvabatch: {manifest.name} with {manifest.num_stages} stages, policy {settings.policy}, "
-            f"{settings.runtime.num_buffer_pairs} buffer pairs, max_queue_size {admission.max_queue_size or 'unbounded'}"
+            f"{settings.runtime.num_buffer_pairs} buffer pairs, max_queue_size {admission.max_queue_size or 'unbounded'}, "
+            f"fast path {self._scheduler.fast_path_engine}"
             + (f", slo {settings.runtime.slo.slo_ms:g} ms (stage budgets {budgets} ms)" if budgets else "")
         )
 
-    def execute(self, requests: list[Any]) -> None:
+    def execute(self, requests: list[Any]) -> list[Any] | None:
+        responses = self._run_inline(requests)
+        if responses is not None:
+            return responses
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -351,6 +362,38 @@ class TritonPythonModel:
                                               timeout_us=_request_timeout_us(request))
             self._cancel_watch.add(request, answer, ids)
         return None
+
+    def _run_inline(self, requests: list[Any]) -> list[Any] | None:
+        """The fast path: when the pipeline holds nothing and these requests' rows make one batch
+        (at most bs_max rows of one length, or of lengths the input policy would pad into one batch),
+        run them on this thread and return their responses from `execute`; None sends them through
+        the pipeline (runtime/fast_path.py)."""
+        if not self._fast_path:
+            return None
+        tensors = [self._inputs(request) for request in requests]
+        if any(t is None for t in tensors):
+            return None
+        outputs = self._scheduler.run_inline_requests(tensors)  # type: ignore[arg-type]
+        if outputs is None:
+            return None
+        return [pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor(name, self._served_layout(name, rows)) for name, rows in answer.items()])
+            for answer in outputs]
+
+    def _inputs(self, request: Any) -> dict[str, np.ndarray] | None:
+        """The request's input tensors by name (views of its memory), or None if one is missing."""
+        arrays = {}
+        for name in self._input_names:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is None:
+                return None
+            arrays[name] = tensor.as_numpy()
+        return arrays
+
+    def _served_layout(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows of output `name` (batch axis first, as the runtime keeps them) in the model's layout."""
+        axis = self._manifest.output_batch_axes.get(name, 0)
+        return rows if axis == 0 else np.ascontiguousarray(np.moveaxis(rows, 0, axis))
 
     def _rows(self, request: Any) -> list[dict[str, np.ndarray]]:
         """One dict of tensors per row of the request (copied: no views into request memory)."""

