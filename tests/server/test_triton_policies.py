@@ -53,8 +53,10 @@ def server(tmp_path_factory):
                              policy_params={"gate": gates / "input", "inner": "input", "window": 0}),
         "pipelined": add_variant(repo, base, "tm_pipelined", policy=gated,
                                  policy_params={"gate": gates / "pipelined", "inner": "pipelined"}),
-        # T_comp_wait far beyond a batch's time in the pipeline: a batch in flight always may stretch
-        "load": add_variant(repo, base, "tm_load", policy="load", policy_params={"t_comp_wait": 600}),
+        # T_comp_wait far beyond a batch's time in the pipeline: a batch in flight always may stretch;
+        # no fast path, which would run the batch of 4 inline while the late query waits in Triton's queue
+        "load": add_variant(repo, base, "tm_load", policy="load", policy_params={"t_comp_wait": 600},
+                            extra={"fast_path": "false"}),
     }
     cascade = toy.cascade_mlp(features=1024, classes=4, layers=12)
     report = slice_model(cascade, sliced / "cascade", SliceOptions(stages=4, max_batch_size=8, repeats=3,
