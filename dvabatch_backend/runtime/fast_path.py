@@ -1,57 +1,49 @@
-"""The fast path: a batch that meets nobody runs at once, on the caller's thread.
+"""The fast path: queries that meet no batch in flight run at once, on the caller's thread.
 
 A pipeline pays for what it overlaps: a batch table, queues, buffer-pair hand-offs, a thread per
-stage and the wake-ups between them. A query that arrives at an empty pipeline overlaps with
-nothing, so it gets none of that: `FastPath.run` checks the rows are well-formed and fit one batch
-(at most bs_max rows of one length), asks the scheduler to hold the pipeline
-(`Scheduler.reserve_inline`, granted only while it holds nothing: no query unanswered, no batch,
-no stage working), runs the stages in a row into scratch buffers of its own, and returns the model's
-outputs to the caller, which answers them itself (the Triton adapter returns them from `execute`).
+stage and the wake-ups between them. Queries that arrive at an empty pipeline overlap with nothing
+in flight, so they get none of that. The caller (the Triton adapter, once per `execute` call) asks
+the scheduler to hold the pipeline (`Scheduler.reserve_inline`, granted only while it holds
+nothing: no query unanswered, no batch, no stage working); then
+
+- a lone request (`run`): its rows, when well-formed and at most bs_max of one length, run as one
+  batch, the stages in a row (or the unsliced model) into scratch buffers of this path's own;
+- several requests (`run_requests`): the policy batches their rows as it would at an empty
+  pipeline (`Scheduler.plan_inline`: the input policy's length clusters, shortest first; the load
+  policy's one batch), the batches run one after another, and each request is answered as soon as
+  its last row is done.
 
 The switch, and why it never reorders or loses an answer: the reservation is taken and given back
 under the scheduler's lock. While it is held, queries submitted by other callers are admitted and
-batched as usual but no stage starts work, so none of them overtakes the run, and `release_inline`
-signals the stages that have some. A run that fails (an engine raises, or anything else) answers
-nothing: the caller sends the same rows the usual way (`None`), where a failing row is answered
-with its own error naming the stage, and the others are not touched. Under Triton one model
-instance calls `execute` one call at a time, so a request that arrives during a run waits in
-Triton's queue until it ends, as it would behind ZeroBatch's batch: at most one run's time.
+batched as usual but no stage starts work, so none of them overtakes the run, and
+`release_inline` signals the stages that have some. A batch that fails answers nothing: its
+requests (and those not yet run) go the usual way, where a failing row is answered with its own
+error naming the stage and the others are not touched. Under Triton one model instance calls
+`execute` one call at a time, so a request that arrives during a run waits in Triton's queue until
+the run ends, as it would behind ZeroBatch's batch. On a CPU with one buffer pair (the served
+default) the pipeline also runs batches one at a time, so this costs such a request no batching it
+would have had, bar joining a batch that waits for stage 0.
 
-Rows on the fast path run at their own length (one length per run: no padding), so their answers
-are the unsliced model's, as on the pipeline. A policy whose splits may answer early (an exit head)
-turns the fast path off (`Policy.allows_inline`).
+Rows run at their batch's padded length, cut back to their own, as on the pipeline (a model that
+is not pad-safe gets one batch per length). A policy whose splits may answer early (an exit head)
+turns the fast path off (`Policy.allows_inline`), and so does a latency target that no query can
+meet now (the pipeline refuses it, or serves it late).
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from .buffers import StageBuffer
 from .engine import StageEngine
-from .manifest import BATCH, SEQ, Manifest, TensorSpec, dim_size, is_length_dim
+from .manifest import BATCH, Manifest, TensorSpec, dim_size, is_length_dim
 from .query import batch_shape
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-# requests of several lengths make one padded batch when the longest is within this of the shortest:
-# the input policy's default clustering (policies/input_diversity.py, pad_tolerance)
-PAD_TOLERANCE = 0.25
-
-
-def pad_to(rows: np.ndarray, spec: TensorSpec, length: int) -> np.ndarray:
-    """`rows` (batch axis first) zero-padded along the sequence axis to `length` (as the runtime
-    pads a batch: past a query's end every input, its mask included, is zero)."""
-    if not spec.has_seq or rows.shape[spec.dims.index(SEQ)] == length:
-        return rows
-    axis = spec.dims.index(SEQ)
-    padded = np.zeros(rows.shape[:axis] + (length,) + rows.shape[axis + 1:], rows.dtype)
-    padded[tuple(slice(0, n) for n in rows.shape)] = rows
-    return padded
-
 
 def cut_to(rows: np.ndarray, spec: TensorSpec, length: int) -> np.ndarray:
     """Output rows of a padded batch cut back to one request's `length` on every length dim."""
@@ -76,7 +68,6 @@ class FastPath:
         self._scheduler = scheduler
         self._manifest = manifest
         self._input_names = [t.name for t in manifest.inputs]
-        self._specs = {t.name: t for t in manifest.inputs}
         n = manifest.num_stages
         self._engines = list(engines) if whole_model is None else [whole_model]
         boundaries = range(n + 1) if whole_model is None else (0, n)
@@ -84,46 +75,69 @@ class FastPath:
                          for k in boundaries]
         self.engine = "stages" if whole_model is None else "model"
 
-    def run_requests(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]] | None:
-        """Several requests' rows (each input [rows, ...]) as one batch: of one shape, or, for a
-        pad-safe model, of lengths within `PAD_TOLERANCE` of the shortest (as the input policy
-        clusters them), zero-padded to the longest. Each request's outputs (cut back to its own
-        length), or None as `run`."""
-        if len(requests) == 1:
-            outputs = self.run(requests[0])
-            return None if outputs is None else [outputs]
-        lengths = [self._length(r) for r in requests]
-        if None in lengths:
-            return None
-        longest, shortest = max(lengths), min(lengths)  # type: ignore[type-var]
-        if longest != shortest and not (self._manifest.pad_safe and longest <= (1 + PAD_TOLERANCE) * shortest):
-            return None
-        try:
-            batch = {name: np.concatenate([pad_to(r[name], spec, longest) for r in requests])
-                     for name, spec in self._specs.items()}
-        except ValueError:  # shapes that do not stack: the usual way answers each
-            return None
-        outputs = self.run(batch)
-        if outputs is None:
-            return None
-        answers, start = [], 0
-        for request, length in zip(requests, lengths):
-            stop = start + next(iter(request.values())).shape[0]
-            answers.append({spec.name: cut_to(outputs[spec.name][start:stop], spec, length)  # type: ignore[arg-type]
-                            for spec in self._manifest.outputs})
-            start = stop
-        return answers
+    def run_requests(self, requests: Sequence[Mapping[str, np.ndarray]],
+                     answer: Callable[[int, dict[str, np.ndarray]], None]) -> list[int] | None:
+        """Several requests' rows (each input [rows, ...]) batched as the policy batches them at an
+        empty pipeline (`Scheduler.plan_inline`: the input policy's length clusters, the load
+        policy's one batch), the batches run one after another on this thread; `answer(i, outputs)`
+        is called for request i as soon as its last row is done (outputs cut back to its length).
 
-    def _length(self, request: Mapping[str, np.ndarray]) -> int | None:
-        """The request's length (0 without a sequence axis), or None if its inputs are not arrays of
-        the model's ranks."""
-        for name, spec in self._specs.items():
-            arr = request.get(name)
-            if not isinstance(arr, np.ndarray) or arr.ndim != len(spec.dims):
-                return None
-            if spec.has_seq:
-                return int(arr.shape[spec.dims.index(SEQ)])
-        return 0
+        None: the fast path was not taken (a request not well-formed or over bs_max rows, the
+        pipeline not empty) and nothing was answered. Otherwise the requests not answered (a batch
+        failed), which the caller sends the usual way."""
+        shapes = [batch_shape(r, self._manifest, self._scheduler.bs_max) for r in requests]
+        if any(shape is None for shape in shapes):
+            return None
+        rows = [(i, r, length) for i, (k, length) in enumerate(shapes) for r in range(k)]  # type: ignore[misc]
+        if not self._scheduler.reserve_inline(len(rows)):
+            return None
+        began = time.perf_counter()
+        missing = [k for k, _ in shapes]  # type: ignore[misc]
+        outputs: list[dict[str, np.ndarray] | None] = [None] * len(requests)
+        runs = answered = 0
+        try:
+            for group, pad in self._scheduler.plan_inline([length for _, _, length in rows], self._scheduler.clock()):
+                members = [rows[j] for j in group]
+                done = self._run_rows(requests, members, pad)
+                runs += 1
+                for pos, (i, r, length) in enumerate(members):
+                    out = outputs[i]
+                    if out is None:
+                        k = shapes[i][0]  # type: ignore[index]
+                        out = outputs[i] = {spec.name: np.empty(spec.shape(k, length), spec.np_dtype)
+                                            for spec in self._manifest.outputs}
+                    for spec in self._manifest.outputs:
+                        out[spec.name][r] = cut_to(done[spec.name][pos:pos + 1], spec, length)[0]
+                    missing[i] -= 1
+                    if not missing[i]:
+                        answered += shapes[i][0]  # type: ignore[index]
+                        answer(i, out)
+        except Exception as exc:  # noqa: BLE001 - the requests not answered go the usual way
+            log.debug("fast path failed, the requests left go through the pipeline: %s", exc)
+        finally:
+            left = [i for i, m in enumerate(missing) if m]
+            self._scheduler.release_inline(answered, time.perf_counter() - began if answered else None, runs,
+                                           fell_back=bool(left))
+        return left
+
+    def _run_rows(self, requests: Sequence[Mapping[str, np.ndarray]], members: list[tuple[int, int, int]],
+                  length: int) -> dict[str, np.ndarray]:
+        """One batch of rows (request, row, its length), zero-padded to `length`: the last boundary's
+        views (valid until the next run)."""
+        used = range(len(members))
+        views = [b.rows(length, used) for b in self._buffers]
+        for name in self._input_names:
+            dest = views[0][name]
+            for pos, (i, r, _) in enumerate(members):
+                src = requests[i][name][r]
+                if src.shape == dest[pos].shape:
+                    dest[pos] = src
+                else:
+                    dest[pos].fill(0)
+                    dest[pos][tuple(slice(0, n) for n in src.shape)] = src
+        for stage, engine in enumerate(self._engines):
+            engine.run(views[stage], views[stage + 1])
+        return views[-1]
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
         """The model's outputs for `inputs` (every input [rows, ...], batch axis first), or None when
@@ -139,7 +153,9 @@ class FastPath:
         except Exception as exc:  # noqa: BLE001 - the rows are sent the usual way, which answers each one
             log.debug("fast path failed, the rows go through the pipeline: %s", exc)
         finally:
-            self._scheduler.release_inline(shape[0], None if outputs is None else time.perf_counter() - began)
+            self._scheduler.release_inline(shape[0] if outputs is not None else 0,
+                                           None if outputs is None else time.perf_counter() - began,
+                                           fell_back=outputs is None)
         return outputs
 
     def _run(self, inputs: Mapping[str, np.ndarray], rows: int, length: int) -> dict[str, np.ndarray]:

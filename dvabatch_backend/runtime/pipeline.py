@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -136,10 +136,12 @@ class Pipeline(WorkListener):
         run failed)."""
         return None if self._fast_path is None else self._fast_path.run(inputs)
 
-    def run_inline_requests(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]] | None:
-        """`run_inline` for several requests' rows that make one batch (one shape, or lengths the
-        input policy would pad into one batch: `FastPath.run_requests`); each request's outputs."""
-        return None if self._fast_path is None else self._fast_path.run_requests(requests)
+    def run_inline_requests(self, requests: Sequence[Mapping[str, np.ndarray]],
+                            answer: Callable[[int, dict[str, np.ndarray]], None]) -> list[int] | None:
+        """Several requests' rows on the fast path, batched as the policy batches them at an empty
+        pipeline (`FastPath.run_requests`): `answer(i, outputs)` as each request is done; None when
+        not taken, else the requests left for `submit_many`."""
+        return None if self._fast_path is None else self._fast_path.run_requests(requests, answer)
 
     def cancel(self, query_ids: Sequence[int]) -> None:
         self.scheduler.cancel(query_ids)

@@ -45,7 +45,7 @@ from .errors import (BadInputError, CancelledError, OverloadedError, PolicyError
                      ShuttingDownError, StageFailedError, TimeoutExpiredError)
 from .manifest import Manifest
 from .settings import QueuePolicy, RuntimeSettings, SloPolicy  # noqa: F401 - their home before settings.py
-from .query import Answer, Query, QueryState, Reply, scatter_outputs, validate_inputs
+from .query import Answer, Query, QueryInfo, QueryState, Reply, scatter_outputs, validate_inputs
 from .stats import RuntimeStats, StageStats, TraceEvent
 
 log = logging.getLogger(__name__)
@@ -310,7 +310,7 @@ class Scheduler:
         submitted are admitted and batched as usual but no stage starts work, so none overtakes the
         run; `release_inline` lets them go."""
         with self.lock:
-            if (self._stopping or self._inline or self._queries or len(self._table) or rows > self.bs_max
+            if (self._stopping or self._inline or self._queries or len(self._table) or rows < 1
                     or ExecutorState.WORKING in self._stage_states or self._misses_target()):
                 return False
             self._inline = True
@@ -322,15 +322,56 @@ class Scheduler:
         deadline = admission.slo_deadline(now)
         return deadline is not None and admission.slo_refusal(admission.predicted_finish(now, 0), deadline) is not None
 
-    def release_inline(self, rows: int, seconds: float | None) -> None:
-        """The fast-path run ended: `rows` rows answered in `seconds` (None: it did not finish, and
-        the caller sends them the usual way). Stages with work waiting are signalled."""
+    def plan_inline(self, lengths: Sequence[int], now: float) -> list[tuple[list[int], int]]:
+        """While the pipeline is held for the fast path: the batches the policy makes of rows of
+        these lengths arriving now at an empty pipeline, as (row indices, pad length), in the order
+        to run them. Rows the policy leaves waiting are offered again; rows it never takes (or a
+        policy that fails) go in arrival order, bs_max at a time. A model that is not pad-safe gets
+        one batch per length, as `_apply` carries out a `New`."""
+        ids = {next(self._ids): i for i in range(len(lengths))}
+        waiting = [QueryInfo(qid, lengths[i], now) for qid, i in ids.items()]
+        batches: list[tuple[list[int], int]] = []
+        with self.lock:
+            while waiting:
+                try:
+                    plan = self._policy.on_arrival(list(waiting), self._view, now)
+                    _check_plan(plan)
+                    decisions = [d for d in plan.decisions if isinstance(d, New)]
+                except Exception:  # a broken policy must not lose rows: arrival order instead
+                    log.exception("policy %s failed in on_arrival (fast path)", self._policy.name)
+                    self.stats.policy_errors += 1
+                    decisions = []
+                left = {q.id: q for q in waiting}
+                taken = []
+                for d in decisions:
+                    rows = [left.pop(qid) for qid in dict.fromkeys(d.query_ids) if qid in left][:self.bs_max]
+                    if rows:
+                        taken.append((rows, d.pad_length))
+                if not taken:  # nothing decided: arrival order
+                    chunk = list(left.values())[:self.bs_max]
+                    taken = [(chunk, None)]
+                    for q in chunk:
+                        del left[q.id]
+                for rows, pad in taken:
+                    groups = ([rows] if self.manifest.pad_safe
+                              else [[q for q in rows if q.length == n] for n in dict.fromkeys(q.length for q in rows)])
+                    for group in groups:
+                        longest = max(q.length for q in group)
+                        length = longest if pad is None or not self.manifest.pad_safe else max(longest, min(pad, self.manifest.max_length))
+                        batches.append(([ids[q.id] for q in group], length))
+                waiting = list(left.values())
+        return batches
+
+    def release_inline(self, rows: int, seconds: float | None, runs: int = 1, fell_back: bool = False) -> None:
+        """The fast-path run ended: `rows` rows answered in `runs` batches, the last `seconds` after
+        they arrived (None: none answered); `fell_back`: some rows were not answered (a batch
+        failed) and the caller sends them the usual way. Stages with work waiting are signalled."""
         with self.lock:
             self._inline = False
-            if seconds is None:
+            if fell_back:
                 self.stats.inline_fallbacks += 1
-            else:
-                self.stats.inline_runs += 1
+            if seconds is not None and rows:
+                self.stats.inline_runs += runs
                 self.stats.inline_queries += rows
                 self.stats.submitted += rows
                 self.stats.answered_ok += rows

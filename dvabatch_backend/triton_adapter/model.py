@@ -1,10 +1,10 @@
 """The Triton adapter: a thin `TritonPythonModel` over the runtime.
 
 It translates requests into queries and answers into responses, nothing more. When the
-pipeline holds nothing and the requests of one `execute` call make one batch (one length, at most
-bs_max rows), they run on the fast path: inline on this thread, their responses returned from
-`execute` (runtime/fast_path.py; parameter `fast_path`, default true). Otherwise `execute`
-hands every request to the scheduler and returns None at once (Triton then sends the next
+pipeline holds nothing, the requests of one `execute` call run on the fast path: inline on this
+thread, in the batches the policy makes of them (runtime/fast_path.py; parameter `fast_path`,
+default true); a lone request's response is returned from `execute`, several are sent as each
+one's batch is done. Otherwise `execute` hands every request to the scheduler and returns None at once (Triton then sends the next
 requests while earlier batches are in flight); each request is answered through its response
 sender when all of its rows have left the pipeline. A request of shape [k, ...] is k queries
 that share one response. Responses are built and sent by responder threads, not by the
@@ -345,9 +345,33 @@ class TritonPythonModel:
         )
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
-        responses = self._run_inline(requests)
-        if responses is not None:
-            return responses
+        if self._fast_path:
+            tensors = [self._inputs(request) for request in requests]
+            if all(t is not None for t in tensors):
+                if len(tensors) == 1:  # a lone request: answered by execute's return, the cheapest way
+                    outputs = self._scheduler.run_inline(tensors[0])  # type: ignore[arg-type]
+                    if outputs is not None:
+                        return [self._response(outputs)]
+                else:
+                    left = self._scheduler.run_inline_requests(tensors, lambda i, out: self._send(requests[i], out))  # type: ignore[arg-type]
+                    if left is not None:
+                        requests = [requests[i] for i in left]
+        self._submit(requests)
+        return None
+
+    def _response(self, outputs: Mapping[str, np.ndarray]) -> Any:
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor(name, self._served_layout(name, rows)) for name, rows in outputs.items()])
+
+    def _send(self, request: Any, outputs: Mapping[str, np.ndarray]) -> None:
+        """Answer a request the fast path ran as soon as it is done (its rows' batch, not the call's last)."""
+        try:
+            request.get_response_sender().send(self._response(outputs), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as exc:  # noqa: BLE001 - a client gone: its answer was given, and is lost alone
+            pb_utils.Logger.log_error(f"dvabatch: sending a response failed: {exc}")
+
+    def _submit(self, requests: list[Any]) -> None:
+        """Hand each request's rows to the scheduler; answered through its response sender."""
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -361,24 +385,6 @@ class TritonPythonModel:
             ids = self._scheduler.submit_many([(row, answer.reply_for(i)) for i, row in enumerate(rows)],
                                               timeout_us=_request_timeout_us(request))
             self._cancel_watch.add(request, answer, ids)
-        return None
-
-    def _run_inline(self, requests: list[Any]) -> list[Any] | None:
-        """The fast path: when the pipeline holds nothing and these requests' rows make one batch
-        (at most bs_max rows of one length, or of lengths the input policy would pad into one batch),
-        run them on this thread and return their responses from `execute`; None sends them through
-        the pipeline (runtime/fast_path.py)."""
-        if not self._fast_path:
-            return None
-        tensors = [self._inputs(request) for request in requests]
-        if any(t is None for t in tensors):
-            return None
-        outputs = self._scheduler.run_inline_requests(tensors)  # type: ignore[arg-type]
-        if outputs is None:
-            return None
-        return [pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor(name, self._served_layout(name, rows)) for name, rows in answer.items()])
-            for answer in outputs]
 
     def _inputs(self, request: Any) -> dict[str, np.ndarray] | None:
         """The request's input tensors by name (views of its memory), or None if one is missing."""

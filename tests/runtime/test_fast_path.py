@@ -185,7 +185,7 @@ def test_a_policy_that_may_answer_early_turns_the_fast_path_off(zoo) -> None:
 @st.composite
 def schedules(draw: st.DrawFn) -> dict:
     steps = draw(st.lists(st.tuples(
-        st.sampled_from(["submit", "inline", "inline_after_drain"]),
+        st.sampled_from(["submit", "inline", "inline_after_drain", "inline_many"]),
         st.integers(1, 5),  # rows
         st.integers(0, 4),  # queries that arrive while an inline run is held
     ), min_size=1, max_size=8))
@@ -239,18 +239,26 @@ def test_random_schedules_with_the_fast_path_answer_every_query_once_and_correct
     with make_scheduler(model, policy, engines, num_buffer_pairs=schedule["pairs"], bs_max=schedule["bs_max"]) as pipeline:
         for i, (kind, count, during) in enumerate(schedule["steps"]):
             queries = rows(min(count, schedule["bs_max"]))
+            # several requests, each of its own length, offered to the fast path in one call
+            requests = [rows(min(c, schedule["bs_max"])) for c in (count, during + 1, 2)]
+            answered: dict[int, dict[str, np.ndarray]] = {}
             if kind == "submit":
                 sent.update(zip(pipeline.submit_many([(q, collector) for q in queries]), queries))
                 continue
-            if kind == "inline_after_drain":
+            if kind in ("inline_after_drain", "inline_many"):
                 assert pipeline.wait_until(
                     lambda s: s.pending_count == 0 and ExecutorState.WORKING not in s.executor_states(), 20)
             hold.set()
             entered.clear()
             release.clear()
             result: dict[str, Any] = {}
-            caller = threading.Thread(target=lambda: result.setdefault("out", pipeline.run_inline(batch_of(queries))),
-                                      name=f"inline-{i}")
+            if kind == "inline_many":
+                def offer() -> Any:
+                    return pipeline.run_inline_requests([batch_of(r) for r in requests], answered.__setitem__)
+            else:
+                def offer() -> Any:
+                    return pipeline.run_inline(batch_of(queries))
+            caller = threading.Thread(target=lambda: result.setdefault("out", offer()), name=f"inline-{i}")
             caller.start()
             while caller.is_alive() and not entered.wait(0.05):
                 pass
@@ -267,9 +275,15 @@ def test_random_schedules_with_the_fast_path_answer_every_query_once_and_correct
             hold.clear()
             if entered.is_set():
                 windows.append((first, caller.name))
-            if kind == "inline_after_drain":
+            if kind in ("inline_after_drain", "inline_many"):
                 assert result["out"] is not None, "a drained pipeline refused the fast path"
-            if result["out"] is None:  # refused: the rows go the usual way
+            if kind == "inline_many":
+                left = range(len(requests)) if result["out"] is None else result["out"]
+                assert not set(left) & set(answered)  # each request answered one way only
+                inline_results += [(requests[j], out) for j, out in answered.items()]
+                for j in left:  # refused, or left by a failed batch: the usual way
+                    sent.update(zip(pipeline.submit_many([(q, collector) for q in requests[j]]), requests[j]))
+            elif result["out"] is None:  # refused: the rows go the usual way
                 sent.update(zip(pipeline.submit_many([(q, collector) for q in queries]), queries))
             else:
                 inline_results.append((queries, result["out"]))
@@ -348,18 +362,85 @@ def test_a_failure_after_a_stage_answers_its_queries_and_the_pipeline_serves_on(
         assert pipeline.buffer_violations == []
 
 
-def test_requests_of_close_lengths_make_one_padded_batch_and_far_ones_are_not_taken(zoo) -> None:
+def test_several_requests_run_inline_in_the_batches_the_policy_makes(zoo) -> None:
+    """Rows of several requests at an empty pipeline: batched as the input policy clusters them
+    (close lengths padded together, far ones apart), each request answered once, as soon as its
+    last row is done, cut back to its own length."""
     model = zoo.stages("token", 3)
     rng = np.random.default_rng(8)
-    with make_scheduler(model, create_policy("input"), bs_max=8) as pipeline:
-        requests = [[model.query(rng, length=8) for _ in range(2)], [model.query(rng, length=10)],
-                    [model.query(rng, length=9) for _ in range(3)]]
-        answers = pipeline.run_inline_requests([batch_of(r) for r in requests])
-        assert answers is not None and pipeline.stats.inline_runs == 1 and pipeline.stats.inline_queries == 6
-        for rows, outputs in zip(requests, answers):  # cut back to each request's own length
-            assert_rows_match(model, rows, outputs)
-        far = [[model.query(rng, length=2)], [model.query(rng, length=12)]]
-        assert pipeline.run_inline_requests([batch_of(r) for r in far]) is None
-        too_many = [[model.query(rng, length=8) for _ in range(5)], [model.query(rng, length=8) for _ in range(4)]]
-        assert pipeline.run_inline_requests([batch_of(r) for r in too_many]) is None
-        assert pipeline.stats.inline_runs == 1
+    with make_scheduler(model, create_policy("input", window=0), bs_max=8) as pipeline:
+        requests = [[model.query(rng, length=8) for _ in range(2)], [model.query(rng, length=2)],
+                    [model.query(rng, length=9) for _ in range(3)], [model.query(rng, length=12)]]
+        answered: list[tuple[int, dict[str, np.ndarray]]] = []
+        left = pipeline.run_inline_requests([batch_of(r) for r in requests], lambda i, out: answered.append((i, out)))
+        assert left == []
+        assert sorted(i for i, _ in answered) == [0, 1, 2, 3]
+        for i, outputs in answered:
+            assert_rows_match(model, requests[i], outputs)
+        stats = pipeline.stats
+        assert stats.inline_queries == 7 and stats.answered_ok == 7 and 2 <= stats.inline_runs <= 4
+        assert answered[0][0] == 1  # the shortest cluster runs, and is answered, first
+        assert stats.new == 0 and len(pipeline.snapshot().rows) == 0
+
+
+def test_more_rows_than_a_batch_run_inline_as_several_batches(zoo) -> None:
+    model = zoo.stages("dense", 2)
+    rng = np.random.default_rng(9)
+    with make_scheduler(model, create_policy("load"), bs_max=4) as pipeline:
+        requests = [[model.query(rng) for _ in range(3)] for _ in range(4)]
+        answered: dict[int, dict[str, np.ndarray]] = {}
+        assert pipeline.run_inline_requests([batch_of(r) for r in requests], answered.__setitem__) == []
+        for i, outputs in answered.items():
+            assert_rows_match(model, requests[i], outputs)
+        assert len(answered) == 4 and pipeline.stats.inline_runs >= 3
+
+
+def test_a_batch_failing_midway_leaves_the_requests_it_did_not_answer_to_the_pipeline(zoo) -> None:
+    model = zoo.stages("dense", 2)
+
+    class FailsSecond:
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.runs = inner, 0
+
+        def run(self, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+            self.runs += 1
+            if self.runs == 2:
+                raise RuntimeError("injected")
+            self.inner.run(inputs, outputs)
+
+    engines = model.engines()
+    engines[1] = FailsSecond(engines[1])
+    rng = np.random.default_rng(10)
+    collector = Collector()
+    with make_scheduler(model, create_policy("load"), engines, bs_max=2) as pipeline:
+        requests = [[model.query(rng) for _ in range(2)] for _ in range(3)]
+        answered: dict[int, dict[str, np.ndarray]] = {}
+        left = pipeline.run_inline_requests([batch_of(r) for r in requests], answered.__setitem__)
+        assert left and not set(left) & set(answered) and set(left) | set(answered) == {0, 1, 2}
+        assert pipeline.stats.inline_fallbacks == 1
+        for i, outputs in answered.items():
+            assert_rows_match(model, requests[i], outputs)
+        ids = pipeline.submit_many([(q, collector) for i in left for q in requests[i]])  # as the adapter does
+        assert collector.wait_for(ids)
+        for qid, query in zip(ids, [q for i in left for q in requests[i]]):
+            assert_matches_reference(model, query, collector.one(qid))
+
+
+def test_a_model_that_is_not_pad_safe_gets_one_inline_batch_per_length(zoo) -> None:
+    import dataclasses
+
+    from dvabatch_backend.runtime.pipeline import Pipeline
+    from dvabatch_backend.runtime.scheduler import RuntimeSettings
+
+    model = zoo.stages("token", 2)
+    recorder = Recorder()
+    manifest = dataclasses.replace(model.manifest, pad_safe=False)
+    engines = [recorder.wrap(k, e) for k, e in enumerate(model.engines())]
+    rng = np.random.default_rng(11)
+    with Pipeline.create(manifest, engines, create_policy("input", window=0), RuntimeSettings()) as pipeline:
+        requests = [[model.query(rng, length=8)], [model.query(rng, length=9)], [model.query(rng, length=8)]]
+        answered: dict[int, dict[str, np.ndarray]] = {}
+        assert pipeline.run_inline_requests([batch_of(r) for r in requests], answered.__setitem__) == []
+        assert pipeline.stats.inline_runs == 2  # lengths 8 and 9 apart, never padded together
+        for i, outputs in answered.items():
+            assert_rows_match(model, requests[i], outputs)
