@@ -14,8 +14,8 @@ batch; a failed run answers every request of the batch with the error.
 
 Config parameters: `onnx_model` (file in the version folder, default model.onnx), `manifest`
 (default manifest.json: which dims are batch and seq, and the longest length), `threads`
-(intra-op threads, default 1), `engine` ("onnxruntime", the default, or "torch") and `device`
-("cpu", the default, or "cuda": torch only).
+(intra-op threads, default 1), `engine` ("onnxruntime", the default, or "torch"), `device`
+("cpu", the default, or "cuda": torch only) and `respond` (`RESPONDS`: how the answers go back).
 """
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ for _path in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         site.addsitedir(_path)
 
 import json  # noqa: E402
+import queue  # noqa: E402
+import threading  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Mapping, Sequence  # noqa: E402
@@ -45,7 +47,12 @@ except ImportError:  # imported outside Triton (tests, tools): the batching func
     pb_utils = None
 
 PARAMETERS = {"onnx_model": "model.onnx", "manifest": "manifest.json", "threads": "1", "engine": "onnxruntime",
-              "device": "cpu"}
+              "device": "cpu", "respond": "return"}
+# how the answers go back (what the served path costs, measured apart): returned from `execute`; sent
+# through each request's response sender inside `execute`; sent by one worker thread that `execute`
+# hands the requests to; or "echo": no model at all, zeros of the outputs' shapes returned (the least
+# any Python-backend model pays here)
+RESPONDS = ("return", "sender", "thread", "echo")
 ENGINES = ("onnxruntime", "torch")
 DEVICES = ("cpu", "cuda")
 
@@ -61,6 +68,7 @@ class Settings:
     threads: int
     engine: str = "onnxruntime"
     device: str = "cpu"
+    respond: str = "return"
 
 
 @dataclass(frozen=True)
@@ -96,7 +104,9 @@ def parse_parameters(params: Mapping[str, str], version_dir: Path) -> Settings:
         raise ValueError(f"parameter 'device': {device!r} is not one of {list(DEVICES)}")
     if device == "cuda" and engine != "torch":
         raise ValueError("parameter 'device': 'cuda' needs engine 'torch' (onnxruntime runs on the CPU here)")
-    return Settings(files["onnx_model"], files["manifest"], threads, engine, device)
+    if values["respond"] not in RESPONDS:
+        raise ValueError(f"parameter 'respond': {values['respond']!r} is not one of {list(RESPONDS)}")
+    return Settings(files["onnx_model"], files["manifest"], threads, engine, device, values["respond"])
 
 
 def load_manifest(path: Path) -> Manifest:
@@ -228,10 +238,36 @@ class TritonPythonModel:
             raise ValueError(f"{settings.onnx_model.name} has inputs {sorted(session_inputs)} and outputs "
                              f"{sorted(session_outputs)}; the manifest wants {sorted(wanted_in)} and {sorted(wanted_out)}")
         self._engine = settings.engine
+        self._respond = settings.respond
+        self._work: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
+        self._worker = None
+        if self._respond == "thread":
+            self._worker = threading.Thread(target=self._work_loop, name="baseline-worker", daemon=True)
+            self._worker.start()
         pb_utils.Logger.log_info(f"baseline: {self._manifest.name} unsliced, {settings.engine} on {settings.device}, "
                                  f"{settings.threads} thread(s)")
 
-    def execute(self, requests: list[Any]) -> list[Any]:
+    def execute(self, requests: list[Any]) -> list[Any] | None:
+        if self._respond == "thread":
+            self._work.put(requests)
+            return None
+        responses = self._answer(requests)
+        if self._respond == "sender":
+            self._send(requests, responses)
+            return None
+        return responses
+
+    def _work_loop(self) -> None:
+        while (requests := self._work.get()) is not None:
+            self._send(requests, self._answer(requests))
+
+    @staticmethod
+    def _send(requests: list[Any], responses: list[Any]) -> None:
+        for request, response in zip(requests, responses):
+            request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _answer(self, requests: list[Any]) -> list[Any]:
+        """One response per request: its rows run in one padded batch with the others' (echo: zeros)."""
         responses: list[Any] = [None] * len(requests)
         batch: list[tuple[int, Request]] = []
         for i, request in enumerate(requests):
@@ -239,7 +275,12 @@ class TritonPythonModel:
                 batch.append((i, parse_request(self._read(request), self._manifest)))
             except BadRequest as exc:
                 responses[i] = _error(str(exc), invalid_argument=True)
-        if batch:
+        if batch and self._respond == "echo":
+            for i, request in batch:
+                responses[i] = pb_utils.InferenceResponse(output_tensors=[
+                    pb_utils.Tensor(t.name, np.zeros(t.shape(request.rows, request.length), t.np_dtype))
+                    for t in self._manifest.outputs])
+        elif batch:
             parsed = [r for _, r in batch]
             rows, longest = sum(r.rows for r in parsed), max(r.length for r in parsed)
             try:
@@ -263,6 +304,9 @@ class TritonPythonModel:
         return arrays
 
     def finalize(self) -> None:
+        if self._worker is not None:
+            self._work.put(None)
+            self._worker.join()
         self._runner = None
 
 

@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from dvabatch_backend.runtime.manifest import Manifest
-from perf.baseline_model import DEVICES, ENGINES
+from perf.baseline_model import DEVICES, ENGINES, RESPONDS
 from slicer.triton_files import VERSION_DIR, python_model_config
 
 MODEL_SOURCE = Path(__file__).with_name("baseline_model.py")
@@ -41,17 +41,19 @@ MakeQuery = Callable[[np.random.Generator], Mapping[str, np.ndarray]]
 
 def config_pbtxt(manifest: Manifest, name: str, delay_us: int, threads: int, bs_max: int,
                  onnx_model: str, manifest_file: str = "manifest.json", engine: str = "onnxruntime",
-                 device: str = "cpu") -> str:
+                 device: str = "cpu", respond: str = "return") -> str:
     parameters = {"onnx_model": onnx_model, "manifest": manifest_file, "threads": str(threads), "engine": engine,
-                  "device": device}
+                  "device": device, "respond": respond}
     return python_model_config(manifest, name, parameters, bs_max=bs_max, delay_us=delay_us)
 
 
 def add_baseline(repository: Path, version_dir: Path, name: str, delay_us: int, threads: int = 1,
-                 bs_max: int | None = None, engine: str = "onnxruntime", device: str = "cpu") -> Path:
+                 bs_max: int | None = None, engine: str = "onnxruntime", device: str = "cpu",
+                 respond: str = "return") -> Path:
     """repository/name/: config.pbtxt, and 1/ with model.py and links to the version folder's
     unsliced model and manifest. Replaces an earlier baseline of that name. Returns the model dir.
-    `engine`/`device`: what runs the model (onnxruntime on the CPU, or torch on "cpu"/"cuda")."""
+    `engine`/`device`: what runs the model (onnxruntime on the CPU, or torch on "cpu"/"cuda");
+    `respond`: how answers go back (`baseline_model.RESPONDS`; "echo" runs no model)."""
     version_dir = Path(version_dir).resolve()
     manifest_path = version_dir / "manifest.json"
     manifest = Manifest.from_json(json.loads(manifest_path.read_text()))
@@ -65,6 +67,8 @@ def add_baseline(repository: Path, version_dir: Path, name: str, delay_us: int, 
     if engine not in ENGINES or device not in DEVICES or (device == "cuda" and engine != "torch"):
         raise ValueError(f"engine {engine!r} on device {device!r}: engines are {list(ENGINES)}, devices "
                          f"{list(DEVICES)}, and cuda needs torch")
+    if respond not in RESPONDS:
+        raise ValueError(f"respond {respond!r} is not one of {list(RESPONDS)}")
     bs_max = manifest.max_batch_size if bs_max is None else bs_max
     if bs_max < 1:
         raise ValueError(f"bs_max must be >= 1, got {bs_max}")
@@ -79,7 +83,7 @@ def add_baseline(repository: Path, version_dir: Path, name: str, delay_us: int, 
     for file in (onnx_model, "manifest.json"):
         (target / file).symlink_to(version_dir / file)
     (model_dir / "config.pbtxt").write_text(config_pbtxt(manifest, name, delay_us, threads, bs_max, onnx_model,
-                                                         engine=engine, device=device))
+                                                         engine=engine, device=device, respond=respond))
     return model_dir
 
 

@@ -15,11 +15,17 @@ from perf import perf_analyzer_side_by_side as sbs
 
 @pytest.mark.server
 def test_a_row_per_system_and_every_request_succeeded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = sbs.main(["--size", "test", "--quick", "--measurement-interval", "500", "--out", str(tmp_path)])
+    code = sbs.main(["--size", "test", "--quick", "--measurement-interval", "500", "--out", str(tmp_path), "--overhead"])
     out = capsys.readouterr().out
     results = json.loads((tmp_path / "perf_analyzer_side_by_side" / "bert" / "test" / "results.json").read_text())
     systems = {s["label"]: s for s in results["systems"]}
-    assert set(systems) == {"DVABatch", "ZeroBatch", "DelayBatch"}, out
+    overhead = ("ZeroBatch-sender", "ZeroBatch-thread", "Echo", "DVABatch-pipeline")
+    assert set(systems) == {"DVABatch", "ZeroBatch", "DelayBatch", *overhead}, out
+    for label in overhead:  # --overhead: c=1 and the peak only
+        assert systems[label]["failed"] == 0 and systems[label]["c1_mean_ms"] and systems[label]["closed_loop_peak"]
+        assert systems[label]["stub_rss_mb"] > 0
+        systems.pop(label)
+    assert "served path, concurrency-1 mean" in out
     for label, system in systems.items():
         assert system["failed"] == 0 and system["succeeded"] > 0, (label, out)
         assert system["perf_analyzer_errors"] == [], (label, out)
@@ -27,6 +33,7 @@ def test_a_row_per_system_and_every_request_succeeded(tmp_path: Path, capsys: py
         # a rate step, unless the lowest rate was already past the target (perf_analyzer's latency stop)
         assert system["steps"] or system["sustained_rate"] is None, (label, out)
         assert set(system["loads"]) == {"0.5x", "0.9x"}, (label, out)
+        assert set(system["closed_loop"]) == {"1", "2", "4", "8"}, (label, out)  # bs_max 8 at test size
         assert all(load["mean_ms"] > 0 and load["p99_ms"] >= load["mean_ms"] * 0.5 for load in system["loads"].values())
         assert any(line.startswith(label) for line in out.splitlines()), out
     # the same fixed rates for every system, fractions of ZeroBatch's sustained rate (or its peak)
@@ -45,14 +52,18 @@ def test_rates_step_over_a_peak() -> None:
 
 
 def test_verdicts_take_the_better_baseline_for_each_figure() -> None:
-    dva = sbs.SystemResult("DVABatch", "m", c1_mean_ms=10.2, sustained_rate=30.0,
+    dva = sbs.SystemResult("DVABatch", "m", c1_mean_ms=10.08, sustained_rate=30.0, closed_loop={"1": 99.0, "4": 310.0},
                            loads={"0.5x": {"mean_ms": 10.0, "p99_ms": 16.0}, "0.9x": {"mean_ms": 20.0, "p99_ms": 40.0}})
-    zero = sbs.SystemResult("ZeroBatch", "z", c1_mean_ms=10.0, sustained_rate=20.0,
+    zero = sbs.SystemResult("ZeroBatch", "z", c1_mean_ms=10.0, sustained_rate=20.0, closed_loop={"1": 100.0, "4": 300.0},
                             loads={"0.5x": {"mean_ms": 12.0, "p99_ms": 30.0}, "0.9x": {"mean_ms": 50.0, "p99_ms": 70.0}})
-    delay = sbs.SystemResult("DelayBatch", "d", c1_mean_ms=11.0, sustained_rate=10.0,
+    delay = sbs.SystemResult("DelayBatch", "d", c1_mean_ms=11.0, sustained_rate=10.0, closed_loop={"4": 305.0},
                              loads={"0.5x": {"mean_ms": 9.0, "p99_ms": 40.0}, "0.9x": {"mean_ms": 60.0, "p99_ms": 90.0}})
     v = sbs.verdicts([dva, zero, delay])
-    assert v["c1 mean (ms over)"]["baseline"] == "ZeroBatch" and v["c1 mean (ms over)"]["met"]  # +0.2 ms
+    assert v["c1 mean (ms over)"]["baseline"] == "ZeroBatch" and v["c1 mean (ms over)"]["met"]  # +0.08 ms
+    assert not v["closed loop c1"]["met"] and v["closed loop c4"]["baseline"] == "DelayBatch"
+    assert v["closed loop c4"]["met"]  # 310 / 305
+    slow = sbs.verdicts([sbs.SystemResult("DVABatch", "m", c1_mean_ms=50.4), sbs.SystemResult("ZeroBatch", "z", c1_mean_ms=50.0)])
+    assert slow["c1 mean (ms over)"]["met"]  # +0.4 ms is within 1 % of a 50 ms query
     assert v["0.5x mean"]["baseline"] == "DelayBatch" and not v["0.5x mean"]["met"]  # 10 / 9
     assert v["0.5x p99"]["baseline"] == "ZeroBatch" and v["0.5x p99"]["value"] == round(16 / 30, 3)
     assert v["0.9x mean"]["met"] and not v["0.9x p99"]["met"]  # 20/50 = 0.4; 40/70 = 0.57
