@@ -11,7 +11,8 @@ nothing: no query unanswered, no batch, no stage working); then
 - several requests (`run_requests`): the policy batches their rows as it would at an empty
   pipeline (`Scheduler.plan_inline`: the input policy's length clusters, shortest first; the load
   policy's one batch), the batches run one after another, and each request is answered as soon as
-  its last row is done.
+  its last row is done. Only with one buffer pair, where the pipeline runs batches one at a time
+  as well; with two or more its stages overlap (per-stage threads, a GPU), and the batches go there.
 
 The switch, and why it never reorders or loses an answer: the reservation is taken and given back
 under the scheduler's lock. While it is held, queries submitted by other callers are admitted and
@@ -22,7 +23,8 @@ error naming the stage and the others are not touched. Under Triton one model in
 `execute` one call at a time, so a request that arrives during a run waits in Triton's queue until
 the run ends, as it would behind ZeroBatch's batch. On a CPU with one buffer pair (the served
 default) the pipeline also runs batches one at a time, so this costs such a request no batching it
-would have had, bar joining a batch that waits for stage 0.
+would have had, bar joining a batch that waits for stage 0; where stages overlap, only a lone
+request takes the fast path.
 
 Rows run at their batch's padded length, cut back to their own, as on the pipeline (a model that
 is not pad-safe gets one batch per length). A policy whose splits may answer early (an exit head)
@@ -85,6 +87,8 @@ class FastPath:
         None: the fast path was not taken (a request not well-formed or over bs_max rows, the
         pipeline not empty) and nothing was answered. Otherwise the requests not answered (a batch
         failed), which the caller sends the usual way."""
+        if self._scheduler.settings.num_buffer_pairs > 1:
+            return None  # stages overlap in the pipeline (per-stage threads, a GPU): batches belong there
         shapes = [batch_shape(r, self._manifest, self._scheduler.bs_max) for r in requests]
         if any(shape is None for shape in shapes):
             return None
