@@ -332,6 +332,8 @@ class TritonPythonModel:
         self._output_names = [t.name for t in manifest.outputs]
         self._input_names = [t.name for t in manifest.inputs]
         self._fast_path = self._scheduler.scheduler.inline_allowed
+        runtime = settings.runtime  # timeouts and a latency target: the pipeline drops what misses them
+        self._inline_many = runtime.slo.slo_ms is None and runtime.queue.default_timeout_us == 0
         self._responder = _Responder()
         self._cancel_watch = _CancelWatch(self._scheduler)
         self._metrics = StageMetrics(self._scheduler, args["model_name"])
@@ -352,7 +354,8 @@ class TritonPythonModel:
                     outputs = self._scheduler.run_inline(tensors[0])  # type: ignore[arg-type]
                     if outputs is not None:
                         return [self._response(outputs)]
-                else:
+                elif self._inline_many and not any(_request_timeout_us(r) for r in requests):
+                    # several: later batches wait for earlier ones, so deadlines stay the pipeline's to keep
                     left = self._scheduler.run_inline_requests(tensors, lambda i, out: self._send(requests[i], out))  # type: ignore[arg-type]
                     if left is not None:
                         requests = [requests[i] for i in left]
