@@ -5,7 +5,8 @@
 
 One tritonserver serves the sliced model folder (its config.pbtxt as written, plus any `--param`)
 beside its ZeroBatch; perf_analyzer drives each in turn at `--clients` (closed loop) while py-spy
-samples that model's stub (every thread, idle time left out). Each sample is charged to one part of
+samples that model's stub (every thread; a thread waiting in a lock, event or queue is idle and left
+out). Each sample is charged to one part of
 the path, the first of `PARTS` found walking its stack from the innermost frame out; the report
 gives each part's CPU in microseconds per answered query, and the stub's whole CPU per query (from
 /proc, which also counts what py-spy cannot see: onnxruntime's own threads). OUT gets the raw
@@ -42,8 +43,14 @@ PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+# a thread whose innermost Python frame is one of these waits (py-spy counts a timed wait as running)
+IDLE_LEAVES = ("Condition.wait", "Event.wait", "SimpleQueue.get", "Queue.get", "Thread.join", "Semaphore.acquire")
+
+
 def part_of(frames: Sequence[str]) -> str:
-    """The part a sample's stack (root first) is charged to."""
+    """The part a sample's stack (root first) is charged to; "idle" for a thread that waits."""
+    if frames and frames[-1].split(" (")[0] in IDLE_LEAVES:
+        return "idle"
     for frame in reversed(frames):
         name = frame.split(" (")[0]
         for part, markers in PARTS:
@@ -92,7 +99,8 @@ def profile(model_dir: Path, clients: int, seconds: float, preset: str, params: 
             for label in (DVA, ZERO):
                 model = names[label]
                 run_perf_analyzer(model, server.grpc_url, protocol="grpc", input_data=data,
-                                  concurrency_range=(clients,), measurement_interval_ms=1000, max_trials=2)  # warm-up
+                                  concurrency_range=(clients,), measurement_interval_ms=500,
+                                  stability_percentage=1000.0, max_trials=3)  # warm-up
                 pid = stub_pid(server, model)
                 raw, svg = out / f"{label}.txt", out / f"{label}.svg"
                 before, cpu0 = failure_counts(server.http_url, model)[0], cpu_seconds(pid)
@@ -114,7 +122,8 @@ def profile(model_dir: Path, clients: int, seconds: float, preset: str, params: 
                 parts = charge(raw) if raw.is_file() else Counter()
                 # py-spy saw (seconds + 2) s of the run's `elapsed`: the queries answered meanwhile
                 seen = max(answered, 1) * min(1.0, (seconds + 2) / elapsed)
-                per_query = {part: round(n / SAMPLE_RATE / seen * 1e6, 1) for part, n in parts.most_common()}
+                per_query = {part: round(n / SAMPLE_RATE / seen * 1e6, 1) for part, n in parts.most_common()
+                             if part != "idle"}
                 report[label] = {"model": model, "clients": clients, "answered": answered,
                                  "throughput": result.rows[0].throughput if result.rows else None,
                                  "stub_cpu_us_per_query": round(stub_cpu / max(answered, 1) * 1e6, 1),

@@ -10,8 +10,8 @@ nothing: no query unanswered, no batch, no stage working); then
   batch, the stages in a row (or the unsliced model) into scratch buffers of this path's own;
 - several requests (`run_requests`): the policy batches their rows as it would at an empty
   pipeline (`Scheduler.plan_inline`: the input policy's length clusters, shortest first; the load
-  policy's one batch), the batches run one after another, and each request is answered as soon as
-  its last row is done. Only with one buffer pair, where the pipeline runs batches one at a time
+  policy's one batch), the batches run one after another, and each request's outputs are handed
+  to the caller as soon as its last row is done (the Triton adapter returns them all from `execute`). Only with one buffer pair, where the pipeline runs batches one at a time
   as well; with two or more its stages overlap (per-stage threads, a GPU), and the batches go there.
 
 The switch, and why it never reorders or loses an answer: the reservation is taken and given back
@@ -82,7 +82,8 @@ class FastPath:
         """Several requests' rows (each input [rows, ...]) batched as the policy batches them at an
         empty pipeline (`Scheduler.plan_inline`: the input policy's length clusters, the load
         policy's one batch), the batches run one after another on this thread; `answer(i, outputs)`
-        is called for request i as soon as its last row is done (outputs cut back to its length).
+        is called for request i as soon as its last row is done (outputs cut back to its length),
+        exactly once for each request not left to the caller.
 
         None: the fast path was not taken (a request not well-formed or over bs_max rows, the
         pipeline not empty) and nothing was answered. Otherwise the requests not answered (a batch
@@ -112,10 +113,10 @@ class FastPath:
                                             for spec in self._manifest.outputs}
                     for spec in self._manifest.outputs:
                         out[spec.name][r] = cut_to(done[spec.name][pos:pos + 1], spec, length)[0]
-                    missing[i] -= 1
-                    if not missing[i]:
+                    if missing[i] == 1:
+                        answer(i, out)  # if it raises, this request goes the usual way with the ones not run
                         answered += shapes[i][0]  # type: ignore[index]
-                        answer(i, out)
+                    missing[i] -= 1
         except Exception as exc:  # noqa: BLE001 - the requests not answered go the usual way
             log.debug("fast path failed, the requests left go through the pipeline: %s", exc)
         finally:

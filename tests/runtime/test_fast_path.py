@@ -454,3 +454,23 @@ def test_with_overlapping_stages_only_a_lone_request_takes_the_fast_path(zoo) ->
         requests = [batch_of([model.query(rng)]) for _ in range(2)]
         assert pipeline.run_inline_requests(requests, lambda i, out: None) is None
         assert pipeline.run_inline(requests[0]) is not None
+
+
+def test_a_request_whose_answer_cannot_be_taken_goes_the_usual_way(zoo) -> None:
+    """`answer` raising for a request (its response could not be built): that request, and those not
+    yet run, are left to the caller; the ones answered before stay answered, none twice."""
+    model = zoo.stages("token", 2)
+    rng = np.random.default_rng(13)
+    with make_scheduler(model, create_policy("input", window=0), bs_max=8, num_buffer_pairs=1) as pipeline:
+        requests = [batch_of([model.query(rng, length=n)]) for n in (2, 12, 3)]
+        answered: list[int] = []
+
+        def answer(i: int, outputs: dict[str, np.ndarray]) -> None:
+            if i == 1:
+                raise RuntimeError("cannot build the response")
+            answered.append(i)
+
+        left = pipeline.run_inline_requests(requests, answer)
+        assert left is not None and 1 in left and not set(left) & set(answered)
+        assert set(left) | set(answered) == {0, 1, 2}
+        assert pipeline.stats.inline_fallbacks == 1

@@ -16,6 +16,8 @@ def test_a_sample_is_charged_to_the_innermost_part_it_names() -> None:
     assert part_of(["Thread.run (threading.py:1)", "Scheduler.finish_work (scheduler.py:1)"]) == "batching: policy and scheduler"
     assert part_of(["TritonPythonModel.execute (model.py:1)"]) == "execute, other"
     assert part_of(["<module> (x.py:1)"]) == "other"
+    assert part_of(["_CancelWatch._loop (model.py:1)", "Event.wait (threading.py:2)", "Condition.wait (threading.py:3)"]) \
+        == "idle"  # a timed wait, which py-spy counts as running
 
 
 def test_raw_stacks_are_summed_by_part(tmp_path: Path) -> None:
