@@ -47,6 +47,7 @@ from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
+
 def cut_to(rows: np.ndarray, spec: TensorSpec, length: int) -> np.ndarray:
     """Output rows of a padded batch cut back to one request's `length` on every length dim."""
     if not spec.has_seq:
@@ -140,9 +141,7 @@ class FastPath:
                 else:
                     dest[pos].fill(0)
                     dest[pos][tuple(slice(0, n) for n in src.shape)] = src
-        for stage, engine in enumerate(self._engines):
-            engine.run(views[stage], views[stage + 1])
-        return views[-1]
+        return self._through_engines(views)
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
         """The model's outputs for `inputs` (every input [rows, ...], batch axis first), or None when
@@ -168,7 +167,12 @@ class FastPath:
         views = [b.rows(length, used) for b in self._buffers]
         for name in self._input_names:
             np.copyto(views[0][name], inputs[name])
+        last = self._through_engines(views)
+        # owned copies: the scratch buffers serve the next run
+        return {spec.name: np.array(last[spec.name]) for spec in self._manifest.outputs}
+
+    def _through_engines(self, views: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """Run the engines in a row over the boundaries' views; the last boundary's views."""
         for stage, engine in enumerate(self._engines):
             engine.run(views[stage], views[stage + 1])
-        # owned copies: the scratch buffers serve the next run
-        return {spec.name: np.array(views[-1][spec.name]) for spec in self._manifest.outputs}
+        return views[-1]
