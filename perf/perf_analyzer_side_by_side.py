@@ -300,14 +300,18 @@ def measure_lone(url: str, systems: Sequence[SystemResult], data: Path, plan: Pl
 
 
 def measure_closed_loop(url: str, systems: Sequence[SystemResult], data: Path, plan: Plan, bs_max: int) -> None:
-    """Closed-loop throughput at each of CONCURRENCIES clients (up to bs_max), the systems' order
-    alternating from one level to the next."""
+    """Closed-loop throughput at each of CONCURRENCIES clients (up to bs_max): the median of the
+    plan's rounds (one window moves by a fifth here), the systems' order alternating."""
+    seen: dict[tuple[str, str], list[float]] = {}
     for i, clients in enumerate(c for c in CONCURRENCIES if c <= bs_max):
-        for system in (systems if i % 2 == 0 else list(reversed(systems))):
-            result = _run(url, system.model, data, plan, concurrency_range=(clients,))
-            _note_errors(result, system, f"concurrency {clients}")
-            if result.rows:
-                system.closed_loop[str(clients)] = result.rows[0].throughput
+        for r in range(plan.load_rounds):
+            for system in (systems if (i + r) % 2 == 0 else list(reversed(systems))):
+                result = _run(url, system.model, data, plan, concurrency_range=(clients,))
+                _note_errors(result, system, f"concurrency {clients}")
+                if result.rows:
+                    rounds = seen.setdefault((system.label, str(clients)), [])
+                    rounds.append(result.rows[0].throughput)
+                    system.closed_loop[str(clients)] = round(float(np.median(rounds)), 1)
 
 
 def measure_peak(url: str, system: SystemResult, data: Path, plan: Plan, bs_max: int) -> None:
