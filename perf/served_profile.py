@@ -32,7 +32,7 @@ PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine (onnxruntime)", ("run_with_iobinding", "InferenceSession.run", "OrtRunner.run", "OrtStageEngine.run")),
     ("answers: build and send", ("_RequestAnswer.send", "TritonPythonModel._send", "TritonPythonModel._response",
                                  "_batched", "split_outputs", "_send", "_Responder._loop")),
-    ("copies in and out of batches", ("gather_inputs", "scatter_outputs", "FastPath._run_rows", "cut_to", "pad_batch",
+    ("copies in and out of batches", ("gather_rows", "gather_inputs", "scatter_outputs", "FastPath._run_rows", "cut_row", "pad_batch",
                                       "FastPath._run", "_rows_alone")),
     ("batching: policy and scheduler", ("on_arrival", "Scheduler.", "plan_inline", "reserve_inline", "release_inline",
                                         "BatchWindow._loop", "StageExecutor.")),

@@ -41,20 +41,11 @@ import numpy as np
 
 from .buffers import StageBuffer
 from .engine import StageEngine
-from .manifest import BATCH, Manifest, TensorSpec, dim_size, is_length_dim
-from .query import batch_shape
+from .manifest import Manifest
+from .query import batch_shape, cut_row, gather_rows
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-
-def cut_to(rows: np.ndarray, spec: TensorSpec, length: int) -> np.ndarray:
-    """Output rows of a padded batch cut back to one request's `length` on every length dim."""
-    if not spec.has_seq:
-        return rows
-    cut = tuple(slice(None) if d == BATCH or not is_length_dim(d) else slice(0, dim_size(d, length))
-                for d in spec.dims)
-    return np.ascontiguousarray(rows[cut])
 
 
 class FastPath:
@@ -113,7 +104,7 @@ class FastPath:
                         out = outputs[i] = {spec.name: np.empty(spec.shape(k, length), spec.np_dtype)
                                             for spec in self._manifest.outputs}
                     for spec in self._manifest.outputs:
-                        out[spec.name][r] = cut_to(done[spec.name][pos:pos + 1], spec, length)[0]
+                        out[spec.name][r] = cut_row(done[spec.name][pos], spec, length)
                     if missing[i] == 1:
                         answer(i, out)  # if it raises, this request goes the usual way with the ones not run
                         answered += shapes[i][0]  # type: ignore[index]
@@ -130,17 +121,9 @@ class FastPath:
                   length: int) -> dict[str, np.ndarray]:
         """One batch of rows (request, row, its length), zero-padded to `length`: the last boundary's
         views (valid until the next run)."""
-        used = range(len(members))
-        views = [b.rows(length, used) for b in self._buffers]
-        for name in self._input_names:
-            dest = views[0][name]
-            for pos, (i, r, _) in enumerate(members):
-                src = requests[i][name][r]
-                if src.shape == dest[pos].shape:
-                    dest[pos] = src
-                else:
-                    dest[pos].fill(0)
-                    dest[pos][tuple(slice(0, n) for n in src.shape)] = src
+        views = [b.rows(length, range(len(members))) for b in self._buffers]
+        sources = [{name: requests[i][name][r] for name in self._input_names} for i, r, _ in members]
+        gather_rows(sources, views[0], self._manifest.inputs)
         return self._through_engines(views)
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:

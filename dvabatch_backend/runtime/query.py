@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -106,21 +106,11 @@ def validate_inputs(
     for name, spec in specs.items():
         arr = np.asarray(inputs[name])
         rule = _input_rule(spec)
-        _check_tensor(query_id, arr, spec, rule, manifest.max_length)
-        bound = manifest.input_bounds.get(name)
-        if bound is not None:
-            low, high = int(arr.min()), int(arr.max())
-            if low < 0 or high >= bound:
-                bad = low if low < 0 else high
-                raise BadInputError(query_id, f"input {name!r} holds {bad}, outside [0, {bound}): it indexes a "
-                                              f"table of {bound} rows")
+        problem = _tensor_problem(arr, spec, rule, manifest, batched=False)
+        if problem is not None:
+            raise BadInputError(query_id, problem)
         if rule.seq_axis is not None:
-            length = arr.shape[rule.seq_axis]
-            if length % manifest.length_multiple:
-                raise BadInputError(query_id, f"input {spec.name!r} has length {length}, not a multiple of "
-                                              f"{manifest.length_multiple} (the model's outputs are the length "
-                                              f"divided by it)")
-            lengths.add(length)
+            lengths.add(arr.shape[rule.seq_axis])
         arrays[name] = arr
     if len(lengths) > 1:
         raise BadInputError(query_id, f"inputs disagree on the sequence length: {sorted(lengths)}")
@@ -131,8 +121,8 @@ def batch_shape(inputs: Mapping[str, np.ndarray], manifest: Manifest, bs_max: in
     """(rows, length) of a batch of queries in the model's own layout (every input [rows, ...], one
     length), when every row is well-formed and they fit one batch of `bs_max`; else None.
 
-    The fast path's check: the same rules as `validate_inputs`, on whole tensors. None sends the
-    rows the usual way, where a bad one is answered with its own error."""
+    The fast path's check: `validate_inputs`'s rules (`_tensor_problem`), on whole tensors. None
+    sends the rows the usual way, where a bad one is answered with its own error."""
     specs = _specs_by_name(manifest.inputs)
     if len(inputs) != len(specs):
         return None
@@ -140,21 +130,15 @@ def batch_shape(inputs: Mapping[str, np.ndarray], manifest: Manifest, bs_max: in
     for name, spec in specs.items():
         arr = inputs.get(name)
         rule = _input_rule(spec)
-        if (not isinstance(arr, np.ndarray) or arr.dtype != rule.np_dtype or arr.ndim != rule.rank + 1
-                or arr.size == 0 or rows not in (-1, arr.shape[0])):
+        if (not isinstance(arr, np.ndarray) or _tensor_problem(arr, spec, rule, manifest, batched=True) is not None
+                or rows not in (-1, arr.shape[0])):
             return None
         rows = arr.shape[0]
-        for got, want in zip(arr.shape[1:], spec.dims[1:]):
-            if want != SEQ and got != want:
-                return None
         if rule.seq_axis is not None:
             n = arr.shape[rule.seq_axis + 1]
-            if n > manifest.max_length or n % manifest.length_multiple or length not in (-1, n):
+            if length not in (-1, n):
                 return None
             length = n
-        bound = manifest.input_bounds.get(name)
-        if bound is not None and (int(arr.min()) < 0 or int(arr.max()) >= bound):
-            return None
     if rows > bs_max:
         return None
     return rows, max(length, 0)
@@ -170,33 +154,51 @@ def _check_names(query_id: int, inputs: Mapping[str, np.ndarray], specs: Mapping
         raise BadInputError(query_id, f"unknown input(s) {unknown}; the model expects {sorted(specs)}")
 
 
-def _check_tensor(query_id: int, arr: np.ndarray, spec: TensorSpec, rule: _InputRule, max_length: int) -> None:
+def _tensor_problem(arr: np.ndarray, spec: TensorSpec, rule: _InputRule, manifest: Manifest,
+                    batched: bool) -> str | None:
+    """What is wrong with one input tensor, or None: one query's (no batch axis), or a batch's
+    (`batched`: rows first). The message is the client's to read."""
+    lead = 1 if batched else 0
     if arr.dtype != rule.np_dtype:
-        raise BadInputError(query_id, f"input {spec.name!r} has dtype {arr.dtype}, expected {spec.dtype}")
-    if arr.ndim != rule.rank:
-        raise BadInputError(
-            query_id,
-            f"input {spec.name!r} has rank {arr.ndim} (shape {list(arr.shape)}), expected rank "
-            f"{rule.rank} for one query of dims {list(spec.dims[1:])}",
-        )
+        return f"input {spec.name!r} has dtype {arr.dtype}, expected {spec.dtype}"
+    if arr.ndim != rule.rank + lead:
+        return (f"input {spec.name!r} has rank {arr.ndim} (shape {list(arr.shape)}), expected rank "
+                f"{rule.rank + lead} for {'a batch' if batched else 'one query'} of dims {list(spec.dims[1:])}")
     if arr.size == 0:
-        raise BadInputError(query_id, f"input {spec.name!r} is empty (shape {list(arr.shape)})")
-    for axis, (got, want) in enumerate(zip(arr.shape, spec.dims[1:])):
+        return f"input {spec.name!r} is empty (shape {list(arr.shape)})"
+    for axis, (got, want) in enumerate(zip(arr.shape[lead:], spec.dims[1:])):
         if want == SEQ:
-            if got > max_length:
-                raise BadInputError(
-                    query_id, f"input {spec.name!r} has length {got}, longer than the largest profiled {max_length}"
-                )
+            if got > manifest.max_length:
+                return f"input {spec.name!r} has length {got}, longer than the largest profiled {manifest.max_length}"
         elif got != want:
-            raise BadInputError(query_id, f"input {spec.name!r} dim {axis} is {got}, expected {want}")
+            return f"input {spec.name!r} dim {axis} is {got}, expected {want}"
+    bound = manifest.input_bounds.get(spec.name)
+    if bound is not None:
+        low, high = int(arr.min()), int(arr.max())
+        if low < 0 or high >= bound:
+            bad = low if low < 0 else high
+            return f"input {spec.name!r} holds {bad}, outside [0, {bound}): it indexes a table of {bound} rows"
+    if rule.seq_axis is not None:
+        length = arr.shape[rule.seq_axis + lead]
+        if length % manifest.length_multiple:
+            return (f"input {spec.name!r} has length {length}, not a multiple of {manifest.length_multiple} "
+                    f"(the model's outputs are the length divided by it)")
+    return None
 
 
 def gather_inputs(queries: list[Query], rows: dict[str, np.ndarray], specs: tuple[TensorSpec, ...]) -> None:
     """Copy each query's tensors into its buffer row, zero-padded to the batch's length."""
+    gather_rows([q.inputs for q in queries], rows, specs)
+
+
+def gather_rows(sources: Sequence[Mapping[str, np.ndarray]], rows: Mapping[str, np.ndarray],
+                specs: Sequence[TensorSpec]) -> None:
+    """Copy each row's tensors (one query's, no batch axis) into buffer row r, zero-padded to the
+    batch's length."""
     for spec in specs:
         dest = rows[spec.name]
-        for r, query in enumerate(queries):
-            src = query.inputs[spec.name]
+        for r, source in enumerate(sources):
+            src = source[spec.name]
             row = dest[r]
             if src.shape == row.shape:  # nothing to pad: the copy overwrites the whole row
                 row[...] = src
@@ -214,20 +216,23 @@ def _length_dims(spec: TensorSpec) -> tuple[tuple[int, int] | None, ...] | None:
     return tuple(length_dim_terms(d) if is_length_dim(d) else None for d in spec.dims[1:])
 
 
+def cut_row(row: np.ndarray, spec: TensorSpec, length: int) -> np.ndarray:
+    """One row of output `spec` (no batch axis) of a batch padded past `length`, cut back to
+    `length` on every length dim (`seq` and the lengths derived from it): a view."""
+    return _cut(row, _length_dims(spec), length)
+
+
+def _cut(row: np.ndarray, length_dims: tuple[tuple[int, int] | None, ...] | None, length: int) -> np.ndarray:
+    if length_dims is None:
+        return row
+    return row[tuple(slice(None) if t is None else slice(0, (length + t[0]) // t[1]) for t in length_dims)]
+
+
 def scatter_outputs(
     queries: list[Query], rows: dict[str, np.ndarray], specs: tuple[TensorSpec, ...]
 ) -> list[dict[str, np.ndarray]]:
     """Copy each query's results out of its output row, cut back to its own length on every
     length dim (`seq` and the lengths derived from it)."""
-    cuts = [(spec.name, rows[spec.name], _length_dims(spec)) for spec in specs]
-    results = []
-    for r, query in enumerate(queries):
-        out = {}
-        for name, batch, length_dims in cuts:
-            row = batch[r]
-            if length_dims is not None:
-                n = query.length
-                row = row[tuple(slice(None) if t is None else slice(0, (n + t[0]) // t[1]) for t in length_dims)]
-            out[name] = np.array(row, copy=True)
-        results.append(out)
-    return results
+    cuts = [(spec.name, rows[spec.name], _length_dims(spec)) for spec in specs]  # once per batch, not per row
+    return [{name: np.array(_cut(batch[r], length_dims, query.length), copy=True) for name, batch, length_dims in cuts}
+            for r, query in enumerate(queries)]

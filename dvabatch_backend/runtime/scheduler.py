@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 MIN_WAKE_DELAY = 1e-4  # seconds
 _Delivery = tuple[Reply, Answer]
+_Row = TypeVar("_Row", Query, QueryInfo)  # a query, or what a policy sees of one (the fast path plans those)
 
 
 class ExecutorState(enum.Enum):
@@ -240,9 +241,7 @@ class Scheduler:
             self.stats.queue_full += len(queries)
             return [self._refuse(q, QueueFullError(q.id, why)) for q in queries]
         slo_deadline = admission.slo_deadline(now)
-        # no target, no prediction: it walks every stage's profile
-        why = None if slo_deadline is None else admission.slo_refusal(
-            admission.predicted_finish(now, self.stats.queued), slo_deadline)
+        why = self._slo_refusal(now, slo_deadline, self.stats.queued)
         if why is not None:
             self.stats.slo_rejected += len(queries)
             return [self._refuse(q, OverloadedError(q.id, why)) for q in queries]
@@ -318,9 +317,15 @@ class Scheduler:
 
     def _misses_target(self) -> bool:
         """A latency target no query can meet now: the usual way refuses it, or serves it late."""
-        admission, now = self.admission, self.clock()
-        deadline = admission.slo_deadline(now)
-        return deadline is not None and admission.slo_refusal(admission.predicted_finish(now, 0), deadline) is not None
+        now = self.clock()
+        return self._slo_refusal(now, self.admission.slo_deadline(now), queued=0) is not None
+
+    def _slo_refusal(self, now: float, deadline: float | None, queued: int) -> str | None:
+        """Why a query arriving now, behind `queued` others, cannot meet `deadline` (its latency
+        target), or None. No target, no prediction: it walks every stage's profile."""
+        if deadline is None:
+            return None
+        return self.admission.slo_refusal(self.admission.predicted_finish(now, queued), deadline)
 
     def plan_inline(self, lengths: Sequence[int], now: float) -> list[tuple[list[int], int]]:
         """While the pipeline is held for the fast path: the batches the policy makes of rows of
@@ -353,8 +358,7 @@ class Scheduler:
                     for q in chunk:
                         del left[q.id]
                 for rows, pad in taken:
-                    groups = ([rows] if self.manifest.pad_safe
-                              else [[q for q in rows if q.length == n] for n in dict.fromkeys(q.length for q in rows)])
+                    groups = [rows] if self.manifest.pad_safe else self._by_length(New(tuple(q.id for q in rows), pad), rows)
                     for group in groups:
                         longest = max(q.length for q in group)
                         length = longest if pad is None or not self.manifest.pad_safe else max(longest, min(pad, self.manifest.max_length))
@@ -521,10 +525,10 @@ class Scheduler:
         self._record("new", now, None, item, f"pad={pad}")
         self._push(0, item, now)
 
-    def _by_length(self, decision: New, queries: list[Query]) -> list[list[Query]]:
+    def _by_length(self, decision: New, queries: list[_Row]) -> list[list[_Row]]:
         """A model that is not pad-safe: the `New`'s queries as one batch per length (in order of first
         appearance), each at its own length, whatever pad length the policy asked for."""
-        groups: dict[int, list[Query]] = {}
+        groups: dict[int, list[_Row]] = {}
         for q in queries:
             groups.setdefault(q.length, []).append(q)
         if len(groups) > 1 or (decision.pad_length is not None and decision.pad_length != queries[0].length):

@@ -4,8 +4,9 @@ It translates requests into queries and answers into responses, nothing more. Wh
 pipeline holds nothing, the requests of one `execute` call run on the fast path: inline on this
 thread, in the batches the policy makes of them (runtime/fast_path.py; parameter `fast_path`,
 default true), their responses returned from `execute` (a send per request from this thread cost
-more throughput than answering short ones first gained: measured on the small encoder). Otherwise `execute` hands every request to the scheduler and returns None at once (Triton then sends the next
-requests while earlier batches are in flight); each request is answered through its response
+more throughput than answering short ones first gained: measured on the small encoder).
+Otherwise `execute` hands every request to the scheduler and returns None at once (Triton then
+sends the next requests while earlier batches are in flight); each request is answered through its response
 sender when all of its rows have left the pipeline. A request of shape [k, ...] is k queries
 that share one response. Responses are built and sent by responder threads, not by the
 stage executor whose batch finished: a send is a round trip to the server process, and the
