@@ -11,8 +11,13 @@ that is the fence plumbing the GPU runs exercise. The engine is the runtime's
 """
 from __future__ import annotations
 
+import json
+import re
+import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 from dvabatch_backend.runtime.decisions import Policy
 from dvabatch_backend.runtime.fences import cuda_fences, install_fences
@@ -20,6 +25,11 @@ from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.runtime.pipeline import Pipeline
 from dvabatch_backend.runtime.scheduler import RuntimeSettings, Scheduler
 from slicer import cut, toy
+from slicer.profiler import int_bounds, random_inputs
+
+# the tensors that end each layer of the GPU zoo models (the cuts are spread evenly over them: a cut
+# by count, these models' layers are alike in cost)
+ZOO_LAYERS = {"bert": re.compile(r"layer\d+_out"), "resnet152": re.compile(r"block\d+")}
 
 
 def sliced_token_mlp(out_dir: Path, hidden: int, layers: int, stages: int, bs_max: int,
@@ -49,3 +59,62 @@ def cuda_pipeline(manifest: Manifest, engines: Sequence[Any], policy: Policy, se
     pipeline = Pipeline(Scheduler(manifest, policy, settings), engines)
     install_fences(pipeline, cuda_fences([stream_of(e) for e in engines]))
     return pipeline
+
+
+def build_zoo_model(name: str, size: str = "gpu") -> Any:
+    """At size "gpu", the models of the paper's GPU experiments: BERT-base (12 layers, hidden 768)
+    or ResNet-152 at ImageNet's size (224x224, width 64, 1000 classes); else the zoo's size."""
+    from slicer import zoo
+
+    if name not in ZOO_LAYERS:
+        raise ValueError(f"no GPU zoo model {name!r}; there are {sorted(ZOO_LAYERS)}")
+    if name == "resnet152" and size == "gpu":
+        from slicer.zoo.vision import resnet152
+
+        return resnet152()
+    return zoo.build(name, "real" if size == "gpu" else size)
+
+
+def layer_outputs(model: Any, pattern: re.Pattern[str]) -> list[str]:
+    """The node outputs whose names match `pattern`, in graph order."""
+    return [out for node in model.graph.node for out in node.output if pattern.fullmatch(out)]
+
+
+def sliced_zoo_model(name: str, out_dir: Path, stages: int, bs_max: int, max_length: int,
+                     size: str = "gpu") -> tuple[Path, Manifest, dict[str, int]]:
+    """A zoo model cut into `stages` stages evenly over its layers; also its integer inputs' bounds."""
+    model = build_zoo_model(name, size)
+    positions = cut.cut_positions_after(model, cut.even_cuts(layer_outputs(model, ZOO_LAYERS[name]), stages))
+    manifest = cut.cut_model(model, positions, out_dir, f"{name}_gpu", bs_max, max_length)
+    return out_dir, manifest, int_bounds(model)
+
+
+def profile_on_device(model_dir: Path, manifest: Manifest, engines: Sequence[Any], batch_sizes: Sequence[int],
+                      lengths: Sequence[int], int_high: Mapping[str, int], repeats: int = 3) -> Manifest:
+    """Each stage engine timed where it serves (its `run`: inputs in, compute, outputs out) at every
+    batch size and length; the times go into the manifest as the slicer's `stage_times` (at the
+    longest length) and `stage_times_by_length`, so the policies plan with the device's costs.
+    Rewrites model_dir/manifest.json and returns the manifest read back."""
+    rng = np.random.default_rng(0)
+    by_length: dict[str, list[dict[str, float]]] = {}
+    for length in lengths:
+        per_stage = []
+        for spec, engine in zip(manifest.stages, engines):
+            row = {}
+            for bs in batch_sizes:
+                inputs = random_inputs(spec.inputs, bs, length, rng, dict(int_high))
+                outputs = {o.name: np.empty(o.shape(bs, length), o.np_dtype) for o in spec.outputs}
+                engine.run(inputs, outputs)  # warm-up: kernels chosen, allocations made
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    engine.run(inputs, outputs)
+                row[str(bs)] = (time.perf_counter() - t0) / repeats
+            per_stage.append(row)
+        by_length[str(length)] = per_stage
+    doc = manifest.to_json()
+    doc["stage_times"] = by_length[str(max(lengths))]
+    if manifest.has_seq:
+        doc["stage_times_by_length"] = by_length
+    doc["input_bounds"] = {k: v for k, v in int_high.items() if k in {t.name for t in manifest.inputs}}
+    (model_dir / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
+    return Manifest.load(model_dir / "manifest.json")

@@ -46,8 +46,12 @@ MiB = 1 << 20
 TRANSFER_LIMIT = 64 * MiB  # the working tree plus carried paths, per call
 COMMAND_LIMIT = 2000  # characters of one device command
 CALL_LIMIT_S = 600  # one command's run
-DEVICE_BUDGET_S = 25 * 60  # what the whole run may take of the session's 30 minutes
+DEVICE_BUDGET_S = 15 * 60  # a session's device time
 START_S = 120  # a fresh machine's start, counted against the budget per call
+# the real tritonserver, carried beside the wheels (it is not a wheel the device's pip could take):
+# the nvidia-pytriton wheel's server with the stub of the device's Python, its libraries, the
+# tritonclient package and protobuf 4 (python -m perf.gpu.fetch_wheels --server-bundle)
+SERVER_BUNDLE = "tritonserver-bundle.tar.gz"
 OUT_FILES = 8  # files the device tool brings back from $OUT
 OUT_FILE_LIMIT = 16 * MiB
 KIND = "nvidia-h100-x1"
@@ -72,20 +76,31 @@ class Step:
     needs: tuple[str, ...]
 
 
+def capped(seconds: int, *argv: str) -> tuple[str, ...]:
+    """argv under coreutils' `timeout`: a hung command costs its own cap, not the call."""
+    return ("timeout", "-k", "5", str(seconds), *argv)
+
+
+# One call: the device time of a session (15 minutes) holds one machine start and one full call.
+# Commands in the order the issue ranks them, each capped: the GPU tests (answers, graphs, fence,
+# overlap), the overlap figures, the two experiments, the real server, then the CPU property tests.
 STEPS: tuple[Step, ...] = (
-    Step("tests", 560, (
-        ("nvidia-smi",),
-        (PY, "-c", ENV_REPORT),
-        (PY, "-m", "pytest", "-q", "-rs", "-o", "timeout=240", "tests/gpu/test_gpu.py",
-         "--junitxml={out}/junit-gpu.xml"),
-        (PY, "-m", "pytest", "-q", "-rs", "-o", "timeout=240", "tests/runtime/test_property.py",
-         "tests/runtime/test_property_torch.py", "tests/unit/test_fences.py", "--junitxml={out}/junit-runtime.xml"),
-    ), needs=("tests/gpu/test_gpu.py", "tests/runtime/test_property.py", "tests/runtime/test_property_torch.py",
-              "tests/unit/test_fences.py", "pytest.ini")),
-    Step("experiments", 560, (
-        (PY, "-m", "perf.gpu.overlap", "--out", "{work}/overlap"),
-        (PY, "-m", "perf.gpu.side_by_side", "--out", "{work}/side_by_side", "--device", "cuda"),
-    ), needs=("perf/gpu/overlap.py", "perf/gpu/side_by_side.py")),
+    Step("gpu", 585, (
+        capped(20, "nvidia-smi"),
+        capped(40, PY, "-c", ENV_REPORT),
+        # the runtime's CPU property tests (the machine's numpy 2 and onnx) beside the GPU tests: 16 cores
+        capped(150, "bash", "-c", f"timeout 140 {PY} -m pytest -q -o timeout=60 tests/runtime/test_property.py "
+               "tests/runtime/test_property_torch.py tests/unit/test_fences.py --junitxml={out}/junit-runtime.xml "
+               f"> {{out}}/runtime-tests.log 2>&1 & {PY} -m pytest -q -rs -o timeout=120 tests/gpu/test_gpu.py "
+               "--junitxml={out}/junit-gpu.xml; code=$?; wait; exit $code"),
+        capped(40, PY, "-m", "perf.gpu.overlap", "--out", "{work}/overlap"),
+        capped(170, PY, "-m", "perf.gpu.side_by_side", "--model", "bert", "--device", "cuda", "--out", "{work}/bert"),
+        capped(110, PY, "-m", "perf.gpu.side_by_side", "--model", "resnet152", "--device", "cuda",
+               "--out", "{work}/resnet152"),
+        capped(70, PY, "-m", "perf.gpu.serve_check", "--out", "{work}/serve"),
+    ), needs=("tests/gpu/test_gpu.py", "perf/gpu/overlap.py", "perf/gpu/side_by_side.py", "perf/gpu/serve_check.py",
+              "tests/runtime/test_property.py", "tests/runtime/test_property_torch.py", "tests/unit/test_fences.py",
+              "docker/gpu_config.py", "pytest.ini")),
 )
 
 
@@ -119,10 +134,12 @@ class Plan:
     tree_bytes: int
     calls: list[DeviceCall]
     problems: list[str] = field(default_factory=list)
+    carried_bytes: int = 0  # the carried folder, all of it
 
     @property
     def wheel_bytes(self) -> int:
-        return sum(w.size for w in self.wheels)
+        """What the carried folder adds: every file in it (the wheels, the server bundle, ...)."""
+        return self.carried_bytes
 
     @property
     def transfer_bytes(self) -> int:
@@ -150,17 +167,20 @@ def tree_size(repo: Path = REPO) -> int:
     return sum((repo / p).stat().st_size for p in listed if p and (repo / p).is_file())
 
 
-def install_command(wheels: Sequence[Wheel], repo: Path) -> str:
-    """The device's install of the carried wheels (named one by one) and the path setting."""
+def install_command(wheels: Sequence[Wheel], repo: Path, bundle: Path | None = None) -> str:
+    """The device's install of the carried wheels (named one by one), the server bundle unpacked
+    beside them, and the path setting."""
     if not wheels:
         return "export PYTHONPATH=$PWD"
     files = " ".join(shlex.quote(str(w.path.relative_to(repo))) for w in wheels if w.path)
+    unpack = f" && tar xzf {shlex.quote(str(bundle.relative_to(repo)))} -C /tmp/site" if bundle else ""
     return (f"{PY} -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
-            f"{files} && export PYTHONPATH=/tmp/site:$PWD || exit 1")
+            f"{files}{unpack} && export PYTHONPATH=/tmp/site:$PWD || exit 1")
 
 
 def device_call(step: Step, wheels: Sequence[Wheel], wheel_dir: Path, repo: Path) -> DeviceCall:
-    command = (f"{install_command(wheels, repo)}; set -o pipefail; PYTHONUNBUFFERED=1 "
+    bundle = wheel_dir / SERVER_BUNDLE if (wheel_dir / SERVER_BUNDLE).is_file() else None
+    command = (f"{install_command(wheels, repo, bundle)}; set -o pipefail; PYTHONUNBUFFERED=1 "
                f"{PY} -m perf.gpu.run_device step {step.name} --out $OUT")
     carry = (str(wheel_dir.relative_to(repo)),) if wheels else ()
     names = (*(str(w.path.relative_to(repo)) for w in wheels if w.path), "perf/gpu/run_device.py", *step.needs)
@@ -171,7 +191,8 @@ def plan(repo: Path, wheel_dir: Path, specs: Sequence[str], tree_bytes: int, ste
     """Every device call, checked: each wheel present, the transfer under 64 MiB, each command
     short enough and naming only files that exist, each call and the whole run inside its time."""
     wheels = [find_wheel(spec, wheel_dir) for spec in specs]
-    result = Plan(wheels, tree_bytes, [])
+    carried = sum(p.stat().st_size for p in wheel_dir.rglob("*") if p.is_file()) if wheel_dir.is_dir() else 0
+    result = Plan(wheels, tree_bytes, [], carried_bytes=carried)
     missing = [w.requirement for w in wheels if w.path is None]
     if missing:
         result.problems.append(f"wheels missing from {wheel_dir} (run python -m perf.gpu.fetch_wheels): {missing}")
@@ -198,7 +219,7 @@ def print_plan(result: Plan, repo: Path) -> None:
     for w in result.wheels:
         where = w.path.relative_to(repo) if w.path else "MISSING"
         print(f"  {w.requirement:<28} {w.size / 1024:>9.1f} KiB  {where}")
-    print(f"transfer: tree {result.tree_bytes / MiB:.2f} MiB + wheels {result.wheel_bytes / MiB:.2f} MiB = "
+    print(f"transfer: tree {result.tree_bytes / MiB:.2f} MiB + carried {result.wheel_bytes / MiB:.2f} MiB = "
           f"{result.transfer_bytes / MiB:.2f} MiB (limit {TRANSFER_LIMIT // MiB} MiB)")
     for k, call in enumerate(result.calls, 1):
         print(f"\ndevice call {k}/{len(result.calls)}: step {call.step.name}")
@@ -265,12 +286,17 @@ def _run_logged(argv: list[str], log, deadline: float) -> int:
     return 1 if code else 0
 
 
+DIRECT_ORDER = (".log", ".json", ".xml", ".png")  # what comes back as a file first; the rest is in the tarball
+
+
 def collect(work: Path, out: Path, name: str) -> list[Path]:
     """At most `OUT_FILES` files into `out` (no folders): the log, junit XML, figures and JSON as
     they are, everything else (models left out) in NAME-raw.tar.gz."""
     out.mkdir(parents=True, exist_ok=True)
     files = sorted(p for p in work.rglob("*") if p.is_file() and p.suffix != ".onnx")
-    direct = [p for p in files if p.suffix in (".log", ".png", ".json", ".xml") and p.stat().st_size <= OUT_FILE_LIMIT]
+    direct = sorted((p for p in files if p.suffix in DIRECT_ORDER and p.stat().st_size <= OUT_FILE_LIMIT
+                     and not {"model", "repository", ".sliced"} & set(p.relative_to(work).parts[:-1])),
+                    key=lambda p: (DIRECT_ORDER.index(p.suffix), str(p)))
     direct = direct[: OUT_FILES - 1]
     kept = []
     for p in direct:

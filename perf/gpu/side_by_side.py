@@ -1,6 +1,6 @@
-"""DVABatch beside ZeroBatch in one process, both on the torch engine (CUDA on the device machine).
+"""DVABatch beside ZeroBatch and DelayBatch in one process, all on the torch engine (CUDA on the device machine).
 
-    python -m perf.gpu.side_by_side --out DIR [--device cuda] [--quick]
+    python -m perf.gpu.side_by_side --out DIR [--device cuda] [--model token_mlp|bert|resnet152] [--quick]
 
 No tritonserver (the GPU machine has none): both systems are driven in this process.
 
@@ -10,11 +10,23 @@ No tritonserver (the GPU machine has none): both systems are driven in this proc
 - ZeroBatch: the unsliced model.onnx as one `TorchStageEngine`, behind a batcher with no queue
   delay: whatever queued while the last batch ran (at most bs_max) runs next, zero-padded to its
   longest query. This is Triton's dynamic batcher with max_queue_delay 0, in process.
+- DelayBatch-Dms: the same batcher and engine with a queue delay of D ms (Triton's
+  max_queue_delay_microseconds): a batch starts once bs_max queries wait or its oldest query has
+  waited D ms. The setup's delays are all run; the better at each load is the one to beat.
 
-ZeroBatch's closed-loop peak (bs_max clients) sets the loads; then, at each fraction of it, the same
-seeded Poisson schedule (perf.arrivals) and the same queries (lengths from perf.lengths' preset) go
-to every system, the order rotating per load. Latency = submit -> answer callback. Writes
-DIR/side_by_side.json and DIR/side_by_side.png (mean solid, p99 dashed, per system).
+Models: `token_mlp` (a toy sized for a GPU), or the paper's GPU models, `bert` (BERT-base, GLUE-like
+lengths, policy `input`) and `resnet152` (224x224, policy `load`), cut evenly over their layers and
+profiled on the device with the torch engine (perf.gpu.pipelines.profile_on_device), so the
+policies plan with the device's costs. All systems run eagerly (no CUDA graphs): the same setting.
+
+Measured, in this order: each system's latency at concurrency 1 (rounds taken in turn; DVABatch's
+overhead = its mean minus ZeroBatch's); ZeroBatch's closed-loop peak (bs_max clients), which sets the
+loads; then at each fraction of it the same seeded Poisson schedule (perf.arrivals) and the same
+queries to every system, the order rotating per load. Latency = submit -> answer callback. The
+sustained rate of a system is the highest load it served with its p99 within the target (a multiple
+of ZeroBatch's mean at concurrency 1) and every query answered. On CUDA, the device memory each
+system's engines hold and the peak each adds while serving. Writes DIR/side_by_side.json and
+DIR/side_by_side.png (mean solid, p99 dashed, per system).
 """
 from __future__ import annotations
 
@@ -23,7 +35,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +43,10 @@ import numpy as np
 
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.runtime.scheduler import RuntimeSettings
+from dvabatch_backend.runtime.manifest import is_length_dim
 from perf.arrivals import poisson
-from perf.gpu.pipelines import cuda_pipeline, sliced_token_mlp, torch_engines
-from perf.lengths import sample_lengths
+from perf.bench import sample_queries
+from perf.gpu.pipelines import cuda_pipeline, profile_on_device, sliced_token_mlp, sliced_zoo_model, torch_engines
 
 Inputs = Mapping[str, np.ndarray]
 Done = Callable[[], None]
@@ -42,6 +55,8 @@ Submit = Callable[[Inputs, Done], None]
 
 @dataclass(frozen=True)
 class Setup:
+    model: str = "token_mlp"  # or a GPU zoo model: "bert", "resnet152"
+    size: str = "gpu"  # a zoo model's size: "gpu" (the paper's), or a zoo size ("test": the smoke runs here)
     hidden: int = 1024
     layers: int = 8
     stages: int = 4
@@ -53,23 +68,35 @@ class Setup:
     max_queries: int = 3000
     peak_seconds: float = 4.0
     policies: tuple[str, ...] = ("pipelined", "input")
+    delays_ms: tuple[float, ...] = (1.0, 4.0)  # DelayBatch's queue delays
+    c1_queries: int = 90  # queries at concurrency 1, per system
+    p99_target_factor: float = 5.0  # the sustained rate's p99 target: this many times ZeroBatch's c1 mean
 
 
 QUICK = Setup(hidden=64, layers=4, stages=2, bs_max=4, max_length=16, fractions=(0.5,), seconds_per_load=0.5,
-              max_queries=60, peak_seconds=0.5, policies=("pipelined",))
+              max_queries=60, peak_seconds=0.5, policies=("pipelined",), delays_ms=(1.0,), c1_queries=6)
+SETUPS = {
+    "token_mlp": Setup(),
+    "bert": Setup(model="bert", stages=4, bs_max=16, max_length=128, preset="rte", policies=("input", "load"),
+                  fractions=(0.25, 0.6, 0.9, 1.1), seconds_per_load=4.0, max_queries=2500),
+    "resnet152": Setup(model="resnet152", stages=4, bs_max=16, max_length=0, preset="", policies=("load",),
+                       fractions=(0.25, 0.6, 0.9, 1.1), seconds_per_load=4.0, max_queries=2500),
+}
 
 
-class ZeroBatch:
-    """The unsliced model behind a no-delay batcher: one thread runs whatever has queued."""
+class DynamicBatcher:
+    """The unsliced model behind Triton's dynamic batcher, in process: one thread runs what has
+    queued, at most bs_max queries; with `delay_s` > 0 (DelayBatch) a batch starts only once bs_max
+    queries wait or the oldest has waited `delay_s`; with 0 (ZeroBatch) at once."""
 
-    def __init__(self, engine: Any, manifest: Manifest, bs_max: int) -> None:
-        self._engine, self._manifest, self._bs_max = engine, manifest, bs_max
-        self._queue: list[tuple[Inputs, Done]] = []
+    def __init__(self, engine: Any, manifest: Manifest, bs_max: int, delay_s: float = 0.0) -> None:
+        self._engine, self._manifest, self._bs_max, self._delay_s = engine, manifest, bs_max, delay_s
+        self._queue: list[tuple[Inputs, Done, float]] = []
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="zerobatch", daemon=True)
 
-    def start(self) -> ZeroBatch:
+    def start(self) -> DynamicBatcher:
         self._thread.start()
         return self
 
@@ -81,20 +108,27 @@ class ZeroBatch:
 
     def submit(self, inputs: Inputs, done: Done) -> None:
         with self._cond:
-            self._queue.append((inputs, done))
+            self._queue.append((inputs, done, time.perf_counter()))
             self._cond.notify()
+
+    def _ready(self) -> bool:
+        if self._stopping or len(self._queue) >= self._bs_max:
+            return True
+        return bool(self._queue) and time.perf_counter() >= self._queue[0][2] + self._delay_s
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._stopping)
+                while not self._ready():
+                    wait = self._queue[0][2] + self._delay_s - time.perf_counter() if self._queue else None
+                    self._cond.wait(wait)
                 if self._stopping and not self._queue:
                     return
                 batch, self._queue = self._queue[: self._bs_max], self._queue[self._bs_max:]
-            self._run(batch)
+            self._run([(q, done) for q, done, _ in batch])
 
     def _run(self, batch: list[tuple[Inputs, Done]]) -> None:
-        length = max(_length(q) for q, _ in batch)
+        length = max(query_length(self._manifest, q) for q, _ in batch)
         inputs = {}
         for spec in self._manifest.inputs:
             array = np.zeros(spec.shape(len(batch), length), spec.np_dtype)
@@ -125,15 +159,20 @@ class DvaBatch:
         self._pipeline.submit(inputs, lambda answer: done())
 
 
-def _length(query: Inputs) -> int:
-    return int(query["x"].shape[0]) if query["x"].ndim > 1 else 1
+def query_length(manifest: Manifest, query: Inputs) -> int:
+    """A query's length: its size along the first input's length dim (0 for a fixed-shape model)."""
+    for spec in manifest.inputs:
+        for axis, dim in enumerate(spec.dims[1:]):
+            if isinstance(dim, str) and is_length_dim(dim):
+                return int(query[spec.name].shape[axis])
+    return 0
 
 
-def make_queries(setup: Setup, n: int, seed: int) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    lengths = sample_lengths(setup.preset, n, setup.max_length, rng)
-    return [{"x": rng.standard_normal((int(L), setup.hidden)).astype(np.float32), "mask": np.ones(int(L), np.float32)}
-            for L in lengths]
+def make_queries(setup: Setup, manifest: Manifest, int_high: Mapping[str, int], n: int,
+                 seed: int) -> list[dict[str, np.ndarray]]:
+    """n seeded queries: lengths from the setup's preset (GLUE-like), random values, masks of ones."""
+    queries, _ = sample_queries(manifest, int_high, n, seed, setup.preset or "sst2")
+    return queries
 
 
 def closed_loop_qps(submit: Submit, queries: Sequence[Inputs], clients: int, seconds: float) -> float:
@@ -197,46 +236,134 @@ def summary_ms(latencies: Sequence[float]) -> dict[str, float | int]:
             "answered": int(ok.size), "sent": int(a.size)}
 
 
+def prepare(out_dir: Path, setup: Setup, device: str) -> tuple[Path, Manifest, dict[str, int]]:
+    """The sliced model; a zoo model's stages are profiled here, on `device`."""
+    if setup.model == "token_mlp":
+        model_dir, manifest = sliced_token_mlp(out_dir / "model", setup.hidden, setup.layers, setup.stages,
+                                               setup.bs_max, setup.max_length)
+        return model_dir, manifest, {}
+    model_dir, manifest, int_high = sliced_zoo_model(setup.model, out_dir / "model", setup.stages, setup.bs_max,
+                                                     setup.max_length, setup.size)
+    lengths = [n for n in (16, 32, 64, 128) if n <= setup.max_length] or [0]
+    batch_sizes = [bs for bs in (1, 2, 4, 8, 16, 32) if bs <= setup.bs_max]
+    manifest = profile_on_device(model_dir, manifest, torch_engines(model_dir, manifest, device), batch_sizes,
+                                 lengths, int_high)
+    return model_dir, manifest, int_high
+
+
+def device_mib(device: str) -> float:
+    if device != "cuda":
+        return 0.0
+    import torch
+
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() / 2**20
+
+
+def lone_latencies(systems: Mapping[str, Any], queries: Sequence[Inputs], rounds: int = 3) -> dict[str, Any]:
+    """Each system's latency at concurrency 1, the systems taking turns in `rounds` blocks."""
+    samples: dict[str, list[float]] = {name: [] for name in systems}
+    block = max(1, len(queries) // rounds)
+    for r in range(rounds):
+        for name, system in systems.items():
+            samples[name] += open_loop_serial(system.submit, queries[r * block:(r + 1) * block])
+    return {name: summary_ms(values) for name, values in samples.items()}
+
+
+def open_loop_serial(submit: Submit, queries: Sequence[Inputs]) -> list[float]:
+    """Latencies of queries sent one at a time, each when the last was answered (NaN: none in 60 s)."""
+    out = []
+    for query in queries:
+        event = threading.Event()
+        t0 = time.perf_counter()
+        submit(query, event.set)
+        out.append(time.perf_counter() - t0 if event.wait(60) else float("nan"))
+    return out
+
+
+def sustained(loads: Sequence[Mapping[str, Any]], name: str, target_ms: float) -> float:
+    """The highest offered rate at which `name` answered every query with p99 within the target."""
+    served = [load["rate_qps"] for load in loads
+              if load["systems"][name].get("answered") == load["systems"][name]["sent"]
+              and load["systems"][name].get("p99", float("inf")) <= target_ms]
+    return max(served, default=0.0)
+
+
 def run(out_dir: Path, setup: Setup, device: str) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    model_dir, manifest = sliced_token_mlp(out_dir / "model", setup.hidden, setup.layers, setup.stages, setup.bs_max,
-                                           setup.max_length)
     from dvabatch_backend.runtime.torch_engine import TorchStageEngine  # the torch engine's API: (path, device)
+    from policies import create_policy
 
-    zero = ZeroBatch(TorchStageEngine(model_dir / "model.onnx", device=device), manifest, setup.bs_max).start()
+    started = time.perf_counter()
+    model_dir, manifest, int_high = prepare(out_dir, setup, device)
+    memory: dict[str, Any] = {"before_mib": device_mib(device)}
+    whole = TorchStageEngine(model_dir / "model.onnx", device=device)
+    memory["unsliced_engine_mib"] = device_mib(device) - memory["before_mib"]
+    zero = DynamicBatcher(whole, manifest, setup.bs_max).start()
     systems: dict[str, Any] = {"ZeroBatch": zero}
+    for delay in setup.delays_ms:  # one engine for every batcher: they never run at once
+        systems[f"DelayBatch-{delay:g}ms"] = DynamicBatcher(whole, manifest, setup.bs_max, delay / 1e3).start()
     for policy in setup.policies:
-        from policies import create_policy
-
         settings = RuntimeSettings(num_buffer_pairs=2, bs_max=setup.bs_max, engine="torch", device=device)
+        before = device_mib(device)
         engines = torch_engines(model_dir, manifest, device)
+        memory[f"DVABatch-{policy}_engines_mib"] = device_mib(device) - before
         pipeline = cuda_pipeline(manifest, engines, create_policy(policy), settings) if device == "cuda" else None
         if pipeline is None:  # the CPU (the smoke run here): host fences, same runtime
             from dvabatch_backend.runtime.pipeline import Pipeline
 
             pipeline = Pipeline.create(manifest, engines, create_policy(policy), settings)
         systems[f"DVABatch-{policy}"] = DvaBatch(pipeline).start()
+    peaks: dict[str, float] = {name: 0.0 for name in systems}
     try:
-        warm = make_queries(setup, 4 * setup.bs_max, seed=99)
+        warm = make_queries(setup, manifest, int_high, 4 * setup.bs_max, seed=99)
         for system in systems.values():
             open_loop(system.submit, warm, np.zeros(len(warm)))
-        peak = closed_loop_qps(zero.submit, make_queries(setup, 512, seed=1), setup.bs_max, setup.peak_seconds)
+        lone = lone_latencies(systems, make_queries(setup, manifest, int_high, setup.c1_queries, seed=7))
+        print(f"prepared in {time.perf_counter() - started:.0f} s; concurrency 1: {json.dumps(lone)}", flush=True)
+        target_ms = setup.p99_target_factor * lone["ZeroBatch"].get("mean", float("nan"))
+        peak = closed_loop_qps(zero.submit, make_queries(setup, manifest, int_high, 512, seed=1), setup.bs_max,
+                               setup.peak_seconds)
+        print(f"ZeroBatch closed-loop peak {peak:.0f} qps", flush=True)
         loads = []
         for k, fraction in enumerate(setup.fractions):
             rate = peak * fraction
             n = int(min(setup.max_queries, max(20, rate * setup.seconds_per_load)))
-            queries, offsets = make_queries(setup, n, seed=10 + k), poisson(rate, n, rng=10 + k)
+            queries, offsets = make_queries(setup, manifest, int_high, n, seed=10 + k), poisson(rate, n, rng=10 + k)
             names = list(systems)
             names = names[k % len(names):] + names[: k % len(names)]  # rotate who goes first
-            results = {name: summary_ms(open_loop(systems[name].submit, queries, offsets)) for name in names}
+            results = {}
+            for name in names:
+                base = device_mib(device)
+                if device == "cuda":
+                    import torch
+
+                    torch.cuda.reset_peak_memory_stats()
+                results[name] = summary_ms(open_loop(systems[name].submit, queries, offsets))
+                if device == "cuda":
+                    peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() / 2**20 - base)
             loads.append({"fraction": fraction, "rate_qps": rate, "queries": n, "systems": results})
+            print(f"{fraction:.2f} of peak: " + json.dumps(results), flush=True)  # kept in the log if cut short
     finally:
         for system in systems.values():
             system.stop()
-    result = {"device": device, "setup": setup.__dict__, "zerobatch_peak_qps": peak, "loads": loads}
+    memory["serving_peak_above_resident_mib"] = peaks
+    result = {"device": device, "gpu": _gpu_name(device), "setup": setup.__dict__, "zerobatch_peak_qps": peak,
+              "lone": lone, "overhead_c1_ms": {name: s.get("mean", float("nan")) - lone["ZeroBatch"].get("mean", 0.0)
+                                               for name, s in lone.items()},
+              "p99_target_ms": target_ms, "sustained_qps": {name: sustained(loads, name, target_ms) for name in systems},
+              "device_memory": memory, "loads": loads}
     (out_dir / "side_by_side.json").write_text(json.dumps(result, indent=2))
     plot(result, out_dir / "side_by_side.png")
     return result
+
+
+def _gpu_name(device: str) -> str | None:
+    if device != "cuda":
+        return None
+    import torch
+
+    return str(torch.cuda.get_device_name(0))
 
 
 def plot(result: Mapping[str, Any], path: Path) -> None:
@@ -254,7 +381,7 @@ def plot(result: Mapping[str, Any], path: Path) -> None:
             ax.plot(xs, ys, style, marker="o", label=f"{name} {key}")
     ax.set_xlabel("offered load (queries/s)")
     ax.set_ylabel("latency (ms)")
-    ax.set_title(f"DVABatch vs ZeroBatch, torch on {result['device']}")
+    ax.set_title(f"{result['setup']['model']}: DVABatch vs Triton's batcher, torch on {result['device']}")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -265,10 +392,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--model", default="token_mlp", choices=sorted(SETUPS))
     parser.add_argument("--quick", action="store_true", help="a tiny model and one short load (a smoke run)")
     args = parser.parse_args(argv)
-    result = run(args.out, QUICK if args.quick else Setup(), args.device)
-    print(f"ZeroBatch peak {result['zerobatch_peak_qps']:.1f} qps")
+    setup = SETUPS[args.model]
+    if args.quick:  # the tiny model, or the zoo model at its test size, and one short load
+        setup = QUICK if args.model == "token_mlp" else replace(
+            QUICK, model=args.model, size="test", max_length=min(setup.max_length, 32), preset=setup.preset,
+            stages=2, policies=setup.policies)
+    result = run(args.out, setup, args.device)
+    print(f"{result['setup']['model']} on {result['gpu'] or result['device']}: ZeroBatch peak "
+          f"{result['zerobatch_peak_qps']:.1f} qps; p99 target {result['p99_target_ms']:.2f} ms")
+    for name, s in result["lone"].items():
+        print(f"  concurrency 1, {name}: mean {s.get('mean', float('nan')):.3f} ms "
+              f"(overhead {result['overhead_c1_ms'][name]:+.3f} ms); sustained {result['sustained_qps'][name]:.0f} qps")
+    print(f"  device memory (MiB): {json.dumps(result['device_memory'])}")
     for load in result["loads"]:
         cells = ", ".join(f"{name}: mean {s.get('mean', float('nan')):.2f} ms p99 {s.get('p99', float('nan')):.2f} ms "
                           f"({s['answered']}/{s['sent']})" for name, s in load["systems"].items())
