@@ -22,12 +22,20 @@ def find_version_dir(model_dir: str | Path, manifest_file: str = "manifest.json"
 EngineWrapper = Callable[[int, StageEngine], StageEngine]
 
 
-def make_engine(path: Path, settings: RuntimeSettings) -> StageEngine:
-    """An engine over one ONNX file (a stage, or the unsliced model), of the kind `settings` names."""
+def make_engine(path: Path, settings: RuntimeSettings, manifest: Manifest | None = None) -> StageEngine:
+    """An engine over one ONNX file (a stage, or the unsliced model), of the kind `settings` names.
+    A torch engine on CUDA, given the `manifest`, captures its CUDA graphs at load
+    (`settings.cuda_graphs`): one per batch-size and length bucket, so a batch's kernels are one
+    replay instead of one Python call per node."""
     if settings.engine == "torch":  # imported only here: the runtime runs without torch
-        from .torch_engine import TorchStageEngine
+        from .torch_engine import TorchStageEngine, graph_buckets
 
-        return TorchStageEngine(path, settings.device, settings.threads_per_stage)
+        engine = TorchStageEngine(path, settings.device, settings.threads_per_stage)
+        if settings.device == "cuda" and settings.cuda_graphs and manifest is not None:
+            sizes, lengths = graph_buckets(settings.bs_max or manifest.max_batch_size, manifest.max_length,
+                                           manifest.has_seq)
+            engine.capture_buckets(sizes, lengths, pad_length=manifest.pad_safe)
+        return engine
     # per_stage: threads_per_stage threads each; global: one pool of every available core (0)
     threads = settings.threads_per_stage if settings.thread_pool == PER_STAGE else 0
     return OrtStageEngine(path, threads, thread_pool=settings.thread_pool)
@@ -35,7 +43,7 @@ def make_engine(path: Path, settings: RuntimeSettings) -> StageEngine:
 
 def make_engines(version_dir: Path, manifest: Manifest, settings: RuntimeSettings) -> list[StageEngine]:
     """One engine per stage, of the kind `settings` names."""
-    return [make_engine(version_dir / s.file, settings) for s in manifest.stages]
+    return [make_engine(version_dir / s.file, settings, manifest) for s in manifest.stages]
 
 
 def load_pipeline(model_dir: str | Path, policy: Policy, settings: RuntimeSettings = RuntimeSettings(),
@@ -54,7 +62,7 @@ def load_pipeline(model_dir: str | Path, policy: Policy, settings: RuntimeSettin
     whole = None
     if (wrap is None and settings.fast_path and manifest.fast_path_engine == "model" and manifest.num_stages > 1
             and type(policy).allows_inline()):
-        whole = make_engine(version_dir / str(manifest.full_model), settings)
+        whole = make_engine(version_dir / str(manifest.full_model), settings, manifest)
     return Pipeline.create(manifest, engines, policy, settings, whole_model=whole)
 
 

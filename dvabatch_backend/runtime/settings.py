@@ -38,6 +38,9 @@ class RuntimeSettings:
     record_trace: bool = False
     engine: str = "onnxruntime"  # "onnxruntime" | "torch"
     device: str = "cpu"  # "cpu" | "cuda"
+    # the torch engine on CUDA replays CUDA graphs captured at load, per batch-size and length bucket
+    # (runtime/torch_engine.py): eagerly, a stage is one Python call per node, which bounds a GPU
+    cuda_graphs: bool = True
     # onnxruntime: "per_stage" threads, or one "global" pool for all stages. The served default is
     # "global" (the adapter's, and what the slicer writes); in-process the default stays "per_stage":
     # once a process has the global pool, onnxruntime refuses every session with threads of its own

@@ -762,6 +762,9 @@ class TorchStageEngine:
                              for vi in proto.graph.input if vi.name in self.input_names}
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._graphs: dict[ShapeKey, CapturedGraph] = {}
+        self._buckets: list[ShapeKey] = []  # capture_buckets' graphs, smallest first
+        self._pad_length = False
+        self.replays = 0  # runs that replayed a CUDA graph (the rest ran eagerly)
         self._pool: Any = None  # one memory pool shared by this engine's graphs (they never run at once)
 
     # -- running ------------------------------------------------------------------------
@@ -775,24 +778,32 @@ class TorchStageEngine:
                 self._write(self.module(*host), outputs)
             return
         with torch.cuda.stream(self.stream), torch.inference_mode():
-            captured = self._graphs.get(tuple(tuple(t.shape) for t in host))
+            key = tuple(tuple(t.shape) for t in host)
+            captured = self._graphs.get(key) or self._bucket_for(key)
             if captured is not None:
                 for name, t in zip(self.input_names, host):
-                    captured.inputs[name].copy_(t)
+                    static = captured.inputs[name]
+                    if tuple(static.shape) != tuple(t.shape):  # a bucket's graph: zeros past the batch's rows and length
+                        static.zero_()
+                        static = static[_leading(t.shape)]
+                    static.copy_(t)
                 captured.graph.replay()
+                self.replays += 1
                 results: Sequence[Tensor] = [captured.outputs[name] for name in self.output_names]
             else:
                 results = self.module(*[t.to(self.device) for t in host])
-            self._write(results, outputs)
+            self._write(results, outputs, padded=captured is not None)
         self.stream.synchronize()
 
-    def _write(self, results: Sequence[Tensor], outputs: Mapping[str, np.ndarray]) -> None:
+    def _write(self, results: Sequence[Tensor], outputs: Mapping[str, np.ndarray], padded: bool = False) -> None:
         by_name = dict(zip(self.output_names, results))
         for name, out in outputs.items():
             result = by_name[name]
             if tuple(result.shape) != out.shape:
-                raise ValueError(f"{self.path.name}: output {name} has shape {tuple(result.shape)}, "
-                                 f"its buffer {out.shape}")
+                if not (padded and result.dim() == out.ndim and all(a >= b for a, b in zip(result.shape, out.shape))):
+                    raise ValueError(f"{self.path.name}: output {name} has shape {tuple(result.shape)}, "
+                                     f"its buffer {out.shape}")
+                result = result[_leading(out.shape)]  # the bucket's padding cut off
             torch.from_numpy(out).copy_(result)
 
     # -- CUDA graphs ----------------------------------------------------------------------
@@ -849,9 +860,49 @@ class TorchStageEngine:
         self._graphs[key] = CapturedGraph(graph, static, dict(zip(self.output_names, results)), memo)
         return key
 
+    def capture_buckets(self, batch_sizes: Sequence[int], lengths: Sequence[int], pad_length: bool) -> int:
+        """One CUDA graph per (batch size, length) bucket; afterwards `run` replays, for a batch of
+        any shape, the smallest bucket's graph that holds it: its rows and length zero-padded up to
+        the bucket's, the outputs cut back. Rows are independent (every batch the runtime runs
+        relies on it); a length is padded only with `pad_length` (the manifest's `pad_safe`),
+        else only a bucket of exactly the batch's length is used. Returns the graphs captured."""
+        for bs in batch_sizes:
+            for length in lengths:
+                self.capture(bs, length)
+        self._pad_length = pad_length
+        self._buckets = sorted(self._graphs, key=_elements)
+        return len(self._buckets)
+
+    def _bucket_for(self, key: ShapeKey) -> CapturedGraph | None:
+        """The smallest bucket graph whose input shapes hold `key`'s (None: run eagerly)."""
+        for bucket in self._buckets:
+            if all(len(b) == len(k) and all(x >= y for x, y in zip(b, k))
+                   and (self._pad_length or b[1:] == k[1:]) for b, k in zip(bucket, key)):
+                return self._graphs[bucket]
+        return None
+
     def release_graphs(self) -> None:
         """Drop every captured graph (`run` goes back to eager for those shapes)."""
         self._graphs.clear()
+        self._buckets = []
+
+
+def graph_buckets(bs_max: int, max_length: int, has_seq: bool) -> tuple[list[int], list[int]]:
+    """The (batch sizes, lengths) a stage's CUDA graphs are captured at: powers of two up to
+    bs_max and bs_max itself; lengths the same from 16 up to max_length ([0] without a length)."""
+    sizes = sorted({*(1 << k for k in range(bs_max.bit_length()) if 1 << k < bs_max), bs_max})
+    if not has_seq:
+        return sizes, [0]
+    lengths = sorted({*(1 << k for k in range(4, max_length.bit_length()) if 1 << k < max_length), max_length})
+    return sizes, lengths
+
+
+def _leading(shape: Sequence[int]) -> tuple[slice, ...]:
+    return tuple(slice(0, n) for n in shape)
+
+
+def _elements(key: ShapeKey) -> int:
+    return sum(math.prod(shape) for shape in key)
 
 
 def _dims(vi: onnx.ValueInfoProto) -> tuple[int | str | None, ...]:

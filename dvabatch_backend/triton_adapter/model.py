@@ -15,7 +15,8 @@ last stage would otherwise stand idle through one per query of its batch.
 Settings come from `config.pbtxt` parameters, each checked at load with the bad value named
 (`_PARSERS` lists them): manifest (default manifest.json), policy (default pipelined),
 num_buffer_pairs (1 on the CPU with the global pool, else 2: `default_buffer_pairs`), bs_max (the
-manifest's), threads_per_stage (1), engine, device, thread_pool, run_on, fast_path, engine_wrapper; Triton's
+manifest's), threads_per_stage (1), engine, device, thread_pool, run_on, fast_path, cuda_graphs (true),
+engine_wrapper; Triton's
 queue policy (max_queue_size, default_timeout_microseconds, allow_timeout_override,
 timeout_action); a latency target (slo_ms, slo_action); and policy parameters prefixed "policy.".
 Only this module imports `triton_python_backend_utils`; the runtime does not.
@@ -94,6 +95,7 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "thread_pool": lambda k, v: _choice(k, v, ("global", "per_stage")),
     "run_on": _boolean,
     "fast_path": _boolean,
+    "cuda_graphs": _boolean,
     "engine_wrapper": lambda k, v: v,
     # Triton's default_queue_policy, under the names its config uses
     "max_queue_size": lambda k, v: _integer(k, v, 0),
@@ -135,6 +137,7 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path) -> AdapterSetti
         thread_pool=thread_pool,
         run_on=values.get("run_on", defaults.run_on),
         fast_path=values.get("fast_path", defaults.fast_path),
+        cuda_graphs=values.get("cuda_graphs", defaults.cuda_graphs),
         queue=QueuePolicy(
             max_queue_size=values.get("max_queue_size", queue_defaults.max_queue_size),
             default_timeout_us=values.get("default_timeout_microseconds", queue_defaults.default_timeout_us),

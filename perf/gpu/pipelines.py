@@ -21,6 +21,7 @@ import numpy as np
 
 from dvabatch_backend.runtime.decisions import Policy
 from dvabatch_backend.runtime.fences import cuda_fences, install_fences
+from dvabatch_backend.runtime.loading import make_engine
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.runtime.pipeline import Pipeline
 from dvabatch_backend.runtime.scheduler import RuntimeSettings, Scheduler
@@ -42,11 +43,12 @@ def sliced_token_mlp(out_dir: Path, hidden: int, layers: int, stages: int, bs_ma
     return out_dir, manifest
 
 
-def torch_engines(model_dir: Path, manifest: Manifest, device: str) -> list[Any]:
-    """One `TorchStageEngine` per stage (the other engineer's runtime/torch_engine.py)."""
-    from dvabatch_backend.runtime.torch_engine import TorchStageEngine  # torch_engine API: (path, device, threads)
-
-    return [TorchStageEngine(model_dir / s.file, device=device) for s in manifest.stages]
+def torch_engines(model_dir: Path, manifest: Manifest, device: str, cuda_graphs: bool = False,
+                  bs_max: int | None = None) -> list[Any]:
+    """One `TorchStageEngine` per stage, loaded as the runtime loads them (`loading.make_engine`):
+    with `cuda_graphs` on CUDA, each captures its graphs per batch-size and length bucket."""
+    settings = RuntimeSettings(engine="torch", device=device, cuda_graphs=cuda_graphs, bs_max=bs_max)
+    return [make_engine(model_dir / s.file, settings, manifest) for s in manifest.stages]
 
 
 def stream_of(engine: Any) -> Any:

@@ -17,7 +17,8 @@ No tritonserver (the GPU machine has none): both systems are driven in this proc
 Models: `token_mlp` (a toy sized for a GPU), or the paper's GPU models, `bert` (BERT-base, GLUE-like
 lengths, policy `input`) and `resnet152` (224x224, policy `load`), cut evenly over their layers and
 profiled on the device with the torch engine (perf.gpu.pipelines.profile_on_device), so the
-policies plan with the device's costs. All systems run eagerly (no CUDA graphs): the same setting.
+policies plan with the device's costs. Every system replays CUDA graphs captured per batch-size and
+length bucket (the runtime's default on CUDA), or with --eager none does: the same setting for all.
 
 Measured, in this order: each system's latency at concurrency 1 (rounds taken in turn; DVABatch's
 overhead = its mean minus ZeroBatch's); ZeroBatch's closed-loop peak (bs_max clients), which sets the
@@ -43,6 +44,7 @@ import numpy as np
 
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.runtime.scheduler import RuntimeSettings
+from dvabatch_backend.runtime.loading import make_engine
 from dvabatch_backend.runtime.manifest import is_length_dim
 from perf.arrivals import poisson
 from perf.bench import sample_queries
@@ -71,6 +73,7 @@ class Setup:
     delays_ms: tuple[float, ...] = (1.0, 4.0)  # DelayBatch's queue delays
     c1_queries: int = 90  # queries at concurrency 1, per system
     p99_target_factor: float = 5.0  # the sustained rate's p99 target: this many times ZeroBatch's c1 mean
+    cuda_graphs: bool = True  # every system's engines replay CUDA graphs (on CUDA), or none do
 
 
 QUICK = Setup(hidden=64, layers=4, stages=2, bs_max=4, max_length=16, fractions=(0.5,), seconds_per_load=0.5,
@@ -246,7 +249,8 @@ def prepare(out_dir: Path, setup: Setup, device: str) -> tuple[Path, Manifest, d
                                                      setup.max_length, setup.size)
     lengths = [n for n in (16, 32, 64, 128) if n <= setup.max_length] or [0]
     batch_sizes = [bs for bs in (1, 2, 4, 8, 16, 32) if bs <= setup.bs_max]
-    manifest = profile_on_device(model_dir, manifest, torch_engines(model_dir, manifest, device), batch_sizes,
+    engines = torch_engines(model_dir, manifest, device, setup.cuda_graphs and device == "cuda", setup.bs_max)
+    manifest = profile_on_device(model_dir, manifest, engines, batch_sizes,
                                  lengths, int_high)
     return model_dir, manifest, int_high
 
@@ -291,13 +295,14 @@ def sustained(loads: Sequence[Mapping[str, Any]], name: str, target_ms: float) -
 
 def run(out_dir: Path, setup: Setup, device: str) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    from dvabatch_backend.runtime.torch_engine import TorchStageEngine  # the torch engine's API: (path, device)
     from policies import create_policy
 
     started = time.perf_counter()
     model_dir, manifest, int_high = prepare(out_dir, setup, device)
     memory: dict[str, Any] = {"before_mib": device_mib(device)}
-    whole = TorchStageEngine(model_dir / "model.onnx", device=device)
+    graphs = setup.cuda_graphs and device == "cuda"
+    whole = make_engine(model_dir / "model.onnx", RuntimeSettings(engine="torch", device=device, cuda_graphs=graphs,
+                                                                  bs_max=setup.bs_max), manifest)
     memory["unsliced_engine_mib"] = device_mib(device) - memory["before_mib"]
     zero = DynamicBatcher(whole, manifest, setup.bs_max).start()
     systems: dict[str, Any] = {"ZeroBatch": zero}
@@ -306,7 +311,7 @@ def run(out_dir: Path, setup: Setup, device: str) -> dict[str, Any]:
     for policy in setup.policies:
         settings = RuntimeSettings(num_buffer_pairs=2, bs_max=setup.bs_max, engine="torch", device=device)
         before = device_mib(device)
-        engines = torch_engines(model_dir, manifest, device)
+        engines = torch_engines(model_dir, manifest, device, graphs, setup.bs_max)
         memory[f"DVABatch-{policy}_engines_mib"] = device_mib(device) - before
         pipeline = cuda_pipeline(manifest, engines, create_policy(policy), settings) if device == "cuda" else None
         if pipeline is None:  # the CPU (the smoke run here): host fences, same runtime
@@ -393,6 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--model", default="token_mlp", choices=sorted(SETUPS))
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs for any system (default: all replay them)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and one short load (a smoke run)")
     args = parser.parse_args(argv)
     setup = SETUPS[args.model]
@@ -400,8 +406,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup = QUICK if args.model == "token_mlp" else replace(
             QUICK, model=args.model, size="test", max_length=min(setup.max_length, 32), preset=setup.preset,
             stages=2, policies=setup.policies)
-    result = run(args.out, setup, args.device)
-    print(f"{result['setup']['model']} on {result['gpu'] or result['device']}: ZeroBatch peak "
+    result = run(args.out, replace(setup, cuda_graphs=not args.eager), args.device)
+    print(f"{result['setup']['model']} on {result['gpu'] or result['device']} (CUDA graphs "
+          f"{'on' if result['setup']['cuda_graphs'] else 'off'}): ZeroBatch peak "
           f"{result['zerobatch_peak_qps']:.1f} qps; p99 target {result['p99_target_ms']:.2f} ms")
     for name, s in result["lone"].items():
         print(f"  concurrency 1, {name}: mean {s.get('mean', float('nan')):.3f} ms "

@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from dvabatch_backend.runtime.fences import CudaEventFence, cuda_fences  # noqa: E402
+from dvabatch_backend.runtime.loading import make_engine  # noqa: E402
 from dvabatch_backend.runtime.scheduler import RuntimeSettings  # noqa: E402
 from dvabatch_backend.runtime.torch_engine import TorchStageEngine  # noqa: E402  (the torch engine's API)
 from perf.gpu.overlap import stage_timeline  # noqa: E402
@@ -43,20 +44,28 @@ torch.backends.cudnn.allow_tf32 = False
 
 
 class EngineCache:
-    """Torch CUDA engines per sliced model, made once: loading a stage costs more than a query."""
+    """Torch CUDA engines per sliced model, made once: loading a stage costs more than a query.
+    With `graphs`, loaded as the runtime loads them on CUDA: CUDA graphs per bucket."""
 
-    def __init__(self) -> None:
+    def __init__(self, graphs: bool = False) -> None:
         self._engines: dict[Path, list[TorchStageEngine]] = {}
+        self._settings = RuntimeSettings(engine="torch", device="cuda", cuda_graphs=graphs)
 
     def get(self, model) -> list[TorchStageEngine]:
         if model.dir not in self._engines:
-            self._engines[model.dir] = [TorchStageEngine(model.dir / s.file, device="cuda") for s in model.manifest.stages]
+            self._engines[model.dir] = [make_engine(model.dir / s.file, self._settings, model.manifest)
+                                        for s in model.manifest.stages]
         return self._engines[model.dir]
 
 
 @pytest.fixture(scope="module")
 def cuda_engines() -> EngineCache:
     return EngineCache()
+
+
+@pytest.fixture(scope="module")
+def graphed_engines() -> EngineCache:
+    return EngineCache(graphs=True)
 
 
 def stage_inputs(engine: TorchStageEngine, batch: int, length: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -114,6 +123,28 @@ def test_cuda_graph_replay_equals_eager(zoo) -> None:
             np.testing.assert_allclose(value, like[name], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("pad_length", [True, False])
+def test_bucket_graphs_pad_and_cut_back_equal_eager(zoo, pad_length: bool) -> None:
+    """A batch of any shape replays the smallest bucket's graph that holds it (rows, and with
+    pad_length the length, zero-padded; outputs cut back) and answers as the eager run does."""
+    model = zoo.stages("token", 3)
+    rng = np.random.default_rng(2)
+    for spec in model.manifest.stages:
+        eager = TorchStageEngine(model.dir / spec.file, device="cuda")
+        graphed = TorchStageEngine(model.dir / spec.file, device="cuda")
+        assert graphed.capture_buckets([2, 4], [8, 12], pad_length=pad_length) == 4
+        for batch, length, replays in ((3, 9, pad_length), (1, 1, pad_length), (4, 12, True), (3, 12, True),
+                                       (5, 12, False), (2, 13, False)):
+            before = graphed.replays
+            inputs = stage_inputs(eager, batch, length, rng)
+            like = ort_outputs(model.dir / spec.file, inputs)
+            want, got = run_engine(eager, inputs, like), run_engine(graphed, inputs, like)
+            assert graphed.replays - before == int(replays), (batch, length)
+            for name in like:
+                assert got[name].shape == like[name].shape
+                np.testing.assert_allclose(got[name], want[name], atol=1e-5, rtol=1e-5, err_msg=f"{spec.file}: {name}")
+
+
 # -- the fence -----------------------------------------------------------------------------
 
 
@@ -149,9 +180,11 @@ def test_cuda_fences_map_boundaries_to_streams() -> None:
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(scenario=scenarios())
-def test_random_schedules_on_cuda_answer_every_query_once_and_correctly(zoo, cuda_engines: EngineCache, scenario: dict) -> None:
+def test_random_schedules_on_cuda_answer_every_query_once_and_correctly(zoo, graphed_engines: EngineCache,
+                                                                        scenario: dict) -> None:
+    """With the engines as the runtime loads them on CUDA: CUDA graphs per bucket."""
     model = zoo.get(scenario["kind"], scenario["cuts"])
-    engines = cuda_engines.get(model)
+    engines = graphed_engines.get(model)
     if scenario["delay"]:
         engines = [SlowEngine(e, scenario["delay"]) for e in engines]
     policy = RandomLegalPolicy(seed=scenario["seed"], stretch=scenario["p_stretch"], split=scenario["p_split"],

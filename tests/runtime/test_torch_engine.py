@@ -23,7 +23,7 @@ from slicer.zoo import ZOO, build
 from ..slicer.corpus import build_corpus
 
 torch = pytest.importorskip("torch")
-from dvabatch_backend.runtime.torch_engine import OPS, TorchStageEngine, UnsupportedOpError  # noqa: E402
+from dvabatch_backend.runtime.torch_engine import OPS, TorchStageEngine, UnsupportedOpError, graph_buckets  # noqa: E402
 
 CORPUS = ("bert", "gpt2", "vit", "resnet18", "crnn", "yolo", "conv_mean")
 MODELS = tuple(f"zoo_{name}" for name in sorted(ZOO)) + CORPUS
@@ -177,3 +177,24 @@ def test_the_baselines_run_the_unsliced_model_on_either_engine(sliced: SlicedCac
         baseline_model.parse_parameters({"device": "cuda"}, model.folder)
     config = (add_baseline(tmp_path, model.folder, "b", 0, engine="torch") / "config.pbtxt").read_text()
     assert 'key: "engine" value: { string_value: "torch" }' in config
+
+
+def test_graph_buckets_cover_every_batch_size_and_length() -> None:
+    """The CUDA-graph buckets: powers of two and the maximum itself, so every batch a bs_max and
+    max_length allow fits one bucket; a model without a length has one, 0."""
+    sizes, lengths = graph_buckets(16, 128, has_seq=True)
+    assert sizes == [1, 2, 4, 8, 16] and lengths == [16, 32, 64, 128]
+    sizes, lengths = graph_buckets(12, 100, has_seq=True)
+    assert sizes == [1, 2, 4, 8, 12] and lengths == [16, 32, 64, 100]
+    assert graph_buckets(1, 0, has_seq=False) == ([1], [0])
+    for bs_max, max_length in ((16, 128), (12, 100), (7, 12), (1, 1)):
+        sizes, lengths = graph_buckets(bs_max, max_length, True)
+        assert all(any(s >= bs for s in sizes) for bs in range(1, bs_max + 1))
+        assert all(any(n >= length for n in lengths) for length in range(1, max_length + 1))
+
+
+def test_make_engine_captures_no_graph_off_cuda(sliced: SlicedCache) -> None:
+    """cuda_graphs is the served default, and it touches only CUDA engines: on the CPU nothing is captured."""
+    model = sliced.get("zoo_bert")
+    engines = make_engines(model.folder, model.manifest, RuntimeSettings(engine="torch", device="cpu"))
+    assert RuntimeSettings().cuda_graphs and all(e.captured == [] for e in engines)
