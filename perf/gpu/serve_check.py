@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -29,8 +30,9 @@ NAME = "bert_gpu"
 TOLERANCE = 1e-4
 
 
-def prepare(repo: Path) -> tuple[Path, list[dict[str, np.ndarray]]]:
-    """The sliced model in `repo` with the GPU config; queries of lengths 1..32."""
+def prepare(repo: Path, instance: str = "gpu") -> tuple[Path, list[dict[str, np.ndarray]]]:
+    """The sliced model in `repo` with the GPU config (with `instance` "cpu", its instance group
+    on Triton's KIND_CPU); queries of lengths 1..32."""
     from slicer.profiler import int_bounds, random_inputs
     from slicer.slice_model import SliceOptions, slice_model
     from slicer.triton_files import add_model_variant
@@ -42,8 +44,12 @@ def prepare(repo: Path) -> tuple[Path, list[dict[str, np.ndarray]]]:
         force=True))
     version = report.out_dir / "1"
     add_model_variant(repo, version, NAME, policy="input")
-    subprocess.run([sys.executable, str(REPO / "docker" / "gpu_config.py"), str(repo / NAME / "config.pbtxt")],
-                   check=True)
+    config = repo / NAME / "config.pbtxt"
+    subprocess.run([sys.executable, str(REPO / "docker" / "gpu_config.py"), str(config)], check=True)
+    if instance == "cpu":  # the stub's instance on Triton's CPU kind; the engine still on CUDA
+        text = config.read_text()
+        config.write_text(re.sub(r"instance_group\s*\[\s*\{.*?\}\s*\]", "instance_group [ { kind: KIND_CPU count: 1 } ]",
+                                 text, flags=re.S))
     rng = np.random.default_rng(0)
     queries = [{k: v[0] for k, v in random_inputs(report.manifest.inputs, 1, int(n), rng, int_bounds(model)).items()}
                for n in rng.integers(1, 33, size=24)]
@@ -88,7 +94,14 @@ def check(full_model: Path, queries: Sequence[dict[str, np.ndarray]], answers: S
             rows.append({"length": length, "error": str(answer[2]) if answer else "no answer in 120 s"})
             continue
         want = session.run(outputs, {k: v[None] for k, v in q.items()})
-        err = max(float(np.max(np.abs(answer[1].as_numpy(name)[0] - ref[0]))) for name, ref in zip(outputs, want))
+        try:
+            err = max(float(np.max(np.abs(answer[1].as_numpy(name)[0] - ref[0]))) for name, ref in zip(outputs, want))
+        except ValueError as exc:  # an answer the client cannot read: what the response held
+            response = answer[1].get_response()
+            rows.append({"length": length, "error": f"{exc}; response outputs "
+                         f"{[(o.name, o.datatype, list(o.shape)) for o in response.outputs]}, raw bytes "
+                         f"{[len(r) for r in response.raw_output_contents]}"})
+            continue
         rows.append({"length": length, "ms": answer[0] * 1e3, "max_abs_error": err})
     return rows
 
@@ -98,12 +111,12 @@ def metrics(url: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("dvabatch_") and f'model="{NAME}"' in line]
 
 
-def run(out: Path) -> dict[str, Any]:
+def run(out: Path, instance: str = "gpu") -> dict[str, Any]:
     from dvabatch_backend.tools.serve import TritonServer
 
     out.mkdir(parents=True, exist_ok=True)
     repo = out / "repository"
-    full_model, queries = prepare(repo)
+    full_model, queries = prepare(repo, instance)
     result: dict[str, Any] = {"config": (repo / NAME / "config.pbtxt").read_text()}
     server = TritonServer(repo, log_path=out / "tritonserver.log")
     try:
@@ -127,8 +140,10 @@ def run(out: Path) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--instance", default="gpu", choices=("gpu", "cpu"),
+                        help="Triton's instance kind (the engine is on CUDA either way)")
     args = parser.parse_args(argv)
-    result = run(args.out)
+    result = run(args.out, args.instance)
     for key in ("burst", "one_by_one"):
         rows = result.get(key, [])
         ok = [r for r in rows if "error" not in r]
@@ -138,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{np.mean([r['ms'] for r in ok]) if ok else float('nan'):.2f} ms")
     if "error" in result:
         print(f"FAILED: {result['error']}\n{result['log_tail']}")
+    failed = [r for r in result.get("burst", []) + result.get("one_by_one", []) if "error" in r]
+    print("\n".join(f"  length {r['length']}: {r['error']}" for r in failed[:3]))
     print("\n".join(result.get("metrics", [])))
     return 0 if result["ok"] else 1
 

@@ -39,3 +39,79 @@ def test_sliced_token_mlp_stages_equal_the_whole(tmp_path: Path) -> None:
         tensors.update({o.name: v for o, v in zip(session.get_outputs(), out)})
     for output, value in zip(whole.get_outputs(), whole.run(None, feeds)):
         np.testing.assert_allclose(tensors[output.name], value, atol=1e-5)
+
+
+class _GatedEngine:
+    """Records each batch's rows; the first run waits for `gate` (ordering by events, not time)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.batches: list[int] = []
+
+    def run(self, inputs, outputs) -> None:
+        self.entered.set()
+        self.gate.wait(30)
+        self.batches.append(len(next(iter(inputs.values()))))
+
+
+def _batcher_queries(tmp_path: Path, n: int):
+    from perf.gpu.side_by_side import QUICK, make_queries, prepare
+
+    model_dir, manifest, int_high = prepare(tmp_path, QUICK, "cpu")
+    return manifest, make_queries(QUICK, manifest, int_high, n, seed=0)
+
+
+def test_zerobatch_runs_what_queued_behind_the_running_batch(tmp_path: Path) -> None:
+    import threading
+
+    from perf.gpu.side_by_side import DynamicBatcher
+
+    manifest, queries = _batcher_queries(tmp_path, 3)
+    engine = _GatedEngine()
+    batcher = DynamicBatcher(engine, manifest, bs_max=4).start()
+    done = [threading.Event() for _ in queries]
+    batcher.submit(queries[0], done[0].set)
+    assert engine.entered.wait(30)  # the first query runs alone, at once (no delay)
+    for q, d in zip(queries[1:], done[1:]):
+        batcher.submit(q, d.set)
+    engine.gate.set()
+    assert all(d.wait(30) for d in done)
+    batcher.stop()
+    assert engine.batches == [1, 2]
+
+
+def test_delaybatch_waits_for_a_full_batch_within_its_delay(tmp_path: Path) -> None:
+    import threading
+
+    from perf.gpu.side_by_side import DynamicBatcher
+
+    manifest, queries = _batcher_queries(tmp_path, 3)
+    engine = _GatedEngine()
+    engine.gate.set()
+    batcher = DynamicBatcher(engine, manifest, bs_max=3, delay_s=60.0).start()  # only a full batch can start it
+    done = [threading.Event() for _ in queries]
+    for q, d in zip(queries, done):
+        assert not engine.entered.is_set()
+        batcher.submit(q, d.set)
+    assert all(d.wait(30) for d in done)
+    batcher.stop()
+    assert engine.batches == [3]
+
+
+def test_gpu_side_by_side_on_a_zoo_model_answers_every_query(tmp_path: Path) -> None:
+    """The zoo path of perf.gpu.side_by_side on the CPU (ResNet-152 at the zoo's test size): cut
+    evenly, profiled with the engine it serves on into the manifest, every system answers all."""
+    from dataclasses import replace
+
+    from dvabatch_backend import Manifest
+    from perf.gpu.side_by_side import QUICK, run
+
+    setup = replace(QUICK, model="resnet152", size="test", max_length=0, preset="", stages=2, policies=("load",))
+    result = run(tmp_path, setup, "cpu")
+    manifest = Manifest.load(tmp_path / "model" / "manifest.json")
+    assert [sorted(t) for t in manifest.stage_times()] == [[1, 2, 4]] * 2
+    assert set(result["lone"]) == {"ZeroBatch", "DelayBatch-1ms", "DVABatch-load"}
+    for load in result["loads"]:
+        assert all(s["answered"] == s["sent"] == load["queries"] for s in load["systems"].values())
