@@ -8,8 +8,9 @@ manifest that records no choice, from the manifest itself:
    what a variable-length model loses most to (on a CPU a batch costs about rows x padded length);
    it comes first even where operator diversity is measured too (on a small CPU the preferred batch
    size per stage is noisy: a few % decide it).
-2. otherwise operator diversity (the stages prefer different batch sizes) -> `hybrid`: stretch
-   (Policy III) and split (Policy II) together.
+2. otherwise operator diversity (a stage runs the batch size another stage prefers at least 10 %
+   slower per query than its own: `operator_diversity`) -> `hybrid`: stretch (Policy III) and split
+   (Policy II) together.
 3. otherwise -> `load`: stretch the batch that waits for stage 0 (Policy III).
 
 The slicer writes the chosen name in config.pbtxt and records it in the manifest
@@ -26,6 +27,9 @@ from dvabatch_backend.runtime.manifest import is_length_dim
 
 AUTO = "auto"
 PREFERRED_WITHIN = 0.05  # as the slicer's profile: the smallest bs within 5% of the best per-query time
+# operator diversity is a stage at least 10 % slower per query at a size another stage prefers (a
+# residual MLP's identical stages "preferred" 16 and 64 at 0.5 % apart: noise picked hybrid)
+SPLIT_GAIN = 0.10
 
 
 def choose(input_diversity: bool, operator_diversity: bool) -> tuple[str, str]:
@@ -43,10 +47,22 @@ def preferred_batch_size(seconds: Mapping[int, float]) -> int:
     return min(bs for bs, t in per_query.items() if t <= best * (1 + PREFERRED_WITHIN))
 
 
+def split_gains(stage_times: Sequence[Mapping[int, float]]) -> list[float]:
+    """Per stage, how much worse its per-query time is at the largest batch size another stage
+    prefers than at its own preferred size (0.12: 12 % worse): what a split before it would save."""
+    prefs = [preferred_batch_size(s) if s else 0 for s in stage_times]
+    gains = []
+    for times, own in zip(stage_times, prefs):
+        bigger = [p for p in prefs if p > own and p in times]
+        gains.append((times[max(bigger)] / max(bigger)) / (times[own] / own) - 1 if times and bigger else 0.0)
+    return gains
+
+
 def operator_diversity(stage_times: Sequence[Mapping[int, float]]) -> bool:
-    """The stages' preferred batch sizes differ (profiled stage times by batch size)."""
-    prefs = {preferred_batch_size(s) for s in stage_times if s}
-    return len(prefs) > 1
+    """Some stage runs a batch of the size another stage prefers materially slower per query than
+    its own preferred size (`SPLIT_GAIN`): a split between them pays. Preferred sizes that differ
+    within that margin are measurement noise (a few % on a small CPU), not operator diversity."""
+    return any(gain >= SPLIT_GAIN for gain in split_gains(stage_times))
 
 
 def resolve(manifest_doc: Mapping[str, Any]) -> str:

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from dvabatch_backend.runtime.engine import available_cores
 from dvabatch_backend.runtime.manifest import Manifest
 
 from .analysis import CutPoint, legal_cut_points, name_nodes, with_length_carrier
@@ -41,11 +42,17 @@ Progress = Callable[[str], None]
 @dataclass(frozen=True)
 class SliceOptions:
     stages: int | None = None  # None: choose among `candidates` by measurement
-    candidates: tuple[int, ...] = (2, 3, 4)
+    # 1: the whole model as one stage, served by the same runtime; tried for fixed-shape models only
+    # (a variable-length model's stages let short queries exit early, which a throughput measurement
+    # of one length cannot show)
+    candidates: tuple[int, ...] = (1, 2, 3, 4)
     name: str | None = None  # default: the output folder's name
     max_batch_size: int = 64
     max_length: int = 128  # for models with a sequence dimension
-    threads: int = 1
+    threads: int = 1  # onnxruntime threads for node costs and stage balancing
+    # threads of the stage profile and the fast path's timing: by default every core, as the served
+    # global pool runs each stage (the policies plan with these times)
+    profile_threads: int | None = None
     batch_sizes: tuple[int, ...] | None = None  # stage profile; default 1, 2, 4, ... up to max_batch_size (<= 64)
     lengths: tuple[int, ...] | None = None  # stage profile length buckets
     reference_batch: int = 8  # node costs and balance are measured at this batch size
@@ -114,8 +121,9 @@ class SliceReport:
         if fast_path:
             lines.append(f"  fast path (a query that meets nobody): {fast_path.get('why')}")
         if len(self.candidates) > 1:
-            lines.append("  stage-count candidates (queries/s through the pipeline): "
-                         + ", ".join(f"{x.stages}: {x.throughput:.0f}" for x in self.candidates))
+            lines.append("  stage-count candidates (queries/s as served, closed loop): "
+                         + ", ".join(f"{x.stages}: {x.throughput:.0f}" for x in self.candidates)
+                         + f"; chose {c.stages} (the fewest stages within {STAGE_COUNT_TIE:.0%} of the fastest)")
         lines.append(f"  legal cut points: {self.legal_points} of {self.nodes} node positions")
         if c.balance > self.balance_goal:
             bound = self.achievable.get(c.stages)
@@ -178,7 +186,8 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
         if len(carried_points) > len(points) + 1:
             say(f"a length carrier makes {len(carried_points) - 1} positions legal instead of {len(points)}")
             model, points = name_nodes(carried), carried_points
-    wanted = [options.stages] if options.stages is not None else [n for n in options.candidates if n - 1 <= len(points)]
+    wanted = [options.stages] if options.stages is not None else [
+        n for n in options.candidates if n - 1 <= len(points) and (n > 1 or not has_seq)]
     for n in wanted:
         _check_stage_count(n, len(model.graph.node), points)
     settings = [ref] + ([Setting(1, ref.length), Setting(max(batch_sizes), ref.length)] if options.operator_diversity_cuts else [])
@@ -194,17 +203,20 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
         ]
         if len(candidates) > 1:
             for cand in candidates:
-                say(f"measuring the {cand.stages}-stage pipeline")
-                cand.throughput = measure_pipeline(cand.dir, cand.manifest, ref.length, options.threads, int_bounds(model))
-        chosen = max(candidates, key=lambda c: c.throughput or 0.0)
+                say(f"measuring the {cand.stages}-stage pipeline as it is served")
+                cand.throughput = measure_pipeline(cand.dir, cand.manifest, ref.length, int_bounds(model),
+                                                   concurrency=min(16, options.max_batch_size))
+        chosen = choose_stage_count(candidates)
         say("checking that padding leaves answers unchanged")
         pad = check_pad_safety(full, inputs, chosen.manifest.outputs, max_length, options.atol, int_bounds(model))
-        profile = profile_stages(chosen.dir, chosen.manifest, batch_sizes, lengths, options.threads,
+        served_threads = options.profile_threads or available_cores()
+        profile = profile_stages(chosen.dir, chosen.manifest, batch_sizes, lengths, served_threads,
                                  max(3, options.repeats // 2), int_bounds(model), say)
         policy = _policy_choice(profile)
         say("timing the unsliced model beside the stages in a row (the fast path's engine)")
-        fast_path = fast_path_choice(chosen.dir, chosen.manifest, lengths, options.threads, int_bounds(model))
-        manifest = _final_manifest(chosen, profile, ref, options, pad, int_bounds(model), policy, fast_path)
+        fast_path = fast_path_choice(chosen.dir, chosen.manifest, lengths, served_threads, int_bounds(model))
+        manifest = _final_manifest(chosen, profile, ref, options, pad, int_bounds(model), policy, fast_path,
+                                   _stage_count_record(candidates, chosen, has_seq, options.stages))
         _write_profile(chosen.dir, manifest, profile)
         write_triton_files(chosen.dir.parent, manifest, threads_per_stage=options.threads, policy=policy["choice"])
         if out_dir.exists():
@@ -329,13 +341,27 @@ def verify_stages(model: onnx.ModelProto, folder: Path, manifest: Manifest, leng
     return worst
 
 
-def measure_pipeline(folder: Path, manifest: Manifest, length: int, threads: int, int_high: dict[str, int],
+STAGE_COUNT_TIE = 0.03  # a candidate within 3 % of the fastest is as fast: the fewest stages among those wins
+
+
+def choose_stage_count(candidates: Sequence[Candidate]) -> Candidate:
+    """The candidate with the highest measured throughput, the fewest stages among those within
+    `STAGE_COUNT_TIE` of it (each stage costs a hand-off and its memory; a tie buys nothing)."""
+    best = max(c.throughput or 0.0 for c in candidates)
+    return min((c for c in candidates if (c.throughput or 0.0) >= (1 - STAGE_COUNT_TIE) * best), key=lambda c: c.stages)
+
+
+def measure_pipeline(folder: Path, manifest: Manifest, length: int, int_high: dict[str, int],
                      seconds: float = 0.6, concurrency: int = 8) -> float:
-    """Queries per second through the runtime, closed loop at `concurrency` queries in flight."""
+    """Queries per second through the runtime as the slicer's config serves it on this CPU, closed
+    loop at `concurrency` queries in flight: batches as the load policy makes them, one buffer pair
+    (stages one at a time), each stage on every core (the served global pool, here as per-stage
+    sessions: a process that takes onnxruntime's global pool cannot make per-session ones after)."""
     from dvabatch_backend.runtime import RuntimeSettings, load_pipeline
     from policies import create_policy
 
-    scheduler = load_pipeline(folder, create_policy("pipelined"), RuntimeSettings(threads_per_stage=threads))
+    scheduler = load_pipeline(folder, create_policy("load"), RuntimeSettings(
+        num_buffer_pairs=1, threads_per_stage=available_cores(), fast_path=False))
     rng = np.random.default_rng(3)
     pool = [{k: v[0] for k, v in random_inputs(manifest.inputs, 1, length, rng, int_high).items()} for _ in range(16)]
     done = threading.Semaphore(0)
@@ -386,9 +412,24 @@ def fast_path_choice(folder: Path, manifest: Manifest, lengths: Sequence[int], t
     return {"engine": engine, "why": why, "seconds": seconds}
 
 
+def _stage_count_record(candidates: Sequence[Candidate], chosen: Candidate, has_seq: bool,
+                        asked: int | None) -> dict[str, Any]:
+    """The manifest's record of how many stages and why."""
+    if asked is not None:
+        return {"chosen": chosen.stages, "why": "asked for (--stages)"}
+    if len(candidates) == 1:
+        return {"chosen": chosen.stages, "why": "the only candidate the model's cut points and length axis allow"}
+    measured = {str(c.stages): round(c.throughput or 0.0, 1) for c in candidates}
+    why = (f"the highest closed-loop throughput as served (load policy, one buffer pair, every core), the fewest "
+           f"stages within {STAGE_COUNT_TIE:.0%}: " + ", ".join(f"{n} stage(s) {q:g}/s" for n, q in measured.items()))
+    if has_seq:
+        why += "; 1 stage not tried: a variable-length model's stages let short queries exit early"
+    return {"chosen": chosen.stages, "queries_per_second": measured, "why": why}
+
+
 def _final_manifest(chosen: Candidate, profile: dict[str, Any], ref: Setting, options: SliceOptions,
                     pad: PadSafety, input_bounds: dict[str, int], policy: dict[str, str],
-                    fast_path: dict[str, Any] | None = None) -> Manifest:
+                    fast_path: dict[str, Any] | None = None, stage_count: dict[str, Any] | None = None) -> Manifest:
     doc = chosen.manifest.to_json()
     doc["policy"] = policy
     if fast_path is not None:
@@ -407,6 +448,8 @@ def _final_manifest(chosen: Candidate, profile: dict[str, Any], ref: Setting, op
         "threads": options.threads,
         "pad_check": pad.detail,
     }
+    if stage_count is not None:
+        doc["slicing"]["stage_count"] = stage_count
     manifest = Manifest.from_json(doc)
     manifest.dump(chosen.dir / "manifest.json")
     return manifest

@@ -71,16 +71,20 @@ def profile_stages(model_dir: Path, manifest: Manifest, batch_sizes: Sequence[in
 
 def diversity(manifest: Manifest, profile: Mapping[str, Any]) -> dict[str, Any]:
     """Which of the paper's diversities the model shows, measured on this machine."""
+    from policies.auto import SPLIT_GAIN, split_gains
+
     notes = []
     operator = False
     for length in map(str, profile["lengths"]):
         prefs = [s["preferred_bs"][length] for s in profile["stages"]]
-        if len(set(prefs)) > 1:
-            operator = True
+        gains = split_gains([{int(bs): t for bs, t in s["seconds"][length].items()} for s in profile["stages"]])
+        operator = operator or any(g >= SPLIT_GAIN for g in gains)
         label = f"length {length}: " if manifest.has_seq else ""
-        notes.append(f"{label}preferred batch size per stage {prefs}")
+        notes.append(f"{label}preferred batch size per stage {prefs}; per stage, per-query time at the largest size "
+                     f"another prefers vs its own: {', '.join(f'+{g:.0%}' for g in gains)}")
     if not operator:
-        notes.append("operator diversity: no - every stage prefers the same batch size on this machine")
+        notes.append(f"operator diversity: no - no stage is {SPLIT_GAIN:.0%} slower per query at a size another "
+                     "stage prefers (a split would not pay)")
     return {"input": manifest.has_seq, "operator": operator, "load": True, "notes": notes}
 
 

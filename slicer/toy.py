@@ -110,6 +110,38 @@ def dense_mlp(features: int = 16, layers: int = 4, seed: int = 0) -> onnx.ModelP
     return _model(graph)
 
 
+def residual_mlp(width: int = 512, blocks: int = 16, seed: int = 0) -> onnx.ModelProto:
+    """A ranking-style deep MLP: ``x`` float32 [batch, width] -> ``y`` float32 [batch, width].
+
+    Block k: ``r{k} = r{k-1} + (Relu(r{k-1} @ A_k + a_k) @ B_k + b_k) * 0.5``, r0 = x. Each query
+    reads every weight (32 MiB at width 512, 16 blocks), so a query alone is memory-bound (about
+    2 ms on 2 cores) and a batch of 16 costs about twice one (0.27 ms a query): the fixed-shape
+    model where batching pays most.
+    """
+    if width < 1 or blocks < 1:
+        raise ValueError(f"width and blocks must be >= 1, got width={width}, blocks={blocks}")
+    rng = np.random.default_rng(seed)
+    inits: list[onnx.TensorProto] = [numpy_helper.from_array(np.array(0.5, np.float32), "half")]
+    nodes: list[onnx.NodeProto] = []
+    prev = "x"
+    for k in range(1, blocks + 1):
+        nodes += _linear(rng, 2 * k - 1, prev, f"in{k}", width, inits)
+        nodes.append(helper.make_node("Relu", [f"in{k}"], [f"act{k}"], name=f"relu{k}"))
+        nodes += _linear(rng, 2 * k, f"act{k}", f"out{k}", width, inits)
+        nodes.append(helper.make_node("Mul", [f"out{k}", "half"], [f"scaled{k}"], name=f"scale{k}"))
+        out = "y" if k == blocks else f"r{k}"
+        nodes.append(helper.make_node("Add", [prev, f"scaled{k}"], [out], name=f"residual{k}"))
+        prev = out
+    graph = helper.make_graph(
+        nodes,
+        "residual_mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])],
+        initializer=inits,
+    )
+    return _model(graph)
+
+
 def save(model: onnx.ModelProto, path: str | Path) -> Path:
     """Check `model` with onnx.checker and save it to `path` (parent folders created)."""
     onnx.checker.check_model(model)

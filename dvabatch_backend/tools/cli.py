@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     slice_ = sub.add_parser("slice", help="cut an ONNX model into time-balanced, verified stages")
     slice_.add_argument("model", type=Path, help="the ONNX model")
     slice_.add_argument("--stages", default="auto", help="number of stages, or 'auto' to choose by measurement")
-    slice_.add_argument("--candidates", default="2,3,4", help="stage counts tried by --stages auto")
+    slice_.add_argument("--candidates", default="1,2,3,4",
+                        help="stage counts tried by --stages auto (1, the whole model, for fixed-shape models only)")
     slice_.add_argument("--out", type=Path, required=True, help="model directory to write (NAME/, for a model repository)")
     slice_.add_argument("--name", help="model name (default: the --out folder's name)")
     slice_.add_argument("--bs-max", type=int, default=64)

@@ -42,3 +42,32 @@ def test_the_slicer_records_which_engine_runs_the_fast_path_and_the_pipeline_loa
     pipeline = load_pipeline(tmp_path / "bert", load_policy("auto", {}, report.chosen.dir))
     assert pipeline.fast_path_engine == fast["engine"]
     pipeline.stop()
+
+
+def test_stages_auto_tries_one_stage_for_a_fixed_shape_model_and_says_why(tmp_path: Path) -> None:
+    """--stages auto measures 1 stage (the whole model, served by the same runtime) beside the sliced
+    candidates for a fixed-shape model; the manifest records each throughput and the choice, which
+    is the fewest stages within the tie margin of the fastest; the model serves either way."""
+    from dvabatch_backend.runtime.loading import load_pipeline
+    from slicer import toy
+    from slicer.slice_model import STAGE_COUNT_TIE
+
+    options = SliceOptions(candidates=(1, 2), max_batch_size=8, repeats=2, batch_sizes=(1, 2, 4, 8),
+                           calibration_rounds=0)
+    report = slice_model(toy.residual_mlp(width=64, blocks=4), tmp_path / "mlp", options)
+    record = report.manifest.extra["slicing"]["stage_count"]
+    measured = {int(n): q for n, q in record["queries_per_second"].items()}
+    assert set(measured) == {1, 2} and record["why"]
+    fastest = max(measured.values())
+    assert record["chosen"] == min(n for n, q in measured.items() if q >= (1 - STAGE_COUNT_TIE) * fastest)
+    assert report.manifest.num_stages == record["chosen"]
+    pipeline = load_pipeline(tmp_path / "mlp", load_policy("auto", {}, report.chosen.dir))
+    pipeline.stop()
+
+
+def test_stages_auto_keeps_a_variable_length_model_sliced(tmp_path: Path) -> None:
+    """1 stage is not a candidate where the input has a length: the stages let short queries exit early."""
+    options = SliceOptions(candidates=(1, 2), max_batch_size=4, max_length=32, repeats=2, batch_sizes=(1, 2, 4),
+                           calibration_rounds=0)
+    report = slice_model(build("bert", "test"), tmp_path / "bert", options)
+    assert report.manifest.num_stages == 2 and len(report.candidates) == 1

@@ -15,7 +15,7 @@ from policies.load_diversity import LoadDiversityPolicy
 SEQ_INPUTS = [{"name": "ids", "dtype": "int64", "dims": ["batch", "seq"]}]
 IMAGE_INPUTS = [{"name": "x", "dtype": "float32", "dims": ["batch", 3, 32, 32]}]
 SAME_PREFERENCE = [{"1": 1.0, "2": 2.0}, {"1": 1.0, "2": 2.0}]  # both prefer 1
-DIFFERENT = [{"1": 1.0, "2": 2.0}, {"1": 1.0, "2": 1.0}]  # 1, then 2
+DIFFERENT = [{"1": 1.0, "2": 2.4}, {"1": 1.0, "2": 1.0}]  # 1 (20 % slower per query at 2), then 2
 
 
 def test_the_rule() -> None:
@@ -23,8 +23,13 @@ def test_the_rule() -> None:
     assert choose(True, False)[0] == "input"
     assert choose(False, True)[0] == "hybrid"
     assert choose(False, False)[0] == "load"
-    assert operator_diversity([{1: 1.0, 2: 1.0}, {1: 1.0, 2: 2.0}])
+    assert operator_diversity([{1: 1.0, 2: 1.0}, {1: 1.0, 2: 2.4}])  # the second stage: +20 % per query at 2
     assert not operator_diversity([{1: 1.0, 2: 2.0}] * 3)
+    assert not operator_diversity([{1: 1.0, 2: 1.0}, {1: 1.0, 2: 2.0}])  # flat per query: a split saves nothing
+    # a residual MLP's four identical stages, profiled on 2 cores: "preferred" 64, 16, 16, 64 by noise
+    mlp = [{16: 16 * 0.0678, 64: 64 * 0.0575}, {16: 16 * 0.0575, 64: 64 * 0.0578},
+           {16: 16 * 0.0573, 64: 64 * 0.0544}, {16: 16 * 0.0657, 64: 64 * 0.0558}]
+    assert not operator_diversity(mlp)
 
 
 def test_resolve_takes_the_recorded_choice_else_the_rule_on_the_manifest() -> None:
