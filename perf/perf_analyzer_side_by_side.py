@@ -25,8 +25,12 @@ entry per request. For each system:
    TARGET`). Its sustained rate is the highest step whose p99 is within the target and whose
    answered throughput kept up with the rate (>= 90 % of what the generator delivered at the
    lowest step, see `sustained`);
-4. Poisson at 0.5x and 0.9x ZeroBatch's sustained rate (the same rates for every system, the
-   order of the systems alternating): mean and p99.
+4. Poisson at 0.5x and 0.9x the better baseline's sustained rate (the same rates for every system,
+   the order of the systems alternating): mean and p99, and each system's executions by batch size
+   over those runs (Triton's batch statistics).
+
+`--delays 500,1000,2000,4000` serves one DelayBatch per queue delay instead of the one delayed by a
+lone query's profiled time; the better baseline at each figure is then the best of them all.
 
 The report gives DVABatch's ratios against the better baseline for each figure (the lower latency,
 the higher sustained rate) beside the targets: concurrency-1 mean within +0.3 ms; at 0.5x mean
@@ -82,7 +86,11 @@ ZERO_SENDER, ZERO_THREAD, ECHO = "ZeroBatch-sender", "ZeroBatch-thread", "Echo"
 # unsliced model beside the stages
 PIPELINE_ONLY = "DVABatch-pipeline"
 OVERHEAD = {ZERO_SENDER: "sender", ZERO_THREAD: "thread", ECHO: "echo", PIPELINE_ONLY: "pipeline"}
-BASELINES = (ZERO, DELAY)
+
+
+def is_baseline(label: str) -> bool:
+    """ZeroBatch, or a DelayBatch ("DelayBatch", or "DelayBatch-2ms" from `--delays`)."""
+    return label == ZERO or label == DELAY or label.startswith(f"{DELAY}-")
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,8 @@ class SystemResult:
     load_rounds: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     # DVABatch: the share of the queries of each figure answered on the fast path (run inline)
     fast_path_share: dict[str, float] = field(default_factory=dict)
+    # each fixed load's executions by batch size (Triton's batch_stats, over the load's rounds)
+    batch_histograms: dict[str, dict[str, int]] = field(default_factory=dict)
     stub_rss_mb: float | None = None  # its Python-backend stub's resident memory after the runs
     succeeded: int = 0  # Triton's statistics after every run
     failed: int = 0
@@ -144,10 +154,11 @@ def delay_batch_delay_us(manifest: Any) -> int:
 
 
 def build_repository(scratch: Path, model_dir: Path, delay_batch_too: bool = True,
-                     overhead: bool = False) -> dict[str, str]:
+                     overhead: bool = False, delays_us: Sequence[int] = ()) -> dict[str, str]:
     """scratch/NAME (the slicer's config.pbtxt as written, its version folder linked),
-    scratch/NAME_zerobatch and scratch/NAME_delaybatch (and with `overhead` the `OVERHEAD` variants
-    of ZeroBatch); returns {label: model name}."""
+    scratch/NAME_zerobatch and scratch/NAME_delaybatch (with `delays_us`, one DelayBatch per delay
+    instead, labelled "DelayBatch-0.5ms" ...; and with `overhead` the `OVERHEAD` variants of
+    ZeroBatch); returns {label: model name}."""
     from dvabatch_backend.runtime.manifest import Manifest
     from perf.baselines import add_baseline, delay_batch, zero_batch
 
@@ -158,9 +169,11 @@ def build_repository(scratch: Path, model_dir: Path, delay_batch_too: bool = Tru
     shutil.copyfile(model_dir / "config.pbtxt", scratch / manifest.name / "config.pbtxt")
     (scratch / manifest.name / "1").symlink_to(version_dir, target_is_directory=True)
     zero_batch(scratch, version_dir, names[ZERO], threads=available_cores(), bs_max=manifest.max_batch_size)
-    if delay_batch_too:
-        names[DELAY] = f"{manifest.name}_delaybatch"
-        delay_batch(scratch, version_dir, delay_batch_delay_us(manifest), names[DELAY], threads=available_cores(),
+    delays = {f"{DELAY}-{d / 1000:g}ms": d for d in delays_us} or (
+        {DELAY: delay_batch_delay_us(manifest)} if delay_batch_too else {})
+    for label, delay in delays.items():
+        names[label] = f"{manifest.name}_delaybatch" + (f"_{delay}us" if delays_us else "")
+        delay_batch(scratch, version_dir, delay, names[label], threads=available_cores(),
                     bs_max=manifest.max_batch_size)
     if overhead:
         for label, respond in OVERHEAD.items():
@@ -197,6 +210,24 @@ def failure_counts(http_url: str, model: str) -> tuple[int, int]:
         stats = json.loads(response.read())["model_stats"]
     inference = [s["inference_stats"] for s in stats]
     return (sum(int(s["success"]["count"]) for s in inference), sum(int(s["fail"]["count"]) for s in inference))
+
+
+def batch_counts(http_url: str, model: str) -> dict[int, int]:
+    """Executions of `model` so far by the number of requests Triton handed each (its statistics'
+    batch_stats). For the baselines that is the batch the engine ran; for DVABatch on the fast path
+    (one buffer pair) it is the rows its `execute` ran inline, in the batches its policy made."""
+    with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/stats", timeout=10) as response:
+        stats = json.loads(response.read())["model_stats"]
+    counts: dict[int, int] = {}
+    for entry in (b for s in stats for b in s.get("batch_stats", [])):
+        size = int(entry["batch_size"])
+        counts[size] = counts.get(size, 0) + int(entry["compute_infer"]["count"])
+    return counts
+
+
+def histogram_delta(after: dict[int, int], before: dict[int, int]) -> dict[str, int]:
+    """Executions by batch size between two `batch_counts` readings (keys as strings, for JSON)."""
+    return {str(size): n - before.get(size, 0) for size, n in sorted(after.items()) if n > before.get(size, 0)}
 
 
 def stub_pid(server: Any, model: str) -> int:
@@ -351,11 +382,18 @@ def measure_open_loop(url: str, system: SystemResult, data: Path, plan: Plan,
         system.sustained_rate, system.sustained_p99_ms = best.level, best.p99_us / 1e3
 
 
-def measure_fixed_load(url: str, system: SystemResult, data: Path, plan: Plan, key: str, rate: float) -> None:
+def measure_fixed_load(url: str, system: SystemResult, data: Path, plan: Plan, key: str, rate: float,
+                       http_url: str | None = None) -> None:
     """Poisson at one rate, longer windows: one round's mean and p99 (no latency stop: the figure is
-    wanted); `system.loads[key]` holds the medians of the rounds so far, with their spread."""
+    wanted); `system.loads[key]` holds the medians of the rounds so far, with their spread; with
+    `http_url`, `system.batch_histograms[key]` the executions by batch size over its rounds."""
+    before = batch_counts(http_url, system.model) if http_url else {}
     result = _run(url, system.model, data, plan, windows_x=FIXED_LOAD_WINDOWS_X, request_rate_range=(rate,),
                   request_distribution="poisson", async_mode=True)
+    if http_url:
+        seen = system.batch_histograms.setdefault(key, {})
+        for size, n in histogram_delta(batch_counts(http_url, system.model), before).items():
+            seen[size] = seen.get(size, 0) + n
     _note_errors(result, system, f"request rate {rate:g}")
     if result.rows:
         row = result.rows[0]
@@ -370,12 +408,14 @@ def measure_fixed_load(url: str, system: SystemResult, data: Path, plan: Plan, k
         system.loads[key] = summary
 
 
-def fixed_rates(zero: SystemResult) -> tuple[dict[str, float], str]:
-    """The fixed Poisson rates (LOAD_FRACTIONS x ZeroBatch's sustained rate), and what they are
-    fractions of: its closed-loop peak when it sustained no step within the target."""
-    base, of = zero.sustained_rate, "ZeroBatch's sustained rate"
+def fixed_rates(baselines: Sequence[SystemResult]) -> tuple[dict[str, float], str]:
+    """The fixed Poisson rates (LOAD_FRACTIONS x the better baseline's sustained rate: the highest
+    of theirs), and what they are fractions of: its closed-loop peak when none sustained a step."""
+    best = max(baselines, key=lambda b: b.sustained_rate or 0.0)
+    base, of = best.sustained_rate, f"{best.label}'s sustained rate (the better baseline's)"
     if not base:
-        base, of = zero.closed_loop_peak or 1.0, "ZeroBatch's closed-loop peak (it sustained no step)"
+        best = max(baselines, key=lambda b: b.closed_loop_peak or 0.0)
+        base, of = best.closed_loop_peak or 1.0, f"{best.label}'s closed-loop peak (no baseline sustained a step)"
     return {f"{f:g}x": max(1.0, round(f * base, 1)) for f in LOAD_FRACTIONS}, of
 
 
@@ -408,12 +448,13 @@ def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: 
         progress(f"{system.label}: Poisson request rates {rates[0]:g} to {rates[1]:g} by {rates[2]:g}/s")
         share[system.label]("stepping", lambda: measure_open_loop(server.grpc_url, system, data, plan, rates))
     by_label = {s.label: s for s in systems}
-    loads, of = fixed_rates(by_label.get(ZERO, systems[-1]))
+    loads, of = fixed_rates([s for s in systems if is_baseline(s.label)] or systems[-1:])
     for r in range(plan.load_rounds):
         for i, (key, rate) in enumerate(loads.items()):
             for system in (systems if (i + r) % 2 == 0 else systems[::-1]):
                 progress(f"{system.label}: Poisson at {rate:g}/s ({key} {of}), round {r + 1}")
-                share[system.label](key, lambda: measure_fixed_load(server.grpc_url, system, data, plan, key, rate))
+                share[system.label](key, lambda: measure_fixed_load(server.grpc_url, system, data, plan, key, rate,
+                                                                    server.http_url))
     everyone = systems + [s for s in overhead_systems]
     for system in everyone:
         system.succeeded, system.failed = failure_counts(server.http_url, system.model)
@@ -425,7 +466,7 @@ def verdicts(systems: Sequence[SystemResult]) -> dict[str, dict[str, Any]]:
     """DVABatch against the better baseline for each figure: {figure: {value, better baseline, target, met}}.
     Latencies: the lower baseline; rates: the higher. A figure some system lacks is left out."""
     by_label = {s.label: s for s in systems}
-    dva, baselines = by_label.get(DVA), [s for s in systems if s.label in BASELINES]
+    dva, baselines = by_label.get(DVA), [s for s in systems if is_baseline(s.label)]
     if dva is None or not baselines:
         return {}
     out: dict[str, dict[str, Any]] = {}
@@ -497,6 +538,12 @@ def table(systems: Sequence[SystemResult], latency_target_ms: float) -> list[str
             lines.append(f"{s.label} spread of rounds: c=1 mean{spread(s.c1_mean_spread_ms)} ms"
                          + "".join(f"; {k} mean{spread(s.loads.get(k, {}).get('mean_spread'))} "
                                    f"p99{spread(s.loads.get(k, {}).get('p99_spread'))} ms" for k in keys if k in s.loads))
+    for s in systems:
+        for key, counts in s.batch_histograms.items():
+            total = sum(counts.values()) or 1
+            mean = sum(int(b) * n for b, n in counts.items()) / total
+            lines.append(f"{s.label} batch sizes at {key} (executions): mean {mean:.1f}; "
+                         + ", ".join(f"{b}: {n}" for b, n in counts.items()))
     lines += overhead_lines(systems)
     for figure, v in verdicts(systems).items():
         sign = ">=" if figure == "sustained" or figure.startswith("closed loop") else "<="
@@ -535,7 +582,7 @@ def overhead_lines(systems: Sequence[SystemResult]) -> list[str]:
 
 
 def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str, model_dir: Path | None = None,
-        overhead: bool = False) -> tuple[list[SystemResult], dict[str, Any]]:
+        overhead: bool = False, delays_us: Sequence[int] = ()) -> tuple[list[SystemResult], dict[str, Any]]:
     """Slices (or reuses OUT/sliced/SIZE/MODEL), or takes `model_dir` (any sliced model folder, as
     `dvabatch slice` wrote it), serves the systems from one server, measures them."""
     from dvabatch_backend.runtime.manifest import Manifest
@@ -552,20 +599,21 @@ def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str, model_dir:
         zoo_name, size = manifest.name, "own"
     with tempfile.TemporaryDirectory(prefix="dvabatch-pa-side-by-side-") as tmp:
         scratch = Path(tmp)
-        names = build_repository(scratch / "repo", model_dir, overhead=overhead)
+        names = build_repository(scratch / "repo", model_dir, overhead=overhead, delays_us=delays_us)
         data = write_queries(scratch / "input_data.json", model_dir, int_high, preset)
         with TritonServer(scratch / "repo") as server:
             for name in names.values():
                 server.wait_model_ready(name, timeout=300)
             print(f"tritonserver up; {names[DVA]} (the slicer's config) beside "
                   f"{', '.join(n for k, n in names.items() if k != DVA)} ({available_cores()} threads; "
-                  f"DelayBatch's delay {delay_batch_delay_us(manifest)} us)", flush=True)
+                  f"DelayBatch's delay {', '.join(map(str, delays_us)) or delay_batch_delay_us(manifest)} us)",
+                  flush=True)
             systems, fixed_of = compare(server, names, data, plan, manifest.max_batch_size,
                                         progress=lambda m: print(m, flush=True))
     info = {"model": zoo_name, "size": size, "slice": str(model_dir), "reused_slice": reused, "lengths": preset,
             "bs_max": manifest.max_batch_size, "max_length": manifest.max_length, "plan": asdict(plan),
             "baseline_threads": available_cores(), "policy": _policy(model_dir / "config.pbtxt"),
-            "delay_batch_delay_us": delay_batch_delay_us(manifest), "fixed_rates_of": fixed_of,
+            "delay_batch_delay_us": list(delays_us) or delay_batch_delay_us(manifest), "fixed_rates_of": fixed_of,
             "verdicts": verdicts(systems)}
     return systems, info
 
@@ -594,11 +642,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overhead", action="store_true",
                         help="also serve ZeroBatch answering through its response sender and from a worker thread, "
                              "and an echo model: where a query's time goes in the served path")
+    parser.add_argument("--delays", default="", metavar="US,US,...",
+                        help="one DelayBatch per queue delay (microseconds), e.g. 500,1000,2000,4000; the better "
+                             "baseline at each figure is the best of them and ZeroBatch (default: one DelayBatch, "
+                             "delayed by a lone query's profiled time)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="slices and results (default: %(default)s)")
     args = parser.parse_args(argv)
+    try:
+        delays_us = tuple(int(d) for d in args.delays.split(",") if d.strip())
+    except ValueError:
+        parser.error(f"--delays takes microseconds separated by commas, got {args.delays!r}")
     plan = Plan.for_args(args.quick, args.latency_target_ms, args.measurement_interval, args.rounds)
     began = time.perf_counter()
-    systems, info = run(args.model, args.size, args.out, plan, args.lengths, args.model_dir, args.overhead)
+    systems, info = run(args.model, args.size, args.out, plan, args.lengths, args.model_dir, args.overhead, delays_us)
     for line in table(systems, plan.latency_target_ms):
         print(line)
     results = args.out / "perf_analyzer_side_by_side" / info["model"] / info["size"] / "results.json"

@@ -70,11 +70,28 @@ def test_verdicts_take_the_better_baseline_for_each_figure() -> None:
     assert v["sustained"] == {"value": 1.5, "baseline": "ZeroBatch", "target": 1.5, "met": True}
 
 
-def test_fixed_rates_are_fractions_of_zerobatchs_sustained_rate_or_its_peak() -> None:
-    rates, of = sbs.fixed_rates(sbs.SystemResult("ZeroBatch", "z", closed_loop_peak=50.0, sustained_rate=40.0))
+def test_fixed_rates_are_fractions_of_the_better_baselines_sustained_rate_or_its_peak() -> None:
+    zero = sbs.SystemResult("ZeroBatch", "z", closed_loop_peak=50.0, sustained_rate=40.0)
+    delay = sbs.SystemResult("DelayBatch-2ms", "d", closed_loop_peak=48.0, sustained_rate=44.0)
+    rates, of = sbs.fixed_rates([zero, delay])
+    assert rates == {"0.5x": 22.0, "0.9x": 39.6} and "DelayBatch-2ms's sustained" in of
+    rates, of = sbs.fixed_rates([zero])
     assert rates == {"0.5x": 20.0, "0.9x": 36.0} and "sustained" in of
-    rates, of = sbs.fixed_rates(sbs.SystemResult("ZeroBatch", "z", closed_loop_peak=50.0))
+    rates, of = sbs.fixed_rates([sbs.SystemResult("ZeroBatch", "z", closed_loop_peak=50.0)])
     assert rates == {"0.5x": 25.0, "0.9x": 45.0} and "peak" in of
+
+
+def test_every_delaybatch_of_the_sweep_is_a_baseline() -> None:
+    assert all(sbs.is_baseline(x) for x in ("ZeroBatch", "DelayBatch", "DelayBatch-0.5ms", "DelayBatch-4ms"))
+    assert not any(sbs.is_baseline(x) for x in ("DVABatch", "Echo", "ZeroBatch-sender"))
+    dva = sbs.SystemResult("DVABatch", "m", sustained_rate=100.0)
+    v = sbs.verdicts([dva, sbs.SystemResult("ZeroBatch", "z", sustained_rate=80.0),
+                      sbs.SystemResult("DelayBatch-2ms", "d", sustained_rate=120.0)])
+    assert v["sustained"]["baseline"] == "DelayBatch-2ms" and v["sustained"]["value"] == round(100 / 120, 3)
+
+
+def test_batch_histograms_are_the_executions_between_two_readings() -> None:
+    assert sbs.histogram_delta({1: 10, 4: 7, 16: 3}, {1: 8, 4: 7}) == {"1": 2, "16": 3}
 
 
 def _row(rate: float, throughput: float, p99_ms: float) -> sbs.PerfRow:
