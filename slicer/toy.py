@@ -100,11 +100,16 @@ def dense_mlp(features: int = 16, layers: int = 4, seed: int = 0) -> onnx.ModelP
     inits: list[onnx.TensorProto] = []
     nodes, prev = _relu_layers(rng, range(1, layers), "x", features, inits)
     nodes += _linear(rng, layers, prev, "y", features, inits)
+    return _x_to_y(nodes, "dense_mlp", features, inits)
+
+
+def _x_to_y(nodes: list[onnx.NodeProto], name: str, width: int, inits: list[onnx.TensorProto]) -> onnx.ModelProto:
+    """A model of `nodes`: ``x`` float32 [batch, width] -> ``y`` float32 [batch, width]."""
     graph = helper.make_graph(
         nodes,
-        "dense_mlp",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", features])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", features])],
+        name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])],
         initializer=inits,
     )
     return _model(graph)
@@ -132,14 +137,7 @@ def residual_mlp(width: int = 512, blocks: int = 16, seed: int = 0) -> onnx.Mode
         out = "y" if k == blocks else f"r{k}"
         nodes.append(helper.make_node("Add", [prev, f"scaled{k}"], [out], name=f"residual{k}"))
         prev = out
-    graph = helper.make_graph(
-        nodes,
-        "residual_mlp",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])],
-        initializer=inits,
-    )
-    return _model(graph)
+    return _x_to_y(nodes, "residual_mlp", width, inits)
 
 
 def save(model: onnx.ModelProto, path: str | Path) -> Path:
