@@ -204,10 +204,15 @@ def write_queries(path: Path, model_dir: Path, int_high: dict[str, int], preset:
 # measuring
 
 
+def model_stats(http_url: str, model: str) -> list[dict[str, Any]]:
+    """Triton's statistics of `model` (`/v2/models/NAME/stats`), one entry per version."""
+    with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/stats", timeout=10) as response:
+        return json.loads(response.read())["model_stats"]
+
+
 def failure_counts(http_url: str, model: str) -> tuple[int, int]:
     """(succeeded, failed) inference requests of `model` so far, from Triton's statistics."""
-    with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/stats", timeout=10) as response:
-        stats = json.loads(response.read())["model_stats"]
+    stats = model_stats(http_url, model)
     inference = [s["inference_stats"] for s in stats]
     return (sum(int(s["success"]["count"]) for s in inference), sum(int(s["fail"]["count"]) for s in inference))
 
@@ -216,10 +221,8 @@ def batch_counts(http_url: str, model: str) -> dict[int, int]:
     """Executions of `model` so far by the number of requests Triton handed each (its statistics'
     batch_stats). For the baselines that is the batch the engine ran; for DVABatch on the fast path
     (one buffer pair) it is the rows its `execute` ran inline, in the batches its policy made."""
-    with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/stats", timeout=10) as response:
-        stats = json.loads(response.read())["model_stats"]
     counts: dict[int, int] = {}
-    for entry in (b for s in stats for b in s.get("batch_stats", [])):
+    for entry in (b for s in model_stats(http_url, model) for b in s.get("batch_stats", [])):
         size = int(entry["batch_size"])
         counts[size] = counts.get(size, 0) + int(entry["compute_infer"]["count"])
     return counts
@@ -447,7 +450,6 @@ def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: 
         rates = plan.rates(system.closed_loop_peak or 1.0)
         progress(f"{system.label}: Poisson request rates {rates[0]:g} to {rates[1]:g} by {rates[2]:g}/s")
         share[system.label]("stepping", lambda: measure_open_loop(server.grpc_url, system, data, plan, rates))
-    by_label = {s.label: s for s in systems}
     loads, of = fixed_rates([s for s in systems if is_baseline(s.label)] or systems[-1:])
     for r in range(plan.load_rounds):
         for i, (key, rate) in enumerate(loads.items()):

@@ -11,7 +11,6 @@ that is the fence plumbing the GPU runs exercise. The engine is the runtime's
 """
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
@@ -96,7 +95,7 @@ def profile_on_device(model_dir: Path, manifest: Manifest, engines: Sequence[Any
     """Each stage engine timed where it serves (its `run`: inputs in, compute, outputs out) at every
     batch size and length; the times go into the manifest as the slicer's `stage_times` (at the
     longest length) and `stage_times_by_length`, so the policies plan with the device's costs.
-    Rewrites model_dir/manifest.json and returns the manifest read back."""
+    Rewrites model_dir/manifest.json and returns that manifest."""
     rng = np.random.default_rng(0)
     by_length: dict[str, list[dict[str, float]]] = {}
     for length in lengths:
@@ -118,5 +117,6 @@ def profile_on_device(model_dir: Path, manifest: Manifest, engines: Sequence[Any
     if manifest.has_seq:
         doc["stage_times_by_length"] = by_length
     doc["input_bounds"] = {k: v for k, v in int_high.items() if k in {t.name for t in manifest.inputs}}
-    (model_dir / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
-    return Manifest.load(model_dir / "manifest.json")
+    manifest = Manifest.from_json(doc)
+    manifest.dump(model_dir / "manifest.json")
+    return manifest

@@ -149,13 +149,8 @@ class Plan:
     carried_bytes: int = 0  # the carried folder, all of it
 
     @property
-    def wheel_bytes(self) -> int:
-        """What the carried folder adds: every file in it (the wheels, the server bundle, ...)."""
-        return self.carried_bytes
-
-    @property
     def transfer_bytes(self) -> int:
-        return self.tree_bytes + self.wheel_bytes
+        return self.tree_bytes + self.carried_bytes
 
 
 def _normalized(name: str) -> str:
@@ -209,7 +204,7 @@ def plan(repo: Path, wheel_dir: Path, specs: Sequence[str], tree_bytes: int, ste
     if missing:
         result.problems.append(f"wheels missing from {wheel_dir} (run python -m perf.gpu.fetch_wheels): {missing}")
     if result.transfer_bytes > TRANSFER_LIMIT:
-        result.problems.append(f"the tree ({tree_bytes / MiB:.1f} MiB) and the wheels ({result.wheel_bytes / MiB:.1f} MiB) "
+        result.problems.append(f"the tree ({tree_bytes / MiB:.1f} MiB) and the carried folder ({result.carried_bytes / MiB:.1f} MiB) "
                                f"are over the {TRANSFER_LIMIT // MiB} MiB a call carries")
     result.calls = [device_call(step, wheels, wheel_dir, repo) for step in steps]
     for call in result.calls:
@@ -231,7 +226,7 @@ def print_plan(result: Plan, repo: Path) -> None:
     for w in result.wheels:
         where = w.path.relative_to(repo) if w.path else "MISSING"
         print(f"  {w.requirement:<28} {w.size / 1024:>9.1f} KiB  {where}")
-    print(f"transfer: tree {result.tree_bytes / MiB:.2f} MiB + carried {result.wheel_bytes / MiB:.2f} MiB = "
+    print(f"transfer: tree {result.tree_bytes / MiB:.2f} MiB + carried {result.carried_bytes / MiB:.2f} MiB = "
           f"{result.transfer_bytes / MiB:.2f} MiB (limit {TRANSFER_LIMIT // MiB} MiB)")
     for k, call in enumerate(result.calls, 1):
         print(f"\ndevice call {k}/{len(result.calls)}: step {call.step.name}")

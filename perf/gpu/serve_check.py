@@ -33,7 +33,8 @@ TOLERANCE = 1e-4
 def prepare(repo: Path, instance: str = "gpu") -> tuple[Path, list[dict[str, np.ndarray]]]:
     """The sliced model in `repo` with the GPU config (with `instance` "cpu", its instance group
     on Triton's KIND_CPU); queries of lengths 1..32."""
-    from slicer.profiler import int_bounds, random_inputs
+    from perf.bench import query_maker
+    from slicer.profiler import int_bounds
     from slicer.slice_model import SliceOptions, slice_model
     from slicer.triton_files import add_model_variant
     from slicer.zoo import build
@@ -51,12 +52,8 @@ def prepare(repo: Path, instance: str = "gpu") -> tuple[Path, list[dict[str, np.
         config.write_text(re.sub(r"instance_group\s*\[\s*\{.*?\}\s*\]", "instance_group [ { kind: KIND_CPU count: 1 } ]",
                                  text, flags=re.S))
     rng = np.random.default_rng(0)
-    queries = [{k: v[0] for k, v in random_inputs(report.manifest.inputs, 1, int(n), rng, int_bounds(model)).items()}
-               for n in rng.integers(1, 33, size=24)]
-    for q in queries:
-        for name, value in q.items():
-            if "mask" in name:
-                value[:] = 1
+    query = query_maker(report.manifest, int_bounds(model))
+    queries = [query(rng, int(n)) for n in rng.integers(1, 33, size=24)]
     return version / "model.onnx", queries
 
 

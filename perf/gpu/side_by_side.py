@@ -45,7 +45,7 @@ import numpy as np
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.runtime.scheduler import RuntimeSettings
 from dvabatch_backend.runtime.loading import make_engine
-from dvabatch_backend.runtime.manifest import is_length_dim
+from dvabatch_backend.runtime.query import validate_inputs
 from perf.arrivals import poisson
 from perf.bench import sample_queries
 from perf.gpu.pipelines import cuda_pipeline, profile_on_device, sliced_token_mlp, sliced_zoo_model, torch_engines
@@ -163,12 +163,8 @@ class DvaBatch:
 
 
 def query_length(manifest: Manifest, query: Inputs) -> int:
-    """A query's length: its size along the first input's length dim (0 for a fixed-shape model)."""
-    for spec in manifest.inputs:
-        for axis, dim in enumerate(spec.dims[1:]):
-            if isinstance(dim, str) and is_length_dim(dim):
-                return int(query[spec.name].shape[axis])
-    return 0
+    """A query's length as the runtime reads it (`validate_inputs`; 0 for a fixed-shape model)."""
+    return validate_inputs(0, query, manifest)[1]
 
 
 def make_queries(setup: Setup, manifest: Manifest, int_high: Mapping[str, int], n: int,
