@@ -219,6 +219,18 @@ def write_input_data(path: str | Path, queries: Sequence[Mapping[str, np.ndarray
     return path
 
 
+def write_request_intervals(path: str | Path, offsets: Sequence[float] | np.ndarray) -> Path:
+    """Write send offsets (seconds from the first send, `perf.arrivals`) as a `--request-intervals`
+    file: the gaps between them in whole microseconds, one per line."""
+    gaps = np.rint(np.diff(np.asarray(offsets, dtype=float)) * 1e6).astype(np.int64)
+    if gaps.size == 0 or (gaps < 0).any():
+        raise ValueError("request intervals need at least two offsets, in order")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(str(int(g)) for g in gaps) + "\n")
+    return path
+
+
 # ----------------------------------------------------------------------------------------------
 # results
 
@@ -354,16 +366,21 @@ def range_levels(start: float, end: float, step: float) -> list[float] | None:
 
 def build_command(model: str, url: str, *, binary: Path | str, csv_path: Path | str, protocol: str = "http",
                   concurrency_range: Range | None = None, request_rate_range: Range | None = None,
-                  request_distribution: str | None = None, input_data: str | Path | None = None,
+                  request_distribution: str | None = None, request_intervals: str | Path | None = None,
+                  input_data: str | Path | None = None,
                   shape: Mapping[str, Sequence[int]] | None = None, batch_size: int = 1,
                   measurement_interval_ms: int = 1000, stability_percentage: float | None = None,
                   max_trials: int | None = None, async_mode: bool = False,
                   extra_args: Sequence[str] = ()) -> tuple[list[str], list[float] | None]:
-    """The perf_analyzer command line, and the load levels the sweep should report."""
+    """The perf_analyzer command line, and the load levels the sweep should report.
+
+    `request_intervals`: a file of gaps between sends, in microseconds, one per line
+    (`write_request_intervals`): any arrival process, looped; its one row is reported by the rate it
+    achieved, so no level is expected."""
     if protocol not in ("http", "grpc"):
         raise ValueError(f"protocol must be 'http' or 'grpc', got {protocol!r}")
-    if concurrency_range is not None and request_rate_range is not None:
-        raise ValueError("give concurrency_range or request_rate_range, not both")
+    if sum(x is not None for x in (concurrency_range, request_rate_range, request_intervals)) > 1:
+        raise ValueError("give one of concurrency_range, request_rate_range and request_intervals")
     if request_distribution not in (None, "poisson", "constant"):
         raise ValueError(f"request_distribution must be None, 'poisson' or 'constant', got {request_distribution!r}")
     if request_distribution is not None and request_rate_range is None:
@@ -372,16 +389,22 @@ def build_command(model: str, url: str, *, binary: Path | str, csv_path: Path | 
         raise ValueError("--streaming is not supported: dvabatch answers default-mode requests")
     cmd = [str(binary), "-m", model, "-u", url, "-i", protocol, "-b", str(batch_size),
            "--measurement-interval", str(int(measurement_interval_ms)), "-f", str(csv_path), "--verbose-csv"]
-    if request_rate_range is not None:
+    levels: list[float] | None
+    if request_intervals is not None:
+        cmd += ["--request-intervals", str(request_intervals)]
+        levels = None
+    elif request_rate_range is not None:
         start, end, step = parse_range(request_rate_range)
         cmd += ["--request-rate-range", _range_arg(start, end, step, integer=False)]
         if request_distribution is not None:
             cmd += ["--request-distribution", request_distribution]
+        levels = range_levels(start, end, step)
     else:
         start, end, step = parse_range(concurrency_range if concurrency_range is not None else (1, 4, 1))
         if not all(float(x).is_integer() for x in (start, end, step)):
             raise ValueError(f"a concurrency range takes whole numbers, got {concurrency_range!r}")
         cmd += ["--concurrency-range", _range_arg(start, end, step, integer=True)]
+        levels = range_levels(start, end, step)
     if input_data is not None:
         cmd += ["--input-data", str(input_data)]
     for name, dims in (shape or {}).items():
@@ -395,7 +418,7 @@ def build_command(model: str, url: str, *, binary: Path | str, csv_path: Path | 
     if async_mode:
         cmd.append("--async")
     cmd += list(extra_args)
-    return cmd, range_levels(start, end, step)
+    return cmd, levels
 
 
 def _tail(text: str) -> str:
@@ -404,6 +427,7 @@ def _tail(text: str) -> str:
 
 def run_perf_analyzer(model: str, url: str, *, protocol: str = "http", concurrency_range: Range | None = None,
                       request_rate_range: Range | None = None, request_distribution: str | None = None,
+                      request_intervals: str | Path | None = None,
                       input_data: str | Path | None = None, shape: Mapping[str, Sequence[int]] | None = None,
                       batch_size: int = 1, measurement_interval_ms: int = 1000,
                       stability_percentage: float | None = None, max_trials: int | None = None,
@@ -423,7 +447,7 @@ def run_perf_analyzer(model: str, url: str, *, protocol: str = "http", concurren
         cmd, levels = build_command(
             model, url, binary=binary, csv_path=out, protocol=protocol, concurrency_range=concurrency_range,
             request_rate_range=request_rate_range, request_distribution=request_distribution,
-            input_data=input_data, shape=shape, batch_size=batch_size,
+            request_intervals=request_intervals, input_data=input_data, shape=shape, batch_size=batch_size,
             measurement_interval_ms=measurement_interval_ms, stability_percentage=stability_percentage,
             max_trials=max_trials, async_mode=async_mode, extra_args=extra_args)
         try:

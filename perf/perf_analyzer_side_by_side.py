@@ -25,9 +25,11 @@ entry per request. For each system:
    TARGET`). Its sustained rate is the highest step whose p99 is within the target and whose
    answered throughput kept up with the rate (>= 90 % of what the generator delivered at the
    lowest step, see `sustained`);
-4. Poisson at 0.5x and 0.9x the better baseline's sustained rate (the same rates for every system,
-   the order of the systems alternating): mean and p99, and each system's executions by batch size
-   over those runs (Triton's batch statistics).
+4. Poisson at 0.5x and 0.9x the better baseline's sustained rate, and bursty arrivals at 0.5x
+   (Gamma gaps with a coefficient of variation of 4, one seeded schedule sent by perf_analyzer's
+   `--request-intervals`): the same rates for every system, the order of the systems alternating;
+   mean and p99, and each system's executions by batch size over those runs (Triton's batch
+   statistics).
 
 `--delays 500,1000,2000,4000` serves one DelayBatch per queue delay instead of the one delayed by a
 lone query's profiled time; the better baseline at each figure is then the best of them all.
@@ -58,7 +60,8 @@ from typing import Any
 import numpy as np
 
 from dvabatch_backend.runtime.engine import available_cores
-from perf.perf_analyzer import PerfResult, PerfRow, run_perf_analyzer, write_input_data
+from perf.arrivals import gamma
+from perf.perf_analyzer import PerfResult, PerfRow, run_perf_analyzer, write_input_data, write_request_intervals
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "work" / "perf"
 LATENCY_TARGET_MS = 500.0
@@ -71,12 +74,11 @@ WINDOWS = 3  # perf_analyzer judges a level over 3 windows; -r 3 with a huge -s:
 INPUT_QUERIES = 200
 C1_ROUNDS = 3
 LOAD_ROUNDS = 3  # the fixed Poisson loads: each a median of this many rounds, systems in alternating order
-LOAD_FRACTIONS = (0.5, 0.9)  # fixed Poisson rates, x ZeroBatch's sustained rate
 CONCURRENCIES = (1, 2, 4, 8, 16)  # closed-loop throughput at each (capped at bs_max)
 FIXED_LOAD_WINDOWS_X = 2  # the fixed rates get windows this many times longer: more queries for a p99
 # DVABatch against the better baseline (issue "faster by default"): c=1 mean difference (ms), and ratios
 TARGETS = {"c1_mean_plus_ms": 0.1, "0.5x mean": 0.95, "0.5x p99": 0.8, "0.9x mean": 0.7, "0.9x p99": 0.5,
-           "sustained": 1.5, "closed loop": 1.0}
+           "0.5x gamma4 mean": 1.0, "0.5x gamma4 p99": 1.0, "sustained": 1.5, "closed loop": 1.0}
 DVA, ZERO, DELAY = "DVABatch", "ZeroBatch", "DelayBatch"
 # `--overhead`: where a query's time goes in the served path, beside ZeroBatch (which returns its answers
 # from `execute`): the same model answering through the response sender inside `execute`, or from one
@@ -91,6 +93,24 @@ OVERHEAD = {ZERO_SENDER: "sender", ZERO_THREAD: "thread", ECHO: "echo", PIPELINE
 def is_baseline(label: str) -> bool:
     """ZeroBatch, or a DelayBatch ("DelayBatch", or "DelayBatch-2ms" from `--delays`)."""
     return label == ZERO or label == DELAY or label.startswith(f"{DELAY}-")
+
+
+@dataclass(frozen=True)
+class FixedLoad:
+    """One fixed open-loop load: `fraction` of the better baseline's sustained rate, with Poisson
+    arrivals (`cv` 1) or bursty Gamma ones (`cv` > 1: gaps with that coefficient of variation, the
+    same seeded schedule for every system, sent by perf_analyzer's `--request-intervals`)."""
+
+    fraction: float
+    cv: float = 1.0
+
+    @property
+    def key(self) -> str:
+        return f"{self.fraction:g}x" if self.cv == 1 else f"{self.fraction:g}x gamma{self.cv:g}"
+
+
+FIXED_LOADS = (FixedLoad(0.5), FixedLoad(0.9), FixedLoad(0.5, cv=4.0))
+GAMMA_SEED, GAMMA_SENDS = 0, 20_000  # perf_analyzer loops the schedule past its end
 
 
 @dataclass(frozen=True)
@@ -385,14 +405,27 @@ def measure_open_loop(url: str, system: SystemResult, data: Path, plan: Plan,
         system.sustained_rate, system.sustained_p99_ms = best.level, best.p99_us / 1e3
 
 
+def arrivals(rate: float, intervals: Path | None) -> dict[str, Any]:
+    """perf_analyzer's load arguments for Poisson at `rate`, or for the schedule in `intervals`."""
+    if intervals is not None:
+        return {"request_intervals": intervals}
+    return {"request_rate_range": (rate,), "request_distribution": "poisson"}
+
+
+def write_gamma_intervals(path: Path, rate: float, cv: float) -> Path:
+    """The seeded Gamma schedule at `rate` with coefficient of variation `cv`, as a --request-intervals file."""
+    return write_request_intervals(path, gamma(rate, cv, GAMMA_SENDS, rng=GAMMA_SEED))
+
+
 def measure_fixed_load(url: str, system: SystemResult, data: Path, plan: Plan, key: str, rate: float,
-                       http_url: str | None = None) -> None:
-    """Poisson at one rate, longer windows: one round's mean and p99 (no latency stop: the figure is
-    wanted); `system.loads[key]` holds the medians of the rounds so far, with their spread; with
+                       http_url: str | None = None, intervals: Path | None = None) -> None:
+    """One fixed load, longer windows: Poisson at `rate`, or the schedule in `intervals` (its mean
+    rate `rate`); one round's mean and p99 (no latency stop: the figure is wanted);
+    `system.loads[key]` holds the medians of the rounds so far, with their spread; with
     `http_url`, `system.batch_histograms[key]` the executions by batch size over its rounds."""
     before = batch_counts(http_url, system.model) if http_url else {}
-    result = _run(url, system.model, data, plan, windows_x=FIXED_LOAD_WINDOWS_X, request_rate_range=(rate,),
-                  request_distribution="poisson", async_mode=True)
+    result = _run(url, system.model, data, plan, windows_x=FIXED_LOAD_WINDOWS_X, async_mode=True,
+                  **arrivals(rate, intervals))
     if http_url:
         seen = system.batch_histograms.setdefault(key, {})
         for size, n in histogram_delta(batch_counts(http_url, system.model), before).items():
@@ -411,15 +444,16 @@ def measure_fixed_load(url: str, system: SystemResult, data: Path, plan: Plan, k
         system.loads[key] = summary
 
 
-def fixed_rates(baselines: Sequence[SystemResult]) -> tuple[dict[str, float], str]:
-    """The fixed Poisson rates (LOAD_FRACTIONS x the better baseline's sustained rate: the highest
-    of theirs), and what they are fractions of: its closed-loop peak when none sustained a step."""
+def fixed_rates(baselines: Sequence[SystemResult],
+                loads: Sequence[FixedLoad] = FIXED_LOADS) -> tuple[dict[str, float], str]:
+    """Each fixed load's rate by its key (its fraction x the better baseline's sustained rate: the
+    highest of theirs), and what they are fractions of: its closed-loop peak when none sustained a step."""
     best = max(baselines, key=lambda b: b.sustained_rate or 0.0)
     base, of = best.sustained_rate, f"{best.label}'s sustained rate (the better baseline's)"
     if not base:
         best = max(baselines, key=lambda b: b.closed_loop_peak or 0.0)
         base, of = best.closed_loop_peak or 1.0, f"{best.label}'s closed-loop peak (no baseline sustained a step)"
-    return {f"{f:g}x": max(1.0, round(f * base, 1)) for f in LOAD_FRACTIONS}, of
+    return {load.key: max(1.0, round(load.fraction * base, 1)) for load in loads}, of
 
 
 def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: int,
@@ -450,13 +484,16 @@ def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: 
         rates = plan.rates(system.closed_loop_peak or 1.0)
         progress(f"{system.label}: Poisson request rates {rates[0]:g} to {rates[1]:g} by {rates[2]:g}/s")
         share[system.label]("stepping", lambda: measure_open_loop(server.grpc_url, system, data, plan, rates))
-    loads, of = fixed_rates([s for s in systems if is_baseline(s.label)] or systems[-1:])
+    rates, of = fixed_rates([s for s in systems if is_baseline(s.label)] or systems[-1:])
+    schedules = {load.key: write_gamma_intervals(data.with_name(f"intervals-{i}.txt"), rates[load.key], load.cv)
+                 for i, load in enumerate(FIXED_LOADS) if load.cv != 1}
     for r in range(plan.load_rounds):
-        for i, (key, rate) in enumerate(loads.items()):
+        for i, (key, rate) in enumerate(rates.items()):
+            shape = f"Gamma CV {FIXED_LOADS[i].cv:g}" if key in schedules else "Poisson"
             for system in (systems if (i + r) % 2 == 0 else systems[::-1]):
-                progress(f"{system.label}: Poisson at {rate:g}/s ({key} {of}), round {r + 1}")
+                progress(f"{system.label}: {shape} at {rate:g}/s ({key} {of}), round {r + 1}")
                 share[system.label](key, lambda: measure_fixed_load(server.grpc_url, system, data, plan, key, rate,
-                                                                    server.http_url))
+                                                                    server.http_url, schedules.get(key)))
     everyone = systems + [s for s in overhead_systems]
     for system in everyone:
         system.succeeded, system.failed = failure_counts(server.http_url, system.model)
@@ -492,7 +529,7 @@ def verdicts(systems: Sequence[SystemResult]) -> dict[str, dict[str, Any]]:
             ratio = mine / base[1]
             out[f"closed loop c{clients}"] = {"value": round(ratio, 3), "baseline": base[0],
                                               "target": TARGETS["closed loop"], "met": ratio >= TARGETS["closed loop"]}
-    for key in (f"{f:g}x" for f in LOAD_FRACTIONS):
+    for key in (load.key for load in FIXED_LOADS):
         for stat in ("mean", "p99"):
             target = TARGETS.get(f"{key} {stat}")
             base = best({b.label: b.loads.get(key, {}).get(f"{stat}_ms") for b in baselines}, lower=True)
@@ -521,7 +558,7 @@ def table(systems: Sequence[SystemResult], latency_target_ms: float) -> list[str
     def spread(pair: Any) -> str:
         return "" if not pair else f" [{pair[0]:.1f}-{pair[1]:.1f}]"
 
-    keys = [f"{f:g}x" for f in LOAD_FRACTIONS]
+    keys = [load.key for load in FIXED_LOADS]
     lines = [f"{'system':<16} {'c=1 mean':>8} {'c=1 p99':>8} {'closed peak/s':>13} {'sustained/s':>11} "
              + " ".join(f"{k + ' mean/p99 ms':>18}" for k in keys) + f" {'ok/failed':>12}"]
     for s in systems:

@@ -25,7 +25,9 @@ from perf.perf_analyzer import (
     perf_analyzer_env,
     run_perf_analyzer,
     write_input_data,
+    write_request_intervals,
 )
+from perf.arrivals import gamma
 from slicer import toy
 from slicer.slice_model import SliceOptions, slice_model
 
@@ -99,8 +101,12 @@ def test_build_command_and_ranges() -> None:
                                 request_distribution="poisson")
     assert cmd[cmd.index("--request-rate-range") + 1] == "50:150:50" and levels == [50, 100, 150]
     assert cmd[cmd.index("--request-distribution") + 1] == "poisson"
+    cmd, levels = build_command("m", "h:1", binary="/pa", csv_path="/r.csv", request_intervals="/gaps.txt")
+    assert cmd[cmd.index("--request-intervals") + 1] == "/gaps.txt" and levels is None
+    assert "--request-rate-range" not in cmd and "--concurrency-range" not in cmd
     assert parse_range((3,)) == (3, 3, 1) and parse_range("1:0") == (1, 0, 1)
     for bad in [dict(concurrency_range=(1, 2), request_rate_range=(1, 2)), dict(protocol="udp"),
+                dict(request_rate_range=(1, 2), request_intervals="/gaps.txt"),
                 dict(request_distribution="poisson"), dict(extra_args=["--streaming"]), dict(concurrency_range="1.5"),
                 dict(max_trials=2)]:
         with pytest.raises(ValueError):
@@ -167,6 +173,19 @@ def test_poisson_request_rate_sweep(server: TritonServer, varied_input: Path) ->
     assert result.ok, detail
     assert [r.request_rate for r in result.rows] == [100, 200], detail
     assert all(r.throughput > 0 for r in result.rows), detail
+
+
+@pytest.mark.server
+def test_bursty_arrivals_from_a_request_intervals_file(server: TritonServer, varied_input: Path,
+                                                       tmp_path: Path) -> None:
+    """A Gamma schedule (CV 4, 100/s) sent by --request-intervals: one row, reported by the rate sent."""
+    gaps = write_request_intervals(tmp_path / "gaps.txt", gamma(100.0, 4.0, 2000, rng=0))
+    result = _quick_run(server.grpc_url, protocol="grpc", request_intervals=gaps, input_data=varied_input,
+                        async_mode=True)
+    detail = f"{result.describe()}\n{result.stdout_tail}\n{result.stderr_tail}"
+    assert result.returncode == 0 and result.expected_levels is None, detail
+    assert len(result.rows) == 1 and result.rows[0].mode == "request_rate", detail
+    assert result.rows[0].request_rate > 0 and result.rows[0].throughput > 0, detail
 
 
 @pytest.mark.server

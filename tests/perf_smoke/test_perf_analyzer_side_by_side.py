@@ -1,6 +1,7 @@
 """`python -m perf.perf_analyzer_side_by_side` at the zoo's test size, short windows: the slicer's
 model beside ZeroBatch and DelayBatch in one real tritonserver, measured by the real perf_analyzer
-(concurrency 1, closed loop at bs_max, stepping Poisson rates, the fixed 0.5x and 0.9x rates). A row
+(concurrency 1, closed loop at bs_max, stepping Poisson rates, the fixed 0.5x and 0.9x rates, and
+Gamma CV 4 arrivals at 0.5x). A row
 per system, every request succeeded (Triton's own statistics: no failure, some successes), and a
 verdict per figure; no timing assertions."""
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from perf import perf_analyzer_side_by_side as sbs
@@ -32,13 +34,15 @@ def test_a_row_per_system_and_every_request_succeeded(tmp_path: Path, capsys: py
         assert system["c1_p99_ms"] is not None and system["closed_loop_peak"] is not None, (label, out)
         # a rate step, unless the lowest rate was already past the target (perf_analyzer's latency stop)
         assert system["steps"] or system["sustained_rate"] is None, (label, out)
-        assert set(system["loads"]) == {"0.5x", "0.9x"}, (label, out)
+        assert set(system["loads"]) == {"0.5x", "0.9x", "0.5x gamma4"}, (label, out)
         assert set(system["closed_loop"]) == {"1", "2", "4", "8"}, (label, out)  # bs_max 8 at test size
         assert all(load["mean_ms"] > 0 and load["p99_ms"] >= load["mean_ms"] * 0.5 for load in system["loads"].values())
         assert any(line.startswith(label) for line in out.splitlines()), out
     # the same fixed rates for every system, fractions of ZeroBatch's sustained rate (or its peak)
     assert len({system["loads"]["0.5x"]["rate"] for system in systems.values()}) == 1
-    assert {"c1 mean (ms over)", "0.5x mean", "0.5x p99", "0.9x mean", "0.9x p99"} <= set(results["verdicts"]), out
+    assert len({system["loads"]["0.5x gamma4"]["rate"] for system in systems.values()}) == 1
+    assert {"c1 mean (ms over)", "0.5x mean", "0.5x p99", "0.9x mean", "0.9x p99", "0.5x gamma4 mean",
+            "0.5x gamma4 p99"} <= set(results["verdicts"]), out
     assert all(isinstance(v["met"], bool) and v["baseline"] in ("ZeroBatch", "DelayBatch")
                for v in results["verdicts"].values())
     assert code == 0, out
@@ -74,11 +78,22 @@ def test_fixed_rates_are_fractions_of_the_better_baselines_sustained_rate_or_its
     zero = sbs.SystemResult("ZeroBatch", "z", closed_loop_peak=50.0, sustained_rate=40.0)
     delay = sbs.SystemResult("DelayBatch-2ms", "d", closed_loop_peak=48.0, sustained_rate=44.0)
     rates, of = sbs.fixed_rates([zero, delay])
-    assert rates == {"0.5x": 22.0, "0.9x": 39.6} and "DelayBatch-2ms's sustained" in of
-    rates, of = sbs.fixed_rates([zero])
+    assert rates == {"0.5x": 22.0, "0.9x": 39.6, "0.5x gamma4": 22.0} and "DelayBatch-2ms's sustained" in of
+    rates, of = sbs.fixed_rates([zero], [sbs.FixedLoad(0.5), sbs.FixedLoad(0.9)])
     assert rates == {"0.5x": 20.0, "0.9x": 36.0} and "sustained" in of
-    rates, of = sbs.fixed_rates([sbs.SystemResult("ZeroBatch", "z", closed_loop_peak=50.0)])
-    assert rates == {"0.5x": 25.0, "0.9x": 45.0} and "peak" in of
+    rates, of = sbs.fixed_rates([sbs.SystemResult("ZeroBatch", "z", closed_loop_peak=50.0)], [sbs.FixedLoad(0.9, 2.5)])
+    assert rates == {"0.9x gamma2.5": 45.0} and "peak" in of
+
+
+def test_the_bursty_load_is_one_seeded_gamma_schedule_at_the_fixed_rate(tmp_path: Path) -> None:
+    path = sbs.write_gamma_intervals(tmp_path / "i.txt", 200.0, 4.0)
+    assert path.read_text() == sbs.write_gamma_intervals(tmp_path / "j.txt", 200.0, 4.0).read_text()
+    gaps_s = np.loadtxt(path) / 1e6
+    assert len(gaps_s) == sbs.GAMMA_SENDS - 1 and (gaps_s >= 0).all()
+    assert abs(gaps_s.mean() - 1 / 200) < 0.15 / 200
+    assert 3.0 < gaps_s.std() / gaps_s.mean() < 5.0  # far burstier than Poisson's 1
+    assert sbs.arrivals(200.0, path) == {"request_intervals": path}
+    assert sbs.arrivals(200.0, None) == {"request_rate_range": (200.0,), "request_distribution": "poisson"}
 
 
 def test_every_delaybatch_of_the_sweep_is_a_baseline() -> None:
