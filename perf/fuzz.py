@@ -101,10 +101,7 @@ class FuzzModel:
 
     def lengths(self) -> list[int]:
         """The valid lengths (0 for a model without one)."""
-        if not self.has_seq:
-            return [0]
-        step = self.manifest.length_multiple
-        return list(range(step, self.manifest.max_length + 1, step))
+        return self.manifest.valid_lengths() if self.has_seq else [0]
 
 
 @dataclass

@@ -19,6 +19,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from dvabatch_backend.runtime.length_expr import is_length, parse_length
 from dvabatch_backend.runtime.manifest import BATCH, SEQ
 
 from .cut import OUTPUT_BATCH_AXES_KEY, input_specs
@@ -199,14 +200,95 @@ def batch_first_outputs(model: onnx.ModelProto, length: int) -> dict[str, int]:
     return moved
 
 
-def probe_lengths(model: onnx.ModelProto, max_length: int, count: int = 5) -> list[int]:
-    """Up to `count` lengths (at most `max_length`) the canonical model runs at, batch 2: the three
-    smallest and two spread above them (for fitting a derived length such as ``seq//4``).
+DENSE_RULE_LENGTHS = 64  # every length up to this is tried (a period up to 64 shows in full)
+SPREAD_RULE_LENGTHS = 12  # and this many points above it, each with its neighbour and the next prime
 
-    A model that needs a minimum size or a multiple of some step (a detector's 32) shows it here.
-    """
+
+@dataclass(frozen=True)
+class LengthRule:
+    """The lengths a model takes, as its own runs showed: multiples of `multiple`, at least
+    `min_length`; `why` is the evidence ("" when every length tried ran)."""
+
+    min_length: int = 1
+    multiple: int = 1
+    why: str = ""
+    tried: int = 0
+
+    def allows(self, length: int) -> bool:
+        return length >= self.min_length and length % self.multiple == 0
+
+
+def rule_lengths(max_length: int) -> list[int]:
+    """The lengths `length_rule` runs the model at: every one up to DENSE_RULE_LENGTHS, then a
+    spread to `max_length` with odd neighbours and primes (non-multiples of any stride)."""
+    dense = set(range(1, min(max_length, DENSE_RULE_LENGTHS) + 1))
+    if max_length > DENSE_RULE_LENGTHS:
+        for point in np.geomspace(DENSE_RULE_LENGTHS + 1, max_length, SPREAD_RULE_LENGTHS):
+            n = int(round(point))
+            dense.update({n, n + 1, _next_prime(n)})
+    return sorted(n for n in dense if n <= max_length)
+
+
+def _next_prime(n: int) -> int:
+    while n < 2 or any(n % d == 0 for d in range(2, int(n ** 0.5) + 1)):
+        n += 1
+    return n
+
+
+def length_rule(model: onnx.ModelProto, max_length: int, strides: Sequence[int] = (),
+                expected: Mapping[str, Sequence[object]] | None = None) -> LengthRule:
+    """What lengths the canonical model takes, from running it (batch 1) at each of `rule_lengths`.
+
+    A length is refused only where the model itself fails, answers with an empty output, or answers
+    with a length dim other than its graph gives there (`expected`: output -> dims from symbolic
+    inference; onnxruntime pads a pool that its input is too short for, say). Among
+    the rules (a minimum, and a multiple from 1, `strides` and powers of two up to 64) that every
+    length tried agrees with (each allowed length ran), the one allowing the most of the lengths
+    that ran wins; the fewer refusals, the smaller multiple on a tie."""
+    lengths = rule_lengths(max_length)
     session = _session(model)
-    trials = sorted({*(t for t in _LENGTH_TRIALS if t <= max_length), max_length})
+    failed: dict[int, str] = {}
+    for n in lengths:
+        problem = _run_problem(session, model, 1, n, expected or {})
+        if problem is not None:
+            failed[n] = problem
+    if not failed:
+        return LengthRule(tried=len(lengths))
+    ran = [n for n in lengths if n not in failed]
+    if not ran:
+        raise AxisError(f"the model runs at none of the lengths 1..{max_length} "
+                        f"(at {lengths[-1]}: {failed[lengths[-1]]}); pass --max-length or --fixed")
+    best: tuple[int, int, int] | None = None  # (allowed, -multiple, min_length)
+    for multiple in sorted({1, *(int(k) for k in strides if 1 < k <= 64), *(2 ** j for j in range(1, 7))}):
+        refused_multiples = [n for n in failed if n % multiple == 0]
+        minimum = max(refused_multiples, default=0) + 1
+        allowed = sum(1 for n in ran if n >= minimum and n % multiple == 0)
+        if allowed >= 2 and (best is None or (allowed, -multiple) > best[:2]):
+            best = (allowed, -multiple, minimum)
+    if best is None:
+        raise AxisError(f"the model runs at only {ran} of the lengths tried up to {max_length}; "
+                        "pass --max-length or --fixed")
+    _, neg_multiple, minimum = best
+    multiple = -neg_multiple
+    shown = sorted(failed)
+    listed = ", ".join(map(str, shown[:8])) + (f" and {len(shown) - 8} more" if len(shown) > 8 else "")
+    below = [n for n in shown if n < minimum]
+    first = next((n for n in shown if n >= minimum), shown[0]) if multiple > 1 or not below else below[-1]
+    why = (f"the model fails or answers empty at lengths {listed} of the {len(lengths)} tried (at {first}: "
+           f"{failed[first]})")
+    return LengthRule(minimum, multiple, why, len(lengths))
+
+
+def probe_lengths(model: onnx.ModelProto, max_length: int, rule: LengthRule | None = None,
+                  count: int = 5) -> list[int]:
+    """Up to `count` lengths (at most `max_length`) the canonical model runs at, batch 2, that
+    `rule` allows: the three smallest and two spread above them (the probes that confirm each
+    length dim's expression, or fit one where inference has none)."""
+    session = _session(model)
+    rule = rule or LengthRule()
+    steps = {rule.multiple * j for j in range(1, 4)} if rule.multiple > 1 else set()
+    trials = [t for t in sorted({*(t for t in _LENGTH_TRIALS if t <= max_length), max_length, *steps})
+              if t <= max_length and rule.allows(t)]
     runnable = [n for n in trials if _runs(session, model, 2, n)]
     if len(runnable) < 2:
         raise AxisError(
@@ -242,11 +324,25 @@ def _feeds(model: onnx.ModelProto, batch: int, length: int) -> dict[str, np.ndar
 def _runs(session: ort.InferenceSession, model: onnx.ModelProto, batch: int, length: int) -> bool:
     """The model takes this length: it runs, and no output comes back empty (a detector's grid of
     width // 32 cells at a width under 32)."""
+    return _run_problem(session, model, batch, length) is None
+
+
+def _run_problem(session: ort.InferenceSession, model: onnx.ModelProto, batch: int, length: int,
+                 expected: Mapping[str, Sequence[object]] = {}) -> str | None:
+    """Why the model does not take this length (its error's first line, an empty output, or an
+    output length other than its graph's `expected` dims give), or None."""
     try:
         outputs = session.run(None, _feeds(model, batch, length))
-    except Exception:  # onnxruntime's errors for shapes a model cannot take
-        return False
-    return all(0 not in np.shape(o) for o in outputs)
+    except Exception as exc:  # onnxruntime's errors for shapes a model cannot take
+        text = str(exc).strip().splitlines()
+        return (text[0] if text else type(exc).__name__)[:200]
+    for meta, value in zip(session.get_outputs(), outputs):
+        if 0 in np.shape(value):
+            return f"output {meta.name!r} is empty"
+        for axis, (got, dim) in enumerate(zip(np.shape(value), expected.get(meta.name, ()))):
+            if is_length(dim) and got != (want := parse_length(str(dim))(length)):
+                return f"output {meta.name!r} dim {axis} is {got} where its graph gives {dim} = {want}"
+    return None
 
 
 def _model_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:

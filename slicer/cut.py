@@ -12,10 +12,14 @@ k it is called ``f"{orig}__{k}"``, the stage before adds an ``Identity`` that fo
 the stage after reads the renamed tensor. A model output made before the last stage is
 renamed the same way at every internal boundary, so the last stage can restore its name.
 
-Boundary dtypes and dims come from running the full model in onnxruntime at three (batch, seq)
-settings (two batch sizes at one length, two lengths at one batch size), not from shape
-inference. The lengths are the model's own (`slicer.axes.probe_lengths`, kept in the model's
-metadata under `PROBE_LENGTHS_KEY`).
+Boundary dims are exact: a dim that follows the length is the expression onnxruntime's symbolic
+shape inference gives for it (`symbolic_dims`: ``floor(seq/2 - 1/2) + 1``, a detector head's sum of
+three such), and the probes confirm it. The probes run the full model in onnxruntime at several
+(batch, seq) settings (two batch sizes at one length, the other lengths at one batch size); they
+give the dtypes and which dim is the batch, and confirm each expression at every probed length,
+a mismatch being an error naming the tensor. Where inference knows no expression for a dim, one
+of the form ``(seq+A)//K`` is fitted to the probes. The lengths are the model's own
+(`slicer.axes.probe_lengths`, kept in the model's metadata under `PROBE_LENGTHS_KEY`).
 
 Batch-independent tensors (shape arithmetic such as ``Shape -> Gather -> Concat``, constants,
 ``Range`` over the length: anything computed from constants and the *shapes* of row tensors)
@@ -25,7 +29,7 @@ a position illegal.
 """
 from __future__ import annotations
 
-import math
+import logging
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
@@ -47,6 +51,9 @@ from dvabatch_backend.runtime.manifest import (
     is_length_dim,
     length_dim_terms,
 )
+from dvabatch_backend.runtime.length_expr import is_length, parse_length
+
+from .length_nodes import length_nodes
 
 FULL_MODEL_FILE = "model.onnx"
 MANIFEST_FILE = "manifest.json"
@@ -54,18 +61,22 @@ PROBE_BATCHES = (2, 3)
 DEFAULT_PROBE_LENGTHS = (3, 5, 7)
 PROBE_LENGTHS_KEY = "dvabatch.probe_lengths"
 OUTPUT_BATCH_AXES_KEY = "dvabatch.output_batch_axes"
+log = logging.getLogger(__name__)
 # ops whose output differs between two runs: never recomputed
 _NONDETERMINISTIC = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
-def length_multiple(model: onnx.ModelProto) -> int:
-    """The lengths a model with derived length outputs is built for are multiples of this: the lcm
-    of the divisors K of its outputs' ``seq//K`` dims (1 without any)."""
-    outputs = [o.name for o in model.graph.output]
-    specs = probe_specs(model, outputs)
-    divisors = [length_dim_terms(d)[1] for t in outputs if isinstance(specs[t], TensorSpec)
-                for d in specs[t].dims[1:] if isinstance(d, str) and is_length_dim(d)]  # type: ignore[union-attr]
-    return math.lcm(1, *divisors)
+def output_dims(model: onnx.ModelProto) -> dict[str, tuple[int | str | None, ...]]:
+    """Each model output's dims as symbolic inference gives them (`symbolic_dims`)."""
+    inferred = symbolic_dims(model)
+    return {o.name: inferred[o.name] for o in model.graph.output if o.name in inferred}
+
+
+def output_strides(model: onnx.ModelProto) -> set[int]:
+    """The whole numbers the model's outputs' length dims divide the length by (symbolic
+    inference): the strides whose multiples `slicer.axes.length_rule` tries as a rule."""
+    return {k for dims in output_dims(model).values() for d in dims if is_length(d)
+            for k in parse_length(str(d)).divisors()}
 
 
 def output_batch_axes(model: onnx.ModelProto) -> dict[str, int]:
@@ -120,22 +131,29 @@ class Recomputable:
     length_dims: Mapping[str, frozenset[str]]
 
 
-def length_source(dim: str, specs: Sequence[TensorSpec]) -> tuple[TensorSpec, int, int, int] | None:
-    """A row tensor whose shape gives length dim `dim`: (spec, axis, A, K) with
-    ``dim == floor((shape[axis] + A) / K)``; or None."""
-    add, divisor = length_dim_terms(dim)
+def length_source(dim: str, specs: Sequence[TensorSpec]) -> tuple[TensorSpec, int, str | None] | None:
+    """A row tensor whose shape gives length dim `dim`: (spec, axis, how), `dim` being
+    ``shape[axis]`` itself (`how` None) or the expression `how` of it (its ``seq`` standing for
+    ``shape[axis]``); or None."""
     for spec in specs:
         if dim in spec.dims:
-            return spec, spec.dims.index(dim), 0, 1
+            return spec, spec.dims.index(dim), None
     for spec in specs:
         if SEQ in spec.dims:
-            return spec, spec.dims.index(SEQ), add, divisor
+            return spec, spec.dims.index(SEQ), dim
+    try:
+        add, divisor = length_dim_terms(dim)
+    except ValueError:
+        return None
     for spec in specs:  # floor(floor(seq / K1) / (K2 / K1)) == floor(seq / K2)
         for axis, d in enumerate(spec.dims):
-            if add == 0 and isinstance(d, str) and is_length_dim(d):
-                a1, k1 = length_dim_terms(d)
+            if add == 0 and isinstance(d, str) and d != SEQ and is_length_dim(d):
+                try:
+                    a1, k1 = length_dim_terms(d)
+                except ValueError:
+                    continue
                 if a1 == 0 and divisor % k1 == 0:
-                    return spec, axis, 0, divisor // k1
+                    return spec, axis, f"seq//{divisor // k1}"
     return None
 
 
@@ -275,7 +293,6 @@ def cut_model(
         ),
         full_model=FULL_MODEL_FILE,
         output_batch_axes=output_batch_axes(model),
-        length_multiple=length_multiple(model) if any(s.has_seq for s in boundary_specs[0]) else 1,
     )
     Manifest.from_json(manifest.to_json())  # the checks Manifest.load makes; raises ManifestError
 
@@ -459,15 +476,50 @@ def probe_specs(model: onnx.ModelProto, tensors: Sequence[str]) -> dict[str, Ten
     inputs = [s for s in specs.values() if isinstance(s, TensorSpec)]
     settings = probe_settings(model)
     runs = [session.run(wanted, {s.name: _probe_feed(s, b, q, rng) for s in inputs}) for b, q in settings]
+    inferred = symbolic_dims(model) if has_seq else {}
     for j, t in enumerate(wanted):
-        specs[t] = _probed_spec(t, [np.asarray(run[j]) for run in runs], settings, has_seq)
+        specs[t] = _probed_spec(t, [np.asarray(run[j]) for run in runs], settings, has_seq, inferred.get(t))
     return specs
 
 
-def _probed_spec(t: str, arrays: list[np.ndarray], settings: tuple[tuple[int, int], ...], has_seq: bool) -> TensorSpec | str:
+_symbolic_cache: list[tuple[onnx.ModelProto, tuple, dict[str, tuple[int | str | None, ...]]]] = []
+
+
+def symbolic_dims(model: onnx.ModelProto) -> dict[str, tuple[int | str | None, ...]]:
+    """Every tensor's dims as onnxruntime's symbolic shape inference gives them for the canonical
+    model (inputs ``[batch, ..., seq, ...]``): ints, expressions of ``batch`` and ``seq`` as sympy
+    prints them, or None where it knows nothing. {} where inference fails on the model (its own
+    limits: an op it does not know); the probes' fitting stands in then. Remembered per model
+    (a few seconds on a large graph; every boundary question asks it)."""
+    key = (len(model.graph.node), len(model.graph.output), tuple(n.name for n in model.graph.node[-3:]))
+    for held, held_key, dims in _symbolic_cache:
+        if held is model and held_key == key:
+            return dims
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    dims: dict[str, tuple[int | str | None, ...]] = {}
+    try:
+        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+    except Exception as exc:  # inference's own limits; the probes' fitting stands in
+        log.info("symbolic shape inference failed (%s: %s); length dims are fitted to probes",
+                 type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        inferred = None
+    if inferred is not None:
+        for vi in [*inferred.graph.value_info, *inferred.graph.output]:
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+                dims[vi.name] = tuple(int(d.dim_value) if d.HasField("dim_value") else
+                                      d.dim_param if d.HasField("dim_param") else None
+                                      for d in vi.type.tensor_type.shape.dim)
+    _symbolic_cache[:] = [*_symbolic_cache[-3:], (model, key, dims)]
+    return dims
+
+
+def _probed_spec(t: str, arrays: list[np.ndarray], settings: tuple[tuple[int, int], ...], has_seq: bool,
+                 inferred: Sequence[int | str | None] | None = None) -> TensorSpec | str:
     """Dims from the probe runs: a dim that follows the batch size is `batch`, one that follows the
-    length is `seq`, one that follows it divided (a conv's output width) a derived length, one that
-    follows neither is a constant."""
+    length is `seq`, one that follows it otherwise its expression from symbolic inference
+    (`inferred`, confirmed at every probe) or, where inference has none, a ``(seq+A)//K`` fitted
+    to the probes; one that follows neither is a constant."""
     dtype = arrays[0].dtype.name
     if dtype not in SUPPORTED_DTYPES:
         return f"boundary tensor {t!r} has dtype {dtype}, not one of {SUPPORTED_DTYPES}"
@@ -483,6 +535,14 @@ def _probed_spec(t: str, arrays: list[np.ndarray], settings: tuple[tuple[int, in
             dims.append(int(sizes[0]))
         elif has_seq and sizes == lengths:
             dims.append(SEQ)
+        elif has_seq and inferred is not None and i < len(inferred) and is_length(inferred[i]):
+            expression = parse_length(str(inferred[i]))
+            wanted = [expression(n) for n in lengths]
+            if list(sizes) != wanted:
+                at = ", ".join(f"{d} (inferred {w}) at seq={n}" for d, w, n in zip(sizes, wanted, lengths))
+                return (f"boundary tensor {t!r} dim {i}: symbolic shape inference gives {inferred[i]!r}, but the "
+                        f"model gives {at}")
+            dims.append(expression.text)
         elif has_seq and (derived := _derived_length(sizes, settings)) is not None:  # only when nothing else fits
             dims.append(derived)
         else:
@@ -689,21 +749,18 @@ def _shape_from_donor(shape_node: onnx.NodeProto, x: TensorSpec, in_specs: Seque
         if not isinstance(dim, str):
             pieces.append(const(piece, [int(dim)]))
             continue
-        found = (in_specs[0], 0, 0, 1) if dim == BATCH else length_source(dim, in_specs)
+        found = (in_specs[0], 0, None) if dim == BATCH else length_source(dim, in_specs)
         if found is None:
             raise ValueError(f"stage {k} cannot remake {out!r}: no tensor entering it has a dim giving {dim!r}")
-        spec, axis, add, divisor = found
+        spec, axis, how = found
         value = f"{piece}_read"
         nodes.append(helper.make_node("Gather", [shape_of(spec), const(f"{piece}_axis", [axis])], [value], axis=0,
                                       name=f"{value}_node"))
-        if add:
-            nodes.append(helper.make_node("Add", [value, const(f"{piece}_add", [add])], [f"{value}_plus"],
-                                          name=f"{value}_plus_node"))
-            value = f"{value}_plus"
-        if divisor != 1:
-            nodes.append(helper.make_node("Div", [value, const(f"{piece}_div", [divisor])], [f"{value}_div"],
-                                          name=f"{value}_div_node"))
-            value = f"{value}_div"
+        if how is not None:
+            computed = length_nodes(how, value, f"{piece}_len")
+            nodes += computed.nodes
+            constants += computed.constants
+            value = computed.output
         pieces.append(value)
     if not pieces:
         const(out, [])

@@ -26,8 +26,9 @@ from dvabatch_backend.runtime.engine import available_cores
 from dvabatch_backend.runtime.manifest import Manifest
 
 from .analysis import CutPoint, legal_cut_points, name_nodes, with_length_carrier
-from .axes import AxisOverrides, batch_first_outputs, canonical_model, discover_axes, probe_lengths, runnable_lengths
-from .cut import cut_model, input_specs, length_multiple, probe_settings, set_probe_lengths
+from .axes import (DENSE_RULE_LENGTHS, AxisOverrides, LengthRule, batch_first_outputs, canonical_model,
+                   discover_axes, length_rule, probe_lengths, runnable_lengths)
+from .cut import cut_model, input_specs, output_dims, output_strides, probe_settings, set_probe_lengths
 from .errors import SliceError
 from .pad_safety import PadSafety, check_pad_safety
 from .partition import NoLegalCut, Partition, achievable_balance, balanced_partition
@@ -162,19 +163,27 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
         inputs = list(input_specs(model).values())
         has_seq = any(s.has_seq for s in inputs)
         max_length = options.max_length if has_seq else 0
-        if has_seq:
-            set_probe_lengths(model, probe_lengths(model, max_length))
+        rule = LengthRule()
+        if has_seq:  # the longest length first: a position table's limit is named as such
+            probe_max_length(full_session(model, None if isinstance(source, onnx.ModelProto) else Path(source)),
+                             inputs, max_length, int_bounds(model))
+            say(f"running the model at every length up to {min(max_length, DENSE_RULE_LENGTHS)} and a spread to "
+                f"{max_length}: the lengths it takes")
+            rule = length_rule(model, max_length, output_strides(model), output_dims(model))
+            set_probe_lengths(model, probe_lengths(model, max_length, rule))
         moved = batch_first_outputs(model, probe_settings(model)[0][1] if has_seq else 0)
     except ValueError as exc:
         raise SliceError(str(exc)) from exc
+    if rule.why:
+        say(f"lengths: multiples of {rule.multiple}, at least {rule.min_length}: {rule.why}")
     say(f"axes: {axes.describe()}" + "".join(f"; output {k}: batch axis {v} (served in that layout)" for k, v in moved.items()))
     full = full_session(model, None if isinstance(source, onnx.ModelProto) else Path(source), options.threads)
     say(f"running one query at length {max_length}" if has_seq else "running one query")
     probe_max_length(full, inputs, max_length, int_bounds(model))
-    multiple = length_multiple(model) if has_seq else 1
-    if multiple > 1:
-        say(f"the model's outputs are the length divided by {multiple}: lengths must be multiples of {multiple}")
-    lengths = list(options.lengths or runnable_lengths(model, default_lengths(max_length), multiple))
+    lengths = [n for n in options.lengths or runnable_lengths(model, default_lengths(max_length), rule.multiple)
+               if rule.allows(n) or not has_seq]
+    if not lengths:
+        raise SliceError(f"none of the lengths to profile is one the model takes ({rule.why})")
     batch_sizes = list(options.batch_sizes or default_batch_sizes(options.max_batch_size))
     ref = Setting(min(options.reference_batch, options.max_batch_size),
                   options.reference_length or (lengths[len(lengths) // 2] if has_seq else 0))
@@ -216,7 +225,7 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
         say("timing the unsliced model beside the stages in a row (the fast path's engine)")
         fast_path = fast_path_choice(chosen.dir, chosen.manifest, lengths, served_threads, int_bounds(model))
         manifest = _final_manifest(chosen, profile, ref, options, pad, int_bounds(model), policy, fast_path,
-                                   _stage_count_record(candidates, chosen, has_seq, options.stages))
+                                   _stage_count_record(candidates, chosen, has_seq, options.stages), rule)
         _write_profile(chosen.dir, manifest, profile)
         write_triton_files(chosen.dir.parent, manifest, threads_per_stage=options.threads, policy=policy["choice"])
         if out_dir.exists():
@@ -429,8 +438,10 @@ def _stage_count_record(candidates: Sequence[Candidate], chosen: Candidate, has_
 
 def _final_manifest(chosen: Candidate, profile: dict[str, Any], ref: Setting, options: SliceOptions,
                     pad: PadSafety, input_bounds: dict[str, int], policy: dict[str, str],
-                    fast_path: dict[str, Any] | None = None, stage_count: dict[str, Any] | None = None) -> Manifest:
+                    fast_path: dict[str, Any] | None = None, stage_count: dict[str, Any] | None = None,
+                    rule: LengthRule = LengthRule()) -> Manifest:
     doc = chosen.manifest.to_json()
+    doc["length_multiple"], doc["min_length"], doc["length_rule"] = rule.multiple, rule.min_length, rule.why
     doc["policy"] = policy
     if fast_path is not None:
         doc["fast_path"] = fast_path

@@ -4,8 +4,9 @@
 with a `ManifestError` naming the field; `Manifest.dump` writes what `load` reads back.
 
 Tensor dimensions are ints or symbols: ``"batch"`` (always the first dimension), ``"seq"``
-(the input length, at most ``max_length``), and lengths derived from it, ``"seq//K"`` and
-``"(seq+A)//K"`` (a convolution's output width, say: ``floor((seq + A) / K)``). Every stage's inputs are exactly
+(the input length, at most ``max_length``), and lengths derived from it: any expression of
+``seq`` in `length_expr`'s grammar, such as ``"(seq+1)//2"`` or ``"floor(floor(seq/2 - 1/2)/2) + 1"``
+(a convolution's output width; a detector head's sum of three). Every stage's inputs are exactly
 the previous stage's outputs (same names, dtypes and dims), so buffers between stages are
 shared by name.
 """
@@ -20,6 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import ManifestError
+from .length_expr import is_length, parse_length
 
 SCHEMA_VERSION = 1
 BATCH = "batch"
@@ -39,11 +41,12 @@ def derived_dim(add: int, divisor: int) -> str:
 
 def is_length_dim(dim: Dim) -> bool:
     """`seq` or a length derived from it."""
-    return dim == SEQ or (isinstance(dim, str) and _DERIVED.match(dim) is not None)
+    return dim == SEQ or is_length(dim)
 
 
 def length_dim_terms(dim: Dim) -> tuple[int, int]:
-    """(A, K) of a length dim ``floor((seq + A) / K)``; `seq` is (0, 1)."""
+    """(A, K) of a length dim of the simple form ``floor((seq + A) / K)``; `seq` is (0, 1).
+    Raises ValueError for any other expression."""
     if dim == SEQ:
         return 0, 1
     match = _DERIVED.match(dim) if isinstance(dim, str) else None
@@ -55,8 +58,7 @@ def length_dim_terms(dim: Dim) -> tuple[int, int]:
 def dim_size(dim: Dim, length: int) -> int:
     """The size of a non-batch dim for queries padded to `length`."""
     if isinstance(dim, str):
-        add, divisor = length_dim_terms(dim)
-        return (length + add) // divisor
+        return parse_length(dim)(length)
     return int(dim)
 
 
@@ -117,11 +119,13 @@ class Manifest:
     # outputs whose batch axis in the model's own layout is not the first (time-major [T, N, C]):
     # the runtime keeps them batch-first; a response stacks its rows along this axis
     output_batch_axes: dict[str, int] = field(default_factory=dict, compare=False)
-    # a query's length must be a multiple of this: where outputs are the length divided by K (a
-    # detector's grid of width/32 cells), other lengths give answers the model was not built for
+    # the lengths the model itself takes (the slicer ran it at each length of a sweep): a multiple
+    # of `length_multiple`, at least `min_length`; `length_rule` says why ("" when every length runs)
     length_multiple: int = 1
     # integer inputs that index a table (token ids into an embedding): valid values are [0, bound)
     input_bounds: dict[str, int] = field(default_factory=dict, compare=False)
+    min_length: int = 1
+    length_rule: str = ""
 
     @property
     def num_stages(self) -> int:
@@ -130,6 +134,16 @@ class Manifest:
     @property
     def has_seq(self) -> bool:
         return any(t.has_seq for t in self.inputs)
+
+    def takes_length(self, length: int) -> bool:
+        """The model takes queries of this length (the slicer's `length_rule`, at most max_length)."""
+        return self.min_length <= length <= self.max_length and length % self.length_multiple == 0
+
+    def valid_lengths(self) -> list[int]:
+        """Every length the model takes, in order; [0] for a model without one."""
+        if not self.has_seq:
+            return [0]
+        return [n for n in range(self.min_length, self.max_length + 1) if self.takes_length(n)]
 
     @property
     def fast_path_engine(self) -> str:
@@ -173,6 +187,8 @@ class Manifest:
             "output_batch_axes": dict(self.output_batch_axes),
             "length_multiple": self.length_multiple,
             "input_bounds": dict(self.input_bounds),
+            "min_length": self.min_length,
+            "length_rule": self.length_rule,
         }
         doc.update(self.extra)
         return doc
@@ -222,7 +238,7 @@ class Manifest:
         if not isinstance(pad_safe, bool):
             raise ManifestError("pad_safe", f"must be true or false, got {pad_safe!r}")
         known = {"schema_version", "name", "max_batch_size", "max_length", "inputs", "outputs", "stages", "full_model",
-                 "pad_safe", "output_batch_axes", "length_multiple", "input_bounds"}
+                 "pad_safe", "output_batch_axes", "length_multiple", "input_bounds", "min_length", "length_rule"}
         extra = {k: v for k, v in doc.items() if k not in known}
         axes = doc.get("output_batch_axes", {})
         if not isinstance(axes, dict) or not all(
@@ -237,7 +253,14 @@ class Manifest:
                 k in {t.name for t in inputs} and isinstance(v, int) and not isinstance(v, bool) and v >= 1
                 for k, v in bounds.items()):
             raise ManifestError("input_bounds", f"must map model inputs to a bound >= 1, got {bounds!r}")
-        manifest = cls(name, max_bs, max_len, inputs, outputs, stages, full, extra, pad_safe, axes, multiple, bounds)
+        min_length = doc.get("min_length", 1)
+        if not isinstance(min_length, int) or isinstance(min_length, bool) or not 1 <= min_length <= max(1, max_len):
+            raise ManifestError("min_length", f"must be an int from 1 to max_length, got {min_length!r}")
+        rule = doc.get("length_rule", "")
+        if not isinstance(rule, str):
+            raise ManifestError("length_rule", f"must be a string, got {rule!r}")
+        manifest = cls(name, max_bs, max_len, inputs, outputs, stages, full, extra, pad_safe, axes, multiple, bounds,
+                       min_length, rule)
         _check_chain(manifest)
         return manifest
 
@@ -275,7 +298,8 @@ def _tensor(raw: Any, where: str) -> TensorSpec:
     for d in dims[1:]:
         if is_length_dim(d) or (isinstance(d, int) and not isinstance(d, bool) and d > 0):
             continue
-        raise ManifestError(f"{where}.dims", f"{d!r} is neither a positive int, {SEQ!r} nor 'seq//K'")
+        raise ManifestError(f"{where}.dims", f"{d!r} is neither a positive int, {SEQ!r} nor a length expression "
+                                             f"of it such as 'floor(seq/2) + 1'")
     return TensorSpec(name, dtype, tuple(dims))
 
 

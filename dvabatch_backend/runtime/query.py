@@ -11,7 +11,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from .errors import BadInputError, QueryError
-from .manifest import SEQ, Manifest, TensorSpec, is_length_dim, length_dim_terms
+from .length_expr import parse_length
+from .manifest import SEQ, Manifest, TensorSpec, is_length_dim
 
 
 @dataclass(frozen=True)
@@ -180,9 +181,11 @@ def _tensor_problem(arr: np.ndarray, spec: TensorSpec, rule: _InputRule, manifes
             return f"input {spec.name!r} holds {bad}, outside [0, {bound}): it indexes a table of {bound} rows"
     if rule.seq_axis is not None:
         length = arr.shape[rule.seq_axis + lead]
-        if length % manifest.length_multiple:
-            return (f"input {spec.name!r} has length {length}, not a multiple of {manifest.length_multiple} "
-                    f"(the model's outputs are the length divided by it)")
+        if not manifest.takes_length(length) and length <= manifest.max_length:
+            wanted = (f"a multiple of {manifest.length_multiple} " if manifest.length_multiple > 1 else "") + (
+                f"at least {manifest.min_length}" if manifest.min_length > 1 else "")
+            return (f"input {spec.name!r} has length {length}; the model takes lengths {wanted.strip()}"
+                    + (f" ({manifest.length_rule})" if manifest.length_rule else ""))
     return None
 
 
@@ -207,13 +210,16 @@ def gather_rows(sources: Sequence[Mapping[str, np.ndarray]], rows: Mapping[str, 
                 row[tuple(slice(0, n) for n in src.shape)] = src
 
 
+LengthOf = Callable[[int], int]
+
+
 @functools.lru_cache(maxsize=256)
-def _length_dims(spec: TensorSpec) -> tuple[tuple[int, int] | None, ...] | None:
-    """Per non-batch dim of an output, its length terms (A, K) when it is a length dim; None for an
-    output without one (worked out once: `is_length_dim` is a regex)."""
+def _length_dims(spec: TensorSpec) -> tuple[LengthOf | None, ...] | None:
+    """Per non-batch dim of an output, the function giving its size at a length when it is a
+    length dim; None for an output without one (worked out once per spec: parsing is not free)."""
     if not spec.has_seq:
         return None
-    return tuple(length_dim_terms(d) if is_length_dim(d) else None for d in spec.dims[1:])
+    return tuple(parse_length(d) if is_length_dim(d) else None for d in spec.dims[1:])
 
 
 def cut_row(row: np.ndarray, spec: TensorSpec, length: int) -> np.ndarray:
@@ -222,10 +228,10 @@ def cut_row(row: np.ndarray, spec: TensorSpec, length: int) -> np.ndarray:
     return _cut(row, _length_dims(spec), length)
 
 
-def _cut(row: np.ndarray, length_dims: tuple[tuple[int, int] | None, ...] | None, length: int) -> np.ndarray:
+def _cut(row: np.ndarray, length_dims: tuple[LengthOf | None, ...] | None, length: int) -> np.ndarray:
     if length_dims is None:
         return row
-    return row[tuple(slice(None) if t is None else slice(0, (length + t[0]) // t[1]) for t in length_dims)]
+    return row[tuple(slice(None) if size_at is None else slice(0, size_at(length)) for size_at in length_dims)]
 
 
 def scatter_outputs(

@@ -38,12 +38,9 @@ class Sliced:
     int_high: dict[str, int]
 
     def lengths(self) -> list[int]:
-        """Two lengths (a short one and the longest), multiples of the model's; [0] without a length."""
-        if not self.manifest.has_seq:
-            return [0]
-        step = self.manifest.length_multiple
-        short = -(-max(self.manifest.max_length // 4, 1) // step) * step
-        return [short, self.manifest.max_length]
+        """Two lengths the model takes (a short one and the longest); [0] without a length."""
+        valid = self.manifest.valid_lengths()
+        return [next(n for n in valid if n >= self.manifest.max_length // 4), valid[-1]] if self.manifest.has_seq else [0]
 
 
 class SlicedCache:

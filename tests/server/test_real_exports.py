@@ -1,8 +1,9 @@
 """Real exports served from the real tritonserver: every model of the exporter corpus
-(tests/slicer/corpus.py: bert, gpt2, vit, resnet18, crnn, yolo, conv_mean), sliced into three stages
+(tests/slicer/corpus.py: bert, gpt2, vit, resnet18, crnn, yolo, conv_mean, yolov8, ctc), sliced into three stages
 with its original dim names, served from ONE tritonserver (variable-length models under the
 `input` policy, fixed-shape ones under `load`), answers concurrent HTTP and gRPC requests of mixed
-valid lengths (one row, and some of two rows of the same length) equal to the ORIGINAL export (the
+lengths drawn from each model's sweep (primes, odd widths; one row, and some of two rows of the
+same length), none refused, equal to the ORIGINAL export (the
 corpus file, not the sliced folder's model.onnx) run on each request alone: the same output names,
 the exact shapes in the model's own layout (crnn's time-major [T, rows, 37]), the same values.
 
@@ -29,7 +30,7 @@ from slicer.triton_files import config_pbtxt
 
 from ..slicer.corpus import CorpusModel, build_corpus
 
-MODELS = ("bert", "gpt2", "vit", "resnet18", "crnn", "yolo", "conv_mean")
+MODELS = ("bert", "gpt2", "vit", "resnet18", "crnn", "yolo", "conv_mean", "yolov8", "ctc")
 TRANSFORMERS = {"bert", "gpt2", "vit"}
 PROTOCOLS = ("http", "grpc")
 PER_PROTOCOL = 8  # concurrent requests per protocol and model
@@ -164,7 +165,7 @@ def assert_equal_to_original(model: Served, feeds: Mapping[str, np.ndarray], got
 def _requests(m: CorpusModel, rng: np.random.Generator) -> list[tuple[str, dict[str, np.ndarray]]]:
     """PER_PROTOCOL requests per protocol: mixed valid lengths (every protocol covers the smallest
     and the largest), one row each, and two rows of one length in two requests per protocol."""
-    valid = m.valid_lengths() or [0]
+    valid = [n for n in m.length_sweep(m.max_length) if n <= m.max_length] if m.has_length else [0]
     work = []
     for protocol in PROTOCOLS:
         lengths = [valid[0], valid[-1]] + [int(rng.choice(valid)) for _ in range(PER_PROTOCOL - 2)]
@@ -221,14 +222,16 @@ def test_what_the_slicer_recorded(served) -> None:
     assert crnn.output_batch_axes == {"softmax_0.tmp_0": 1}
     (out,) = crnn.outputs
     assert out.name == "softmax_0.tmp_0"
-    assert out.dims[1] == "seq//4", out.dims
+    assert out.dims[1] == "floor(floor(seq/2)/2)", out.dims
     assert models["yolo"].manifest.length_multiple == 32
+    assert (models["ctc"].manifest.length_multiple, models["ctc"].manifest.min_length) == (1, 9)
     for name, model in models.items():
         # what was saved for the server equals what the slicer reported
         saved = Manifest.load(model.report.out_dir / "1" / "manifest.json")
         assert saved.pad_safe == model.manifest.pad_safe, name
         assert saved.output_batch_axes == model.manifest.output_batch_axes, name
         assert saved.length_multiple == model.manifest.length_multiple, name
+        assert (saved.min_length, saved.length_rule) == (model.manifest.min_length, model.manifest.length_rule), name
         expected = model.corpus.pad_safe_expected
         if expected is not None:
             assert model.manifest.pad_safe is expected, (name, model.manifest.pad_safe, expected)
@@ -250,6 +253,24 @@ def test_yolo_width_not_a_multiple_of_32_is_refused_by_name(served, protocol: st
         good = model.corpus.make_inputs(rng, 1, width)
         got = in_thread(infer, server, protocol, "yolo", good)
         assert_equal_to_original(model, good, got, f"yolo after the refusal ({protocol}, width {width})")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_recognizer_takes_every_width_it_runs_at_and_refuses_by_its_rule(served, protocol: str) -> None:
+    """Widths such as 213 (no multiple of anything) are answered; under 9 the model itself fails, and
+    the refusal says so (400, naming the rule and its evidence)."""
+    server: TritonServer = served["server"]
+    model: Served = served["models"]["ctc"]
+    rng = np.random.default_rng(9)
+    for width in (213, 9, 97, 250):
+        feeds = model.corpus.make_inputs(rng, 1, width)
+        got = in_thread(infer, server, protocol, "ctc", feeds)
+        assert_equal_to_original(model, feeds, got, f"ctc width {width} ({protocol})")
+    short = {"image": rng.standard_normal((1, 1, 32, 8)).astype(np.float32)}
+    with pytest.raises(InferenceServerException) as info:
+        in_thread(infer, server, protocol, "ctc", short)
+    assert "at least 9" in str(info.value) and "fails" in str(info.value), str(info.value)
+    assert str(info.value.status()) in ("400", "StatusCode.INVALID_ARGUMENT"), info.value.status()
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

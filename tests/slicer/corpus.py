@@ -50,6 +50,7 @@ class CorpusModel:
     int_high: dict[str, int] = field(default_factory=dict)  # integer input -> exclusive upper bound
     variable_axis_multiple: int = 1  # valid lengths are multiples of this
     min_length: int = 0  # smallest valid length/width; 0 when there is no variable axis
+    longest: int = 0  # the longest length the model itself takes (a text model's positions); 0: max_length
     pad_safe_expected: bool | None = None  # do zero/masked padding of the variable axis leave the answer alone?
     notes: str = ""
     # input / output name -> shape as exported: dim_param str, dim_value int, or None (neither)
@@ -70,16 +71,36 @@ class CorpusModel:
         first = -(-first // step) * step
         return list(range(first, self.max_length + 1, step))
 
+    def length_sweep(self, longest_probe: int, count: int = 20) -> list[int]:
+        """At least `count` valid lengths: the smallest and the largest the slicer profiles, primes,
+        odd lengths (no multiple of any stride), and lengths past 4x `longest_probe` where the
+        model itself takes them; [0] for a fixed-shape model."""
+        if not self.has_length:
+            return [0]
+        step, top = self.variable_axis_multiple, self.longest or self.max_length
+        valid = [n for n in range(max(self.min_length, step), top + 1) if n % step == 0]
+        inside = [n for n in valid if n <= self.max_length]
+        primes = [n for n in inside if n > 1 and all(n % d for d in range(2, int(n ** 0.5) + 1))]
+        past = [n for n in valid if n >= 4 * longest_probe]
+        picked = {inside[0], inside[-1], *primes[::max(1, len(primes) // 8)], *past[:2], *past[-2:]}
+        picked |= set(sorted(n for n in past if n % 2)[:2])
+        rest = [n for n in valid if n not in picked]
+        for n in rest[::max(1, len(rest) // count)]:
+            if len(picked) >= count:
+                break
+            picked.add(n)
+        return sorted(picked)
+
     def make_inputs(self, rng: np.random.Generator, batch: int, length: int = 0,
                     valid: Sequence[int] | None = None) -> dict[str, np.ndarray]:
         """Valid inputs at this batch size and length (ignored by fixed-shape models).
 
         `valid` (text models only): per row, how many leading tokens are real; the attention
         mask is ones then zeros and the padding ids are 0. Default: every token is real."""
-        if self.has_length and not (self.min_length <= length <= self.max_length
-                                    and length % self.variable_axis_multiple == 0):
+        top = self.longest or self.max_length
+        if self.has_length and not (self.min_length <= length <= top and length % self.variable_axis_multiple == 0):
             raise ValueError(f"{self.name}: length {length} is not valid (min {self.min_length}, max "
-                             f"{self.max_length}, multiple of {self.variable_axis_multiple})")
+                             f"{top}, multiple of {self.variable_axis_multiple})")
         assert self._make is not None
         feeds = self._make(rng, batch, length)
         if valid is not None:
@@ -355,9 +376,9 @@ def _crnn(path: Path) -> CorpusModel:
             {"x": {0: "batch", 3: "width"}, "softmax_0.tmp_0": {0: "time", 1: "batch"}})
     _rename_dims(path, {"batch": "p2o.DynamicDimension.0", "width": "p2o.DynamicDimension.1",
                         "time": "p2o.DynamicDimension.2"})
-    return CorpusModel("crnn", path, "variable_width", 15, max_length=128, variable_axis_multiple=4, min_length=8,
+    return CorpusModel("crnn", path, "variable_width", 15, max_length=128, min_length=4, longest=1024,
                        pad_safe_expected=False,
-                       notes="CRNN: 3 conv blocks, width pooled by 4 (floor: T = W // 4 = W/4 for valid widths), "
+                       notes="CRNN: 3 conv blocks, width pooled by 4 (floor: T = W // 4; under 4 the output is empty), "
                              "bidirectional LSTM, TIME-MAJOR output [T, N, 37]; dims renamed paddle2onnx style "
                              "(p2o.DynamicDimension.0 batch, .1 width, .2 time); zero padding of the width changes "
                              "every step (the backward LSTM reads it)",
@@ -397,6 +418,7 @@ def _yolo(path: Path) -> CorpusModel:
     _export(model, (torch.randn(2, 3, 32, 64),), path, 17, ["images"], ["output0"],
             {"images": {0: "batch", 3: "width"}, "output0": {0: "batch"}})
     return CorpusModel("yolo", path, "variable_width", 17, max_length=256, variable_axis_multiple=32, min_length=32,
+                       longest=1024,
                        pad_safe_expected=None,
                        notes="YOLO-like: 5 stride-2 convs over [N, 3, 32, W], W a multiple of 32 (the head reshapes "
                              "by W // 32 and adds a W // 32 grid: W = 100 fails in the grid Add, W = 48 runs but gives "
@@ -425,10 +447,95 @@ def _conv_mean(path: Path) -> CorpusModel:
     model = ConvMean().eval()
     _export(model, (torch.randn(2, 10, 16),), path, 17, ["x"], ["y"],
             {"x": {0: "batch", 1: "len"}, "y": {0: "batch"}})
-    return CorpusModel("conv_mean", path, "sequence", 17, max_length=128, min_length=1, pad_safe_expected=False,
+    return CorpusModel("conv_mean", path, "sequence", 17, max_length=128, min_length=1, longest=1024,
+                       pad_safe_expected=False,
                        notes="pad-UNSAFE: Conv1d(k3, p1) over [N, L, 16] without a mask, then a mean over L; "
                              "output [N, 8]",
                        _make=_float_inputs("x", lambda b, n: (b, n, 16)))
+
+
+def _yolov8(path: Path) -> CorpusModel:
+    import torch
+    from torch import nn
+
+    class MultiScaleDetector(nn.Module):
+        """YOLOv8's head in small: stride-2 convs (k3, p1: ceil(W/2) each) over a letterboxed
+        [N, 3, 64, W]; three scales (strides 8, 16, 32) each give [N, 4 + classes, h*w], and the
+        grid of cell centres of each is made from its own feature map's shape (ultralytics'
+        `make_anchors`), so any width runs. The anchor dim of the output is 8*w8 + 4*w16 + 2*w32, a
+        sum of three nested ceilings of the width."""
+
+        def __init__(self, classes: int = 3):
+            super().__init__()
+            chans = [3, 8, 16, 16, 32, 32]
+            self.down = nn.ModuleList(nn.Sequential(nn.Conv2d(a, b, 3, 2, 1), nn.SiLU()) for a, b in zip(chans, chans[1:]))
+            self.heads = nn.ModuleList(nn.Conv2d(c, 4 + classes, 1) for c in chans[3:])
+            self.strides = (8, 16, 32)
+
+        def forward(self, images):
+            x, feats = images, []
+            for i, block in enumerate(self.down):
+                x = block(x)
+                if i >= 2:
+                    feats.append(x)
+            boxes, points = [], []
+            for head, feat, stride in zip(self.heads, feats, self.strides):
+                p = head(feat)
+                h, w = feat.shape[2], feat.shape[3]
+                sy = torch.arange(h, dtype=p.dtype) + 0.5
+                sx = torch.arange(w, dtype=p.dtype) + 0.5
+                gy, gx = torch.meshgrid(sy, sx, indexing="ij")
+                points.append(torch.stack((gx, gy), 0).view(1, 2, -1) * stride)
+                boxes.append(p.flatten(2))
+            out = torch.cat(boxes, 2)  # [N, 4 + classes, anchors]
+            anchors = torch.cat(points, 2)  # [1, 2, anchors]
+            xy = out[:, :2] * 4 + anchors
+            return torch.cat([xy, out[:, 2:4].exp(), out[:, 4:].sigmoid()], 1)
+
+    torch.manual_seed(SEED)
+    model = MultiScaleDetector().eval()
+    _export(model, (torch.randn(1, 3, 64, 96),), path, 17, ["images"], ["output0"],
+            {"images": {0: "batch", 3: "width"}, "output0": {0: "batch", 2: "anchors"}})
+    return CorpusModel("yolov8", path, "variable_width", 17, max_length=256, min_length=1, longest=1024,
+                       pad_safe_expected=False,
+                       notes="YOLOv8-style multi-scale head over a letterboxed [N, 3, 64, W]: three strides "
+                             "concatenated, grids from each feature map's shape; any width; output [N, 7, anchors], "
+                             "anchors = 8*ceil(W/8) + 4*ceil(W/16) + 2*ceil(W/32) (nested ceilings)",
+                       _make=_float_inputs("images", lambda b, w: (b, 3, 64, w)))
+
+
+def _ctc(path: Path) -> CorpusModel:
+    import torch
+    from torch import nn
+
+    class CtcRecognizer(nn.Module):
+        """A captcha recognizer for CTC decoding: odd-size convs and pools over [N, 1, 32, W] (any
+        width from 9), T = floor((floor((W - 2 - 3) / 2) + 1 - 2) / 2) + 1 steps, batch-first
+        log-probabilities [N, T, classes]."""
+
+        def __init__(self, classes: int = 20):
+            super().__init__()
+            self.cnn = nn.Sequential(
+                nn.Conv2d(1, 8, (3, 3)), nn.ReLU(),  # 30 x W-2
+                nn.MaxPool2d((2, 3), (2, 2)),  # 15 x floor((W-5)/2)+1
+                nn.Conv2d(8, 16, (3, 3), padding=(1, 0)), nn.ReLU(),  # 15 x that - 2
+                nn.MaxPool2d((15, 1), (1, 2), ceil_mode=False),  # 1 x floor((that-2-1)/2)+1
+            )
+            self.fc = nn.Linear(16, classes)
+
+        def forward(self, image):
+            f = self.cnn(image).squeeze(2).transpose(1, 2)  # [N, T, 16]
+            return self.fc(f).log_softmax(-1)
+
+    torch.manual_seed(SEED)
+    model = CtcRecognizer().eval()
+    _export(model, (torch.randn(2, 1, 32, 100),), path, 13, ["image"], ["logits"],
+            {"image": {0: "N", 3: "image_width"}, "logits": {0: "N", 1: "T"}})
+    return CorpusModel("ctc", path, "variable_width", 13, max_length=256, min_length=9, longest=1024,
+                       pad_safe_expected=None,
+                       notes="CTC recognizer: odd convs and pools, any width >= 9; batch-first [N, T, 20] with T "
+                             "a nested floor of the width",
+                       _make=_float_inputs("image", lambda b, w: (b, 1, 32, w)))
 
 
 BUILDERS: dict[str, Callable[[Path], CorpusModel]] = {
@@ -439,6 +546,8 @@ BUILDERS: dict[str, Callable[[Path], CorpusModel]] = {
     "crnn": _crnn,
     "yolo": _yolo,
     "conv_mean": _conv_mean,
+    "yolov8": _yolov8,
+    "ctc": _ctc,
 }
 NAMES = tuple(BUILDERS)
 

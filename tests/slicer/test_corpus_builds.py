@@ -20,6 +20,8 @@ EXPECTED_SHAPES = {
              "softmax_0.tmp_0": ("p2o.DynamicDimension.2", "p2o.DynamicDimension.0", 37)},
     "yolo": {"images": ("batch", 3, 32, "width"), "output0": ("batch", "*", "*", "*")},
     "conv_mean": {"x": ("batch", "len", 16), "y": ("batch", 8)},
+    "yolov8": {"images": ("batch", 3, 64, "width"), "output0": ("batch", "*", "anchors")},
+    "ctc": {"image": ("N", 1, 32, "image_width"), "logits": ("N", "T", 20)},
 }
 
 
@@ -66,6 +68,11 @@ def test_runs_at_two_batches_and_two_lengths(corpus, name):
             assert outs["softmax_0.tmp_0"] == (length // 4, batch, 37)
         if name == "yolo":
             assert outs["output0"] == (batch, 3, length // 32, 6)
+        if name == "yolov8":  # three strides of ceil(W/2) convs: 8 rows at 8, 4 at 16, 2 at 32
+            cells = [-(-length // 2 ** k) for k in (3, 4, 5)]
+            assert outs["output0"] == (batch, 7, 8 * cells[0] + 4 * cells[1] + 2 * cells[2])
+        if name == "ctc":
+            assert outs["logits"] == (batch, ((length - 5) // 2 + 1 - 2 - 1) // 2 + 1, 20)
 
 
 def test_inputs_are_valid(corpus):

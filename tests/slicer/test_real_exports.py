@@ -1,19 +1,23 @@
 """Models as exporters write them (tests/slicer/corpus.py), their dim names untouched, sliced into
-three stages: the stages run in order equal the original export at several batch sizes and
-lengths, output layout included; positions are legal through shape arithmetic; balance is reported
-honestly."""
+three stages: the stages run in order equal the original export at batch 1 and 3 and at every
+length of a sweep of at least 20 (primes, odd lengths, and lengths past 4x the longest probe where
+the model takes them), output shapes included; each length dim is the exact expression symbolic
+inference gives; a length is refused only where the model itself fails; positions are legal
+through shape arithmetic; balance is reported honestly."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
 from dvabatch_backend.runtime.manifest import Manifest
+from slicer.cut import probe_settings
 from slicer.slice_model import SliceOptions, SliceReport, slice_model
 
 from .corpus import CorpusModel, build_corpus
 
-MODELS = ("bert", "gpt2", "vit", "resnet18", "crnn", "yolo", "conv_mean")
+MODELS = ("bert", "gpt2", "vit", "resnet18", "crnn", "yolo", "conv_mean", "yolov8", "ctc")
 TRANSFORMERS = {"bert", "gpt2", "vit"}
 
 
@@ -30,14 +34,19 @@ def sliced(tmp_path_factory) -> dict[str, tuple[CorpusModel, SliceReport]]:
     return out
 
 
-def _chain(version_dir, manifest: Manifest, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _chain(sessions: list[ort.InferenceSession], manifest: Manifest,
+           feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     tensors = dict(feeds)
-    for stage in manifest.stages:
-        session = ort.InferenceSession(str(version_dir / stage.file), providers=["CPUExecutionProvider"])
+    for stage, session in zip(manifest.stages, sessions):
         names = [o.name for o in session.get_outputs()]
         results = session.run(names, {t.name: tensors[t.name] for t in stage.inputs})
         tensors.update(zip(names, results))
     return {t.name: tensors[t.name] for t in manifest.outputs}
+
+
+def _longest_probe(report: SliceReport) -> int:
+    model = onnx.load(str(report.out_dir / "1" / "model.onnx"), load_external_data=False)
+    return max(n for _, n in probe_settings(model))
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -46,29 +55,42 @@ def test_stages_in_order_equal_the_original_export(sliced, name: str) -> None:
     manifest = report.manifest
     assert manifest.num_stages == 3
     original = ort.InferenceSession(str(m.path), providers=["CPUExecutionProvider"])
+    stages = [ort.InferenceSession(str(report.out_dir / "1" / s.file), providers=["CPUExecutionProvider"])
+              for s in manifest.stages]
     out_names = [o.name for o in original.get_outputs()]
     assert sorted(out_names) == sorted(t.name for t in manifest.outputs)
-    lengths = m.valid_lengths()
-    lengths = sorted({lengths[0], lengths[len(lengths) // 2], lengths[-1]}) if m.has_length else [0]
+    lengths = m.length_sweep(_longest_probe(report)) if m.has_length else [0]
+    assert len(lengths) >= (20 if m.has_length else 1)
     rng = np.random.default_rng(13)
     for batch in (1, 3):
         for length in lengths:
             feeds = m.make_inputs(rng, batch, length)
             want = dict(zip(out_names, original.run(out_names, feeds)))
-            got = _chain(report.out_dir / "1", manifest, feeds)
+            got = _chain(stages, manifest, feeds)
             for out in out_names:
                 axis = manifest.output_batch_axes.get(out, 0)
                 mine = np.moveaxis(got[out], 0, axis)  # the runtime keeps rows first
                 assert mine.shape == want[out].shape, (out, batch, length)
-                rtol = 1e-3 if name in TRANSFORMERS else 0.0
+                spec = next(t for t in manifest.outputs if t.name == out)
+                assert spec.shape(batch, length) == got[out].shape, (out, spec.dims, length)  # the manifest's dims
+                rtol = 1e-3 if name in TRANSFORMERS else 1e-4
                 np.testing.assert_allclose(mine, want[out], atol=1e-4, rtol=rtol, err_msg=f"{out} b={batch} L={length}")
 
 
 def test_what_the_slicer_learned_of_each_export(sliced) -> None:
     crnn = sliced["crnn"][1].manifest
     assert crnn.output_batch_axes == {"softmax_0.tmp_0": 1}
-    assert crnn.outputs[0].dims == ("batch", "seq//4", 37)
-    assert sliced["yolo"][1].manifest.length_multiple == 32
+    assert crnn.outputs[0].dims == ("batch", "floor(floor(seq/2)/2)", 37)
+    assert (crnn.min_length, crnn.length_multiple) == (4, 1) and "empty" in crnn.length_rule  # T = 0 under 4
+    # the YOLOv8-style head: three strides concatenated; the CTC recognizer's time steps
+    anchors = sliced["yolov8"][1].manifest.outputs[0].dims[2]
+    assert anchors.count("floor") >= 10 and anchors.endswith("+ 14"), anchors
+    assert (sliced["yolov8"][1].manifest.length_multiple, sliced["yolov8"][1].manifest.min_length) == (1, 1)
+    ctc = sliced["ctc"][1].manifest
+    assert ctc.outputs[0].dims == ("batch", "floor(floor(seq/2 - 5/2)/2)", 20)
+    assert (ctc.length_multiple, ctc.min_length) == (1, 9) and "at 8" in ctc.length_rule
+    yolo = sliced["yolo"][1].manifest  # truly constrained: a width that is not a multiple of 32 fails past 64
+    assert yolo.length_multiple == 32 and "fails" in yolo.length_rule
     assert sliced["bert"][1].manifest.pad_safe and sliced["gpt2"][1].manifest.pad_safe
     assert not sliced["conv_mean"][1].manifest.pad_safe
     for name in ("bert", "gpt2", "vit", "resnet18"):  # shape arithmetic no longer makes positions illegal
