@@ -35,6 +35,7 @@ setup(
             "mypy>=1.10",
             "torch==2.13.0",  # the CPU build on this machine's disk: reference for MiniLM
             "transformers>=4.40",
+            "onnxconverter-common>=1.14",  # the corpus's fp16 export (convert_float_to_float16)
             *SERVE,
             *PERF,
         ],

@@ -60,7 +60,8 @@ Scaled = tuple[str, int]  # (int64 tensor v, scale s): the value v / s
 
 def _emit(node: ast.expr, seq: str, b: LengthNodes) -> Scaled:
     if isinstance(node, ast.Constant):
-        return b.const(int(node.value)), 1
+        value = Fraction(repr(node.value)) if isinstance(node.value, float) else Fraction(node.value)
+        return (b.const(value.numerator), value.denominator)
     if isinstance(node, ast.Name):
         return seq, 1
     if isinstance(node, ast.UnaryOp):

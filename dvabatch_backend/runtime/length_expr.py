@@ -5,7 +5,7 @@ prints it: ``seq``, ``floor(seq/2 - 1/2) + 1``, or a detector head's anchors
 ``8*floor(floor(floor(seq/2 - 1/2)/2)/2) + 4*floor(...) + 2*floor(...) + 14``. Older manifests
 wrote ``seq//K`` and ``(seq+A)//K``; they are expressions of the same grammar.
 
-`parse_length` reads one with Python's own parser and keeps only a small grammar (whole numbers,
+`parse_length` reads one with Python's own parser and keeps only a small grammar (numbers,
 ``seq``, ``+ - * / //``, a whole-number power, ``floor``, ``ceil``, ``Max``, ``Min``): no `eval`,
 no names but ``seq``. Arithmetic is exact (`fractions.Fraction` where a ``/`` makes one), and a
 value that is not a whole number is an error, as a tensor's dim must be one.
@@ -106,9 +106,10 @@ def _compile(node: ast.expr, text: str) -> _Fn:
         return NotALength(f"{text!r} is not a length expression: {why}")
 
     if isinstance(node, ast.Constant):
-        if not isinstance(node.value, int) or isinstance(node.value, bool):
-            raise bad(f"{node.value!r} is not a whole number")
-        value = node.value
+        if isinstance(node.value, bool) or not isinstance(node.value, (int, float)) or not math.isfinite(node.value):
+            raise bad(f"{node.value!r} is not a number")
+        # sympy prints a Resize's scale as 2.0: the decimal as written, exactly
+        value = node.value if isinstance(node.value, int) else _exact(Fraction(repr(node.value)))
         return lambda n: value
     if isinstance(node, ast.Name):
         if node.id != SEQ:

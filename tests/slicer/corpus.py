@@ -538,6 +538,54 @@ def _ctc(path: Path) -> CorpusModel:
                        _make=_float_inputs("image", lambda b, w: (b, 1, 32, w)))
 
 
+def _upsample(path: Path) -> CorpusModel:
+    import torch
+    from torch import nn
+
+    class Segmenter(nn.Module):
+        """An encoder-decoder over [N, 3, 32, W]: two stride-2 convs (ceil(W/2), then ceil of that
+        halved), decoded by `nn.Upsample(scale_factor=2)` twice, exported as `Resize` by scales:
+        the output width is 4 * ceil(ceil(W/2)/2)."""
+
+        def __init__(self, classes: int = 4):
+            super().__init__()
+            self.enc = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.ReLU(), nn.Conv2d(8, 16, 3, 2, 1), nn.ReLU())
+            self.dec = nn.Sequential(nn.Upsample(scale_factor=2.0, mode="nearest"), nn.Conv2d(16, 8, 3, 1, 1),
+                                     nn.ReLU(), nn.Upsample(scale_factor=2.0, mode="nearest"),
+                                     nn.Conv2d(8, classes, 1))
+
+        def forward(self, image):
+            return self.dec(self.enc(image))
+
+    torch.manual_seed(SEED)
+    model = Segmenter().eval()
+    _export(model, (torch.randn(2, 3, 32, 40),), path, 13, ["image"], ["masks"],
+            {"image": {0: "batch", 3: "width"}, "masks": {0: "batch", 3: "out_width"}})
+    return CorpusModel("upsample", path, "variable_width", 13, max_length=256, min_length=1, longest=1024,
+                       pad_safe_expected=None,
+                       notes="segmenter decoded by Resize with scales (nn.Upsample x2, twice); output "
+                             "[N, 4, 32, 4*ceil(ceil(W/2)/2)]",
+                       _make=_float_inputs("image", lambda b, w: (b, 3, 32, w)))
+
+
+def _ctc_fp16(path: Path) -> CorpusModel:
+    from onnxconverter_common.float16 import convert_float_to_float16
+
+    source = path.with_name(f"{path.stem}_fp32.onnx")
+    fp32 = _ctc(source)
+    half = convert_float_to_float16(onnx.load(str(source)), keep_io_types=False)
+    onnx.save(half, str(path))
+
+    def make(rng: np.random.Generator, batch: int, width: int) -> dict[str, np.ndarray]:
+        return {"image": rng.standard_normal((batch, 1, 32, width)).astype(np.float16)}
+
+    return CorpusModel("ctc_fp16", path, "variable_width", fp32.opset, max_length=fp32.max_length,
+                       min_length=fp32.min_length, longest=fp32.longest, pad_safe_expected=None,
+                       notes="the CTC recognizer converted with onnxconverter-common's convert_float_to_float16 "
+                             "(float16 inputs, weights and outputs), as `--fp16` export scripts do",
+                       _make=make)
+
+
 BUILDERS: dict[str, Callable[[Path], CorpusModel]] = {
     "bert": _bert,
     "gpt2": _gpt2,
@@ -548,6 +596,8 @@ BUILDERS: dict[str, Callable[[Path], CorpusModel]] = {
     "conv_mean": _conv_mean,
     "yolov8": _yolov8,
     "ctc": _ctc,
+    "upsample": _upsample,
+    "ctc_fp16": _ctc_fp16,
 }
 NAMES = tuple(BUILDERS)
 
