@@ -30,7 +30,7 @@ from .axes import (DENSE_RULE_LENGTHS, AxisOverrides, LengthRule, batch_first_ou
                    discover_axes, length_rule, probe_lengths, runnable_lengths)
 from .cut import cut_model, input_specs, output_dims, output_strides, probe_settings, set_probe_lengths
 from .errors import SliceError
-from .pad_safety import PadSafety, check_pad_safety
+from .pad_safety import PadSafety, check_pad_safety, output_atol
 from .partition import NoLegalCut, Partition, achievable_balance, balanced_partition
 from .preflight import check_proto, full_session, probe_max_length, read_model
 from .profiler import Setting, int_bounds, node_costs, random_inputs, time_stages
@@ -343,9 +343,10 @@ def verify_stages(model: onnx.ModelProto, folder: Path, manifest: Manifest, leng
             values = dict(zip([t.name for t in spec.outputs], outs))
         for name, ref in expected.items():
             diff = float(np.max(np.abs(values[name].astype(np.float64) - ref.astype(np.float64)))) if ref.size else 0.0
-            if not diff <= atol:
+            tolerance = output_atol(ref.dtype, atol)
+            if not diff <= tolerance:
                 raise SliceError(f"verification failed: output {name!r} of the stages differs from the original "
-                                 f"by {diff:.3g} (> {atol}) at length {length}")
+                                 f"by {diff:.3g} (> {tolerance}) at length {length}")
             worst = max(worst, diff)
     return worst
 
