@@ -120,6 +120,20 @@ class LaidOutSpec(TensorSpec):
         return [forward.index(i) for i in range(len(forward))]
 
 
+MERGED = "batch*seq"  # a graph dim holding every row's every position ([batch*seq, hidden])
+
+
+@dataclass(frozen=True)
+class MergedSpec(TensorSpec):
+    """A row tensor whose leading graph dim holds the batch and the length merged, batch-major (GPT-2's
+    MLP on ``[batch*seq, hidden]``, reshaped from ``[batch, seq, hidden]``): it crosses a cut as
+    ``[batch, seq, ...]`` (`dims`: reshaped at the end of the stage that makes it, back at the start
+    of the stage that reads it); `graph_dims` is ``(MERGED, ...)``, every other dim a constant. The
+    stages' check against the original confirms the order."""
+
+    graph_dims: tuple[int | str, ...] = ()
+
+
 @dataclass(frozen=True)
 class Recomputable:
     """Batch-independent tensors and how to remake them: `shape_leaves` maps a `Shape` node's
@@ -268,7 +282,7 @@ def cut_model(
         if not bound:
             raise ValueError(f"no batch-carrying tensor crosses the cut at position {starts[k]} (boundary {k})")
     specs = _tensor_specs(model, bounds)
-    moved = {t: spec for t, spec in specs.items() if isinstance(spec, LaidOutSpec)}
+    moved = {t: spec for t, spec in specs.items() if isinstance(spec, (LaidOutSpec, MergedSpec))}
     names = _boundary_names(model, bounds, starts, ends, renamed=set(moved))
     boundary_specs = [
         tuple(_renamed_spec(specs[t], names[k][t]) for t in bound) for k, bound in enumerate(bounds)
@@ -527,10 +541,13 @@ def _probed_spec(t: str, arrays: list[np.ndarray], settings: tuple[tuple[int, in
         return f"boundary tensor {t!r} changes rank with the input shape: {[a.shape for a in arrays]}"
     batches = tuple(b for b, _ in settings)
     lengths = tuple(n for _, n in settings)
+    merged = tuple(b * n for b, n in settings)
     dims: list[int | str] = []
     for i, sizes in enumerate(zip(*(a.shape for a in arrays))):
         if sizes == batches:
             dims.append(BATCH)
+        elif has_seq and sizes == merged:
+            dims.append(MERGED)
         elif len(set(sizes)) == 1 and sizes[0] > 0:
             dims.append(int(sizes[0]))
         elif has_seq and sizes == lengths:
@@ -549,6 +566,12 @@ def _probed_spec(t: str, arrays: list[np.ndarray], settings: tuple[tuple[int, in
             at = ", ".join(f"{d} at (batch={b}, seq={n})" for d, (b, n) in zip(sizes, settings))
             return (f"boundary tensor {t!r} dim {i} is {at}: neither {BATCH!r}, {SEQ!r}, a length derived "
                     f"from it (seq//K) nor a positive constant")
+    if MERGED in dims:
+        rest = dims[1:]
+        if dims[0] != MERGED or not all(isinstance(d, int) for d in rest):
+            return (f"boundary tensor {t!r} has dims {dims}: a dim merging the batch and the length crosses a cut "
+                    f"only leading, with every other dim a constant")
+        return MergedSpec(t, dtype, (BATCH, SEQ, *rest), graph_dims=tuple(dims))
     if dims.count(BATCH) != 1:
         return (
             f"boundary tensor {t!r} has shape {arrays[0].shape} at batch={batches[0]}: it must have exactly one "
@@ -594,12 +617,13 @@ def _build_stage(
     boundary_specs: list[tuple[TensorSpec, ...]],
     replicas: Sequence[onnx.NodeProto] = (),
     constants: Sequence[onnx.TensorProto] = (),
-    moved: Mapping[str, "LaidOutSpec"] = {},
+    moved: Mapping[str, "LaidOutSpec | MergedSpec"] = {},
 ) -> onnx.ModelProto:
     graph = model.graph
-    # tensors that crossed batch-first go back to the graph's layout first
-    nodes = [helper.make_node("Transpose", [names[k][t]], [_own(t, k)], perm=moved[t].to_graph,
-                              name=f"{_own(t, k)}_layout") for t in bounds[k] if t in moved]
+    layout_constants: list[onnx.TensorProto] = []
+    # tensors that crossed batch-first (or with the batch and the length apart) go back to the graph's layout
+    nodes = [node for t in bounds[k] if t in moved
+             for node in _to_graph_layout(moved[t], names[k][t], _own(t, k), layout_constants)]
     nodes += list(replicas)
     body = []
     for src in graph.node[start:end]:
@@ -614,8 +638,7 @@ def _build_stage(
     for t in bounds[k + 1]:
         target = names[k + 1][t]
         if t in produced and t in moved:
-            nodes.append(helper.make_node("Transpose", [t], [target], perm=moved[t].to_batch_first,
-                                          name=f"{target}_batch_first"))
+            nodes += _to_boundary_layout(moved[t], t, target, boundary_specs[k][0].name, layout_constants)
             continue
         if t in produced:
             source = t
@@ -627,7 +650,7 @@ def _build_stage(
             nodes.append(helper.make_node("Identity", [source], [target], name=f"forward_{target}"))
 
     used = {name for node in nodes for name in _node_inputs(node)}
-    initializers = [t for t in graph.initializer if t.name in used] + list(constants)
+    initializers = [t for t in graph.initializer if t.name in used] + list(constants) + layout_constants
     sparse = [t for t in graph.sparse_initializer if t.values.name in used]
     boundary_names = {s.name for s in boundary_specs[k]} | {s.name for s in boundary_specs[k + 1]}
     value_info = [vi for vi in graph.value_info if vi.name in produced and vi.name not in boundary_names]
@@ -651,6 +674,36 @@ def _build_stage(
     return stage
 
 
+def _to_graph_layout(spec: "LaidOutSpec | MergedSpec", source: str, target: str,
+                     constants: list[onnx.TensorProto]) -> list[onnx.NodeProto]:
+    """Nodes turning a boundary tensor (batch-first, batch and length apart) into its graph layout."""
+    if isinstance(spec, LaidOutSpec):
+        return [helper.make_node("Transpose", [source], [target], perm=spec.to_graph, name=f"{target}_layout")]
+    shape = f"{target}_graph_shape"
+    constants.append(onnx.numpy_helper.from_array(np.array([-1, *spec.graph_dims[1:]], np.int64), shape))
+    return [helper.make_node("Reshape", [source, shape], [target], name=f"{target}_layout")]
+
+
+def _to_boundary_layout(spec: "LaidOutSpec | MergedSpec", source: str, target: str, batch_source: str,
+                        constants: list[onnx.TensorProto]) -> list[onnx.NodeProto]:
+    """Nodes turning a tensor in its graph layout into its boundary layout; a merged one reads the
+    batch size off dim 0 of `batch_source` (any tensor entering the stage: each is batch-first)."""
+    if isinstance(spec, LaidOutSpec):
+        return [helper.make_node("Transpose", [source], [target], perm=spec.to_batch_first,
+                                 name=f"{target}_batch_first")]
+    zero, rest = f"{target}_axis0", f"{target}_rest"
+    constants.append(onnx.numpy_helper.from_array(np.array([0], np.int64), zero))
+    constants.append(onnx.numpy_helper.from_array(np.array([-1, *spec.graph_dims[1:]], np.int64), rest))
+    return [
+        helper.make_node("Shape", [batch_source], [f"{target}_rows_shape"], name=f"{target}_rows_shape_node"),
+        helper.make_node("Gather", [f"{target}_rows_shape", zero], [f"{target}_rows"], axis=0,
+                         name=f"{target}_rows_node"),
+        helper.make_node("Concat", [f"{target}_rows", rest], [f"{target}_boundary_shape"], axis=0,
+                         name=f"{target}_boundary_shape_node"),
+        helper.make_node("Reshape", [source, f"{target}_boundary_shape"], [target], name=f"{target}_batch_first"),
+    ]
+
+
 # --- batch-independent tensors, remade in the stage that reads them ---------------------
 
 
@@ -667,7 +720,7 @@ def _remake_nodes(
     names: Mapping[str, str],
     in_specs: Sequence[TensorSpec],
     leaf_specs: Mapping[str, TensorSpec],
-    moved: Mapping[str, "LaidOutSpec"] = {},
+    moved: Mapping[str, "LaidOutSpec | MergedSpec"] = {},
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """Nodes (in graph order) that remake `wanted` inside stage `k`, and the constants they add.
 
@@ -725,7 +778,7 @@ def _shape_from_donor(shape_node: onnx.NodeProto, x: TensorSpec, in_specs: Seque
     length), constants as constants."""
     out = shape_node.output[0]
     attrs = {a.name: helper.get_attribute_value(a) for a in shape_node.attribute}
-    graph_dims = x.graph_dims if isinstance(x, LaidOutSpec) else x.dims
+    graph_dims = x.graph_dims if isinstance(x, (LaidOutSpec, MergedSpec)) else x.dims
     rank = len(graph_dims)
     start, end = int(attrs.get("start", 0)), int(attrs.get("end", rank))
     dims = list(graph_dims)[slice(start, end)]
@@ -743,12 +796,7 @@ def _shape_from_donor(shape_node: onnx.NodeProto, x: TensorSpec, in_specs: Seque
             nodes.append(helper.make_node("Shape", [spec.name], [shapes[spec.name]], name=f"{shapes[spec.name]}_node"))
         return shapes[spec.name]
 
-    pieces = []
-    for j, dim in enumerate(dims):
-        piece = f"{out}__piece{k}_{j}"
-        if not isinstance(dim, str):
-            pieces.append(const(piece, [int(dim)]))
-            continue
+    def read(dim: str, piece: str) -> str:
         found = (in_specs[0], 0, None) if dim == BATCH else length_source(dim, in_specs)
         if found is None:
             raise ValueError(f"stage {k} cannot remake {out!r}: no tensor entering it has a dim giving {dim!r}")
@@ -758,10 +806,22 @@ def _shape_from_donor(shape_node: onnx.NodeProto, x: TensorSpec, in_specs: Seque
                                       name=f"{value}_node"))
         if how is not None:
             computed = length_nodes(how, value, f"{piece}_len")
-            nodes += computed.nodes
-            constants += computed.constants
+            nodes.extend(computed.nodes)
+            constants.extend(computed.constants)
             value = computed.output
-        pieces.append(value)
+        return value
+
+    pieces = []
+    for j, dim in enumerate(dims):
+        piece = f"{out}__piece{k}_{j}"
+        if not isinstance(dim, str):
+            pieces.append(const(piece, [int(dim)]))
+        elif dim == MERGED:
+            rows, length = read(BATCH, f"{piece}_rows"), read(SEQ, f"{piece}_length")
+            nodes.append(helper.make_node("Mul", [rows, length], [piece], name=f"{piece}_node"))
+            pieces.append(piece)
+        else:
+            pieces.append(read(dim, piece))
     if not pieces:
         const(out, [])
         return nodes, constants

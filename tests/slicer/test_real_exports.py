@@ -12,7 +12,8 @@ import onnxruntime as ort
 import pytest
 
 from dvabatch_backend.runtime.manifest import Manifest
-from slicer.cut import probe_settings
+from slicer.analysis import legal_cut_points
+from slicer.cut import MergedSpec, cut_model, probe_settings, probe_specs
 from slicer.slice_model import SliceOptions, SliceReport, slice_model
 
 from .corpus import CorpusModel, build_corpus
@@ -102,6 +103,32 @@ def test_what_the_slicer_learned_of_each_export(sliced) -> None:
     for name in ("bert", "gpt2", "vit", "resnet18"):  # shape arithmetic no longer makes positions illegal
         report = sliced[name][1]
         assert report.legal_points >= 0.85 * report.nodes, (name, report.legal_points, report.nodes)
+
+
+def test_a_cut_where_batch_and_length_are_one_dim(sliced, tmp_path) -> None:
+    """GPT-2's MLP runs on [batch*seq, hidden]: cut there, the tensor crosses as [batch, seq, hidden]
+    and the stages still equal the original at every length of the sweep."""
+    m, report = sliced["gpt2"]
+    model = onnx.load(str(report.out_dir / "1" / "model.onnx"))
+    points = legal_cut_points(model, 8)
+    specs = probe_specs(model, sorted({t for p in points for t in p.tensors}))
+    merged = [p for p in points if any(isinstance(specs[t], MergedSpec) for t in p.tensors)]
+    assert len(merged) >= 20, len(merged)
+    first, second = merged[len(merged) // 3], merged[2 * len(merged) // 3]
+    manifest = cut_model(model, [first.position, second.position], tmp_path / "1", "gpt2", 4, 64)
+    crossing = [t for t in manifest.stages[1].inputs  # renamed at the boundary: it crosses reshaped
+                if isinstance(specs.get(t.name.rpartition("__")[0]), MergedSpec)]
+    assert crossing and crossing[0].dims[:2] == ("batch", "seq"), manifest.stages[1].inputs
+    original = ort.InferenceSession(str(m.path), providers=["CPUExecutionProvider"])
+    stages = [ort.InferenceSession(str(tmp_path / "1" / s.file), providers=["CPUExecutionProvider"])
+              for s in manifest.stages]
+    rng = np.random.default_rng(3)
+    for batch in (1, 3):
+        for length in m.length_sweep(64):
+            feeds = m.make_inputs(rng, batch, length)
+            want = original.run(None, feeds)[0]
+            got = _chain(stages, manifest, feeds)["last_hidden_state"]
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3, err_msg=f"b={batch} L={length}")
 
 
 @pytest.mark.parametrize("name", MODELS)
