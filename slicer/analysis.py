@@ -12,6 +12,8 @@ control flow.
 from __future__ import annotations
 
 import math
+import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -74,29 +76,43 @@ def crossing_tensors(model: onnx.ModelProto) -> list[tuple[str, ...]]:
     return crossing
 
 
-def legal_cut_points(model: onnx.ModelProto, reference_length: int, max_tensors: int = 8) -> list[CutPoint]:
+def legal_cut_points(model: onnx.ModelProto, reference_length: int, max_tensors: int = 8,
+                     illegal: Counter[str] | None = None) -> list[CutPoint]:
     """Every legal internal cut position, with its crossing row tensors and their bytes per query.
 
     Batch-independent tensors crossing a position (shape arithmetic, constants) do not count:
     the later stage remakes them (`slicer.cut.recomputable_tensors`), provided the row tensors
-    crossing give every length dim they depend on.
+    crossing give every length dim they depend on. `illegal`, given, counts the other positions
+    by why (`illegal_reason`).
     """
     recomp = recomputable_tensors(model)
     live = crossing_tensors(model)
     n = len(model.graph.node)
     rows = {p: tuple(t for t in ts if t not in recomp.tensors) for p, ts in enumerate(live) if 0 < p < n}
     candidates = {p: ts for p, ts in rows.items() if 0 < len(ts) <= max_tensors}
+    why = illegal if illegal is not None else Counter()
+    why["no row tensor crosses (only shape arithmetic and constants)"] += sum(1 for ts in rows.values() if not ts)
+    why[f"more than {max_tensors} row tensors cross"] += sum(1 for ts in rows.values() if len(ts) > max_tensors)
     specs = probe_specs(model, sorted({t for ts in candidates.values() for t in ts}))
     points = []
     for p, tensors in sorted(candidates.items()):
         found = [specs[t] for t in tensors]
-        if not all(isinstance(s, TensorSpec) for s in found):
+        problem = next((s for s in found if isinstance(s, str)), None)
+        if problem is not None:
+            why[illegal_reason(problem)] += 1
             continue
         needed = set().union(*(recomp.length_dims[t] for t in live[p] if t in recomp.tensors)) - {BATCH}
         if any(length_source(d, found) is None for d in needed):  # type: ignore[arg-type]
+            why["shape arithmetic needs a length no crossing tensor gives"] += 1
             continue
         points.append(CutPoint(p, tensors, sum(_row_bytes(s, reference_length) for s in found)))  # type: ignore[arg-type]
     return points
+
+
+def illegal_reason(problem: str) -> str:
+    """A crossing tensor's problem as a kind: its names, shapes and numbers left out."""
+    kind = re.sub(r"'[^']*'|\([^)]*\)|\[[^\]]*\]|\d+", "_", problem)
+    return re.sub(r"(_[ ,]*)+_", "_", kind)[:120]
 
 
 def _row_bytes(spec: TensorSpec, length: int) -> int:
@@ -128,7 +144,7 @@ def with_length_carrier(model: onnx.ModelProto) -> onnx.ModelProto | None:
     few bytes per query.
     """
     recomp = recomputable_tensors(model)
-    if not any(SEQ in dims for dims in recomp.length_dims.values()):
+    if not any(d != BATCH for dims in recomp.length_dims.values() for d in dims):
         return None
     inits = _initializer_names(model.graph)
     source = next((vi for vi in model.graph.input if vi.name not in inits

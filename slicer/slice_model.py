@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 import tempfile
 import threading
 import time
@@ -95,6 +96,7 @@ class SliceReport:
     nodes: int = 0
     achievable: dict[int, float] = field(default_factory=dict)  # stage count -> best balance by node costs
     balance_goal: float = 1.25
+    illegal: dict[str, int] = field(default_factory=dict)  # why the other positions are illegal: kind -> count
 
     def summary(self) -> str:
         c = self.chosen
@@ -126,6 +128,8 @@ class SliceReport:
                          + ", ".join(f"{x.stages}: {x.throughput:.0f}" for x in self.candidates)
                          + f"; chose {c.stages} (the fewest stages within {STAGE_COUNT_TIE:.0%} of the fastest)")
         lines.append(f"  legal cut points: {self.legal_points} of {self.nodes} node positions")
+        if self.illegal:
+            lines.append("  illegal positions: " + "; ".join(f"{n} where {kind}" for kind, n in self.illegal.items()))
         if c.balance > self.balance_goal:
             bound = self.achievable.get(c.stages)
             fits = [n for n, b in sorted(self.achievable.items()) if n > 1 and b <= self.balance_goal]
@@ -188,13 +192,15 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
     ref = Setting(min(options.reference_batch, options.max_batch_size),
                   options.reference_length or (lengths[len(lengths) // 2] if has_seq else 0))
     say("finding legal cut points")
-    points = legal_cut_points(model, ref.length, options.max_boundary_tensors)
+    illegal: Counter[str] = Counter()
+    points = legal_cut_points(model, ref.length, options.max_boundary_tensors, illegal)
     carried = with_length_carrier(model) if has_seq else None
     if carried is not None:  # keep it only where it makes more positions legal
-        carried_points = legal_cut_points(carried, ref.length, options.max_boundary_tensors)
+        carried_illegal: Counter[str] = Counter()
+        carried_points = legal_cut_points(carried, ref.length, options.max_boundary_tensors, carried_illegal)
         if len(carried_points) > len(points) + 1:
             say(f"a length carrier makes {len(carried_points) - 1} positions legal instead of {len(points)}")
-            model, points = name_nodes(carried), carried_points
+            model, points, illegal = name_nodes(carried), carried_points, carried_illegal
     wanted = [options.stages] if options.stages is not None else [
         n for n in options.candidates if n - 1 <= len(points) and (n > 1 or not has_seq)]
     for n in wanted:
@@ -234,7 +240,7 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
     chosen.dir = out_dir / VERSION_DIR
     achievable = {n: achievable_balance(costs_at[ref], points, n) for n in sorted({2, 3, 4, chosen.stages})}
     return SliceReport(out_dir, manifest, chosen, ref, profile, candidates, len(points), len(model.graph.node),
-                       achievable)
+                       achievable, illegal={k: v for k, v in illegal.most_common() if v})
 
 
 def _check_stage_count(n: int, node_count: int, points: list[CutPoint]) -> None:

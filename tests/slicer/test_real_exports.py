@@ -105,6 +105,25 @@ def test_what_the_slicer_learned_of_each_export(sliced) -> None:
         assert report.legal_points >= 0.85 * report.nodes, (name, report.legal_points, report.nodes)
 
 
+def _cut_and_compare(m: CorpusModel, report: SliceReport, positions: list[int], tmp_path) -> Manifest:
+    """Cut the sliced folder's model.onnx at `positions`; the stages equal the original at batch 1 and 3
+    and every length of the sweep."""
+    model = onnx.load(str(report.out_dir / "1" / "model.onnx"))
+    manifest = cut_model(model, positions, tmp_path / "1", m.name, 4, m.max_length)
+    original = ort.InferenceSession(str(m.path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in original.get_outputs()]
+    stages = [ort.InferenceSession(str(tmp_path / "1" / s.file), providers=["CPUExecutionProvider"])
+              for s in manifest.stages]
+    rng = np.random.default_rng(3)
+    for batch in (1, 3):
+        for length in m.length_sweep(_longest_probe(report)):
+            feeds = m.make_inputs(rng, batch, length)
+            got = _chain(stages, manifest, feeds)
+            for name, want in zip(names, original.run(names, feeds)):
+                np.testing.assert_allclose(got[name], want, atol=1e-4, rtol=1e-3, err_msg=f"{name} b={batch} L={length}")
+    return manifest
+
+
 def test_a_cut_where_batch_and_length_are_one_dim(sliced, tmp_path) -> None:
     """GPT-2's MLP runs on [batch*seq, hidden]: cut there, the tensor crosses as [batch, seq, hidden]
     and the stages still equal the original at every length of the sweep."""
@@ -114,21 +133,25 @@ def test_a_cut_where_batch_and_length_are_one_dim(sliced, tmp_path) -> None:
     specs = probe_specs(model, sorted({t for p in points for t in p.tensors}))
     merged = [p for p in points if any(isinstance(specs[t], MergedSpec) for t in p.tensors)]
     assert len(merged) >= 20, len(merged)
-    first, second = merged[len(merged) // 3], merged[2 * len(merged) // 3]
-    manifest = cut_model(model, [first.position, second.position], tmp_path / "1", "gpt2", 4, 64)
+    manifest = _cut_and_compare(m, report, [merged[len(merged) // 3].position,
+                                            merged[2 * len(merged) // 3].position], tmp_path)
     crossing = [t for t in manifest.stages[1].inputs  # renamed at the boundary: it crosses reshaped
                 if isinstance(specs.get(t.name.rpartition("__")[0]), MergedSpec)]
     assert crossing and crossing[0].dims[:2] == ("batch", "seq"), manifest.stages[1].inputs
-    original = ort.InferenceSession(str(m.path), providers=["CPUExecutionProvider"])
-    stages = [ort.InferenceSession(str(tmp_path / "1" / s.file), providers=["CPUExecutionProvider"])
-              for s in manifest.stages]
-    rng = np.random.default_rng(3)
-    for batch in (1, 3):
-        for length in m.length_sweep(64):
-            feeds = m.make_inputs(rng, batch, length)
-            want = original.run(None, feeds)[0]
-            got = _chain(stages, manifest, feeds)["last_hidden_state"]
-            np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3, err_msg=f"b={batch} L={length}")
+
+
+def test_cuts_through_a_multi_scale_head(sliced, tmp_path) -> None:
+    """Cut the YOLOv8-style detector inside its head, where each scale's grid is made from its feature
+    map's shape: the later stages remake the grids from the length (carried), computing each nested
+    ceiling in ONNX ops, and equal the original at every width of the sweep."""
+    m, report = sliced["yolov8"]
+    assert report.legal_points >= report.nodes - 2 and not report.illegal, (report.legal_points, report.illegal)
+    model = onnx.load(str(report.out_dir / "1" / "model.onnx"))
+    points = [p.position for p in legal_cut_points(model, 64)]
+    head = points[-len(points) // 4:]  # the last quarter: the heads, the grids, the concatenation
+    manifest = _cut_and_compare(m, report, [head[len(head) // 3], head[2 * len(head) // 3]], tmp_path)
+    later = [onnx.load(str(tmp_path / "1" / s.file)).graph for s in manifest.stages[1:]]
+    assert any(n.op_type == "Mod" for g in later for n in g.node)  # a floor of the length, remade exactly
 
 
 @pytest.mark.parametrize("name", MODELS)
