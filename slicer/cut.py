@@ -54,6 +54,7 @@ from dvabatch_backend.runtime.manifest import (
 from dvabatch_backend.runtime.length_expr import is_length, parse_length
 
 from .length_nodes import length_nodes
+from .sessions import copy_data_files, external_data_dir, forget_data_dir, proto_session, save_with_data
 
 FULL_MODEL_FILE = "model.onnx"
 MANIFEST_FILE = "manifest.json"
@@ -312,9 +313,16 @@ def cut_model(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for k, stage in enumerate(stage_models):
-        onnx.save(stage, str(out_dir / f"stage{k}.onnx"))
-    onnx.save(model, str(out_dir / FULL_MODEL_FILE))
+    data_dir = external_data_dir(model)
+    for k, stage in enumerate(stage_models):  # a large model's weights: each stage's into a data file of its own
+        save_with_data(stage, out_dir / f"stage{k}.onnx", f"stage{k}.onnx.data", data_dir)
+        if data_dir is not None:
+            _check_stage(str(out_dir / f"stage{k}.onnx"), k, starts[k], ends[k])
+    copy_data_files(model, out_dir)
+    saved = onnx.ModelProto()
+    saved.CopyFrom(model)
+    forget_data_dir(saved)  # its data files now lie beside it
+    onnx.save(saved, str(out_dir / FULL_MODEL_FILE))
     manifest.dump(out_dir / MANIFEST_FILE)
     return manifest
 
@@ -485,7 +493,7 @@ def probe_specs(model: onnx.ModelProto, tensors: Sequence[str]) -> dict[str, Ten
     probe.graph.output.extend(onnx.ValueInfoProto(name=t) for t in wanted if t not in declared)
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = proto_session(probe, options)
     rng = np.random.default_rng(0)
     inputs = [s for s in specs.values() if isinstance(s, TensorSpec)]
     settings = probe_settings(model)
@@ -667,11 +675,16 @@ def _build_stage(
     stage = helper.make_model(stage_graph, opset_imports=list(model.opset_import), producer_name="slicer.cut")
     stage.ir_version = model.ir_version
     stage.functions.extend(model.functions)
+    if external_data_dir(model) is None:  # else checked by path once saved beside its data (cut_model)
+        _check_stage(stage, k, start, end)
+    return stage
+
+
+def _check_stage(stage: onnx.ModelProto | str, k: int, start: int, end: int) -> None:
     try:
         onnx.checker.check_model(stage)
     except onnx.checker.ValidationError as exc:
         raise ValueError(f"stage {k} (nodes {start}..{end - 1}) is not a valid ONNX model: {exc}") from exc
-    return stage
 
 
 def _to_graph_layout(spec: "LaidOutSpec | MergedSpec", source: str, target: str,

@@ -3,7 +3,8 @@
 - `read_model`: the file, with its external data (a missing data file is named), checked by the
   ONNX checker -- by path for models over protobuf's 2 GB limit, which cannot be checked as a proto.
 - `check_opset`: the default-domain opset must be one onnxruntime here runs (7 .. its newest).
-- `full_session`: the unsliced model in onnxruntime (by path when it is over 2 GB), quiet: the
+- `full_session`: the unsliced model in onnxruntime (its weights read from disk, for a model over
+  2 GB), quiet: the
   probes below expect failures and report them themselves.
 - `probe_max_length`: the model runs one query at the longest length asked; otherwise the longest
   length it does run is found by bisection and named.
@@ -23,6 +24,7 @@ from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_m
 from dvabatch_backend.runtime.manifest import TensorSpec
 
 from .errors import SliceError, one_line
+from .sessions import keep_data_on_disk, proto_session
 from .profiler import random_inputs
 
 PROTO_LIMIT = 2**31 - 1  # bytes: protobuf cannot serialize (or parse) a message larger
@@ -31,8 +33,9 @@ DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
 def read_model(path: Path) -> onnx.ModelProto:
-    """The model at `path` with its external data loaded, checked. Not a model, a missing data file,
-    an opset onnxruntime cannot run, a failed check: a SliceError."""
+    """The model at `path`, checked, with its external data loaded, or, over 2 GB, left on disk
+    (`slicer.sessions`). Not a model, a missing data file, an opset onnxruntime cannot run, a failed
+    check: a SliceError."""
     if not path.is_file():
         raise SliceError(f"{path}: no such file")
     try:
@@ -44,10 +47,13 @@ def read_model(path: Path) -> onnx.ModelProto:
     check_opset(model)
     _check_external_files(model, path)
     large = proto_size(model, path.parent) > PROTO_LIMIT
-    try:
-        load_external_data_for_model(model, str(path.parent))
-    except Exception as exc:
-        raise SliceError(f"{path}: cannot read its external data: {one_line(exc)}") from exc
+    if large:  # the weights stay on disk: sessions read them from there (slicer.sessions)
+        keep_data_on_disk(model, path.parent)
+    else:
+        try:
+            load_external_data_for_model(model, str(path.parent))
+        except Exception as exc:
+            raise SliceError(f"{path}: cannot read its external data: {one_line(exc)}") from exc
     try:
         onnx.checker.check_model(str(path) if large else model)
     except onnx.checker.ValidationError as exc:
@@ -147,15 +153,11 @@ def _quiet_options(threads: int = 1) -> ort.SessionOptions:
     return options
 
 
-def full_session(model: onnx.ModelProto, path: Path | None = None, threads: int = 1) -> ort.InferenceSession:
-    """The unsliced model in onnxruntime: from `path` when the model is over 2 GB (it cannot be
-    serialized), else from the proto. Quiet: failures are reported by the caller."""
-    if path is not None and proto_size(model) > PROTO_LIMIT:
-        source: str | bytes = str(path)
-    else:
-        source = model.SerializeToString()
+def full_session(model: onnx.ModelProto, threads: int = 1) -> ort.InferenceSession:
+    """The unsliced model in onnxruntime (its weights read from disk where they stayed there).
+    Quiet: failures are reported by the caller."""
     try:
-        return ort.InferenceSession(source, _quiet_options(threads), providers=["CPUExecutionProvider"])
+        return proto_session(model, _quiet_options(threads))
     except Exception as exc:
         raise SliceError(f"onnxruntime cannot load the model: {one_line(exc)}") from exc
 

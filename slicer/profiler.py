@@ -23,6 +23,8 @@ import onnxruntime as ort
 from dvabatch_backend.runtime.engine import ort_session_options
 from dvabatch_backend.runtime.manifest import TensorSpec
 
+from .sessions import proto_session
+
 Progress = Callable[[str], None]
 
 INT_HIGH_KEY = "dvabatch.int_high."  # model metadata: exclusive upper bound of an int input's values
@@ -80,7 +82,6 @@ def node_costs(model: onnx.ModelProto, inputs: Sequence[TensorSpec], settings: S
     index = {node.name: i for i, node in enumerate(model.graph.node)}
     if len(index) != len(model.graph.node):
         raise ValueError("node names must be unique to map profiles back to nodes (see analysis.name_nodes)")
-    serialized = model.SerializeToString()
     bounds = int_bounds(model)
     rng = np.random.default_rng(0)
     costs: dict[Setting, np.ndarray] = {}
@@ -88,11 +89,11 @@ def node_costs(model: onnx.ModelProto, inputs: Sequence[TensorSpec], settings: S
         if progress:
             progress(f"profiling nodes at batch {setting.batch}, length {setting.length}")
         feeds = random_inputs(inputs, setting.batch, setting.length, rng, bounds)
-        costs[setting] = _profile_once(serialized, feeds, index, threads, repeats)
+        costs[setting] = _profile_once(model, feeds, index, threads, repeats)
     return costs
 
 
-def _profile_once(serialized: bytes, feeds: dict[str, np.ndarray], index: dict[str, int], threads: int,
+def _profile_once(model: onnx.ModelProto, feeds: dict[str, np.ndarray], index: dict[str, int], threads: int,
                   repeats: int) -> np.ndarray:
     """Median kernel time of each node over `repeats` runs (a warm-up run makes the first sample)."""
     options = ort_session_options(threads)
@@ -100,7 +101,7 @@ def _profile_once(serialized: bytes, feeds: dict[str, np.ndarray], index: dict[s
     with tempfile.TemporaryDirectory() as tmp:
         options.enable_profiling = True
         options.profile_file_prefix = os.path.join(tmp, "profile")
-        session = ort.InferenceSession(serialized, options, providers=["CPUExecutionProvider"])
+        session = proto_session(model, options)
         for _ in range(repeats + 1):
             session.run(None, feeds)
         events = json.loads(Path(session.end_profiling()).read_text())

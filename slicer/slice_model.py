@@ -169,8 +169,7 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
         max_length = options.max_length if has_seq else 0
         rule = LengthRule()
         if has_seq:  # the longest length first: a position table's limit is named as such
-            probe_max_length(full_session(model, None if isinstance(source, onnx.ModelProto) else Path(source)),
-                             inputs, max_length, int_bounds(model))
+            probe_max_length(full_session(model), inputs, max_length, int_bounds(model))
             say(f"running the model at every length up to {min(max_length, DENSE_RULE_LENGTHS)} and a spread to "
                 f"{max_length}: the lengths it takes")
             rule = length_rule(model, max_length, output_strides(model), output_dims(model))
@@ -181,9 +180,8 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
     if rule.why:
         say(f"lengths: multiples of {rule.multiple}, at least {rule.min_length}: {rule.why}")
     say(f"axes: {axes.describe()}" + "".join(f"; output {k}: batch axis {v} (served in that layout)" for k, v in moved.items()))
-    full = full_session(model, None if isinstance(source, onnx.ModelProto) else Path(source), options.threads)
     say(f"running one query at length {max_length}" if has_seq else "running one query")
-    probe_max_length(full, inputs, max_length, int_bounds(model))
+    probe_max_length(full_session(model, options.threads), inputs, max_length, int_bounds(model))
     lengths = [n for n in options.lengths or runnable_lengths(model, default_lengths(max_length), rule.multiple)
                if rule.allows(n) or not has_seq]
     if not lengths:
@@ -223,7 +221,9 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
                                                    concurrency=min(16, options.max_batch_size))
         chosen = choose_stage_count(candidates)
         say("checking that padding leaves answers unchanged")
-        pad = check_pad_safety(full, inputs, chosen.manifest.outputs, max_length, options.atol, int_bounds(model))
+        # a session of the whole model only while it is used: a large model's weights, once at a time
+        pad = check_pad_safety(full_session(model, options.threads), inputs, chosen.manifest.outputs, max_length,
+                               options.atol, int_bounds(model))
         served_threads = options.profile_threads or available_cores()
         profile = profile_stages(chosen.dir, chosen.manifest, batch_sizes, lengths, served_threads,
                                  max(3, options.repeats // 2), int_bounds(model), say)
@@ -336,17 +336,22 @@ def _diversity_points(costs_at: dict[Setting, np.ndarray], settings: list[Settin
 
 def verify_stages(model: onnx.ModelProto, folder: Path, manifest: Manifest, lengths: list[int], atol: float) -> float:
     """Run the stages in order and the original on the same random inputs; the max |difference|."""
-    full = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    stages = [ort.InferenceSession(str(folder / s.file), providers=["CPUExecutionProvider"]) for s in manifest.stages]
     rng = np.random.default_rng(2)
-    worst = 0.0
+    full = full_session(model)
+    names = [o.name for o in full.get_outputs()]
+    runs = []
     for length in sorted(set(lengths[:1] + lengths[-1:])):
         feeds = random_inputs(manifest.inputs, 3, length, rng, int_bounds(model))
-        expected = dict(zip([o.name for o in full.get_outputs()], full.run(None, feeds)))
+        runs.append((length, feeds, dict(zip(names, full.run(None, feeds)))))
+    del full  # the whole model and the stages are not held at once (a large model's weights twice)
+    worst = 0.0
+    for length, feeds, expected in runs:
         values = dict(feeds)
-        for session, spec in zip(stages, manifest.stages):
+        for spec in manifest.stages:  # one stage's session at a time
+            session = ort.InferenceSession(str(folder / spec.file), providers=["CPUExecutionProvider"])
             outs = session.run([t.name for t in spec.outputs], {t.name: values[t.name] for t in spec.inputs})
             values = dict(zip([t.name for t in spec.outputs], outs))
+            del session
         for name, ref in expected.items():
             diff = float(np.max(np.abs(values[name].astype(np.float64) - ref.astype(np.float64)))) if ref.size else 0.0
             tolerance = output_atol(ref.dtype, atol)

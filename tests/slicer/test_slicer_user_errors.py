@@ -5,10 +5,12 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
+from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.tools.cli import SliceProgress, main
@@ -97,28 +99,46 @@ def test_a_missing_external_data_file_is_named(tmp_path, capsys) -> None:
     _no_leftovers(parent, parent / "m")
 
 
-def test_a_model_over_2_gb_is_checked_and_run_by_path(tmp_path, monkeypatch) -> None:
-    """Over protobuf's limit (here pretended: the limit lowered) the checker and the probing session
-    get the file's path, not the proto (which could not be serialized)."""
+def test_a_model_over_2_gb_keeps_its_weights_on_disk(tmp_path, monkeypatch) -> None:
+    """Over protobuf's limit (here pretended: the limit lowered) the checker gets the file's path, the
+    weights are never loaded into the proto (sessions read them from their folder), each stage gets a
+    data file of its own, the unsliced model's data lies beside it, and the stages equal the original."""
     path = _save_external(toy.token_mlp(8, 4), tmp_path / "src" / "m.onnx", "m.weights")
     monkeypatch.setattr(preflight, "PROTO_LIMIT", 100)
-    checked, sessions = [], []
-    check, session = onnx.checker.check_model, ort.InferenceSession
+    checked, loaded = [], []
+    check, load_all = onnx.checker.check_model, preflight.load_external_data_for_model
 
     def spy_check(model, *args, **kwargs):
         checked.append(model)
         return check(model, *args, **kwargs)
 
-    def spy_session(source, *args, **kwargs):
-        sessions.append(source)
-        return session(source, *args, **kwargs)
+    def spy_load(*args, **kwargs):
+        loaded.append(args)
+        return load_all(*args, **kwargs)
 
     monkeypatch.setattr(onnx.checker, "check_model", spy_check)
-    monkeypatch.setattr(ort, "InferenceSession", spy_session)
+    monkeypatch.setattr(preflight, "load_external_data_for_model", spy_load)
     report = slice_model(path, tmp_path / "out" / "m", QUICK)
-    assert str(path) in checked
-    assert str(path) in sessions
-    assert report.manifest.pad_safe
+    assert str(path) in checked and loaded == []
+    folder = report.out_dir / "1"
+    for k, stage in enumerate(report.manifest.stages):
+        saved = onnx.load(str(folder / stage.file), load_external_data=False)
+        assert all(uses_external_data(t) for t in saved.graph.initializer if t.dims and np.prod(t.dims) > 16)
+        assert {ExternalDataInfo(t).location for t in saved.graph.initializer if uses_external_data(t)} == {
+            f"stage{k}.onnx.data"}
+    assert (folder / "m.weights").is_file() and report.manifest.pad_safe
+    original = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {"x": np.random.default_rng(0).standard_normal((3, 5, 8)).astype(np.float32),
+             "mask": np.ones((3, 5), np.float32)}
+    values = dict(feeds)
+    for stage in report.manifest.stages:
+        session = ort.InferenceSession(str(folder / stage.file), providers=["CPUExecutionProvider"])
+        values.update(zip([t.name for t in stage.outputs], session.run([t.name for t in stage.outputs],
+                                                                       {t.name: values[t.name] for t in stage.inputs})))
+    full = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    for out, want in zip([o.name for o in original.get_outputs()], original.run(None, feeds)):
+        np.testing.assert_allclose(values[out], want, atol=1e-5)
+        np.testing.assert_allclose(full.run([out], feeds)[0], want, atol=1e-5)
 
 
 # -- opsets -----------------------------------------------------------------------------------------
