@@ -34,6 +34,7 @@ from .errors import SliceError
 from .pad_safety import PadSafety, check_pad_safety, output_atol
 from .partition import NoLegalCut, Partition, achievable_balance, balanced_partition
 from .preflight import check_proto, full_session, probe_max_length, read_model
+from .sessions import external_data_dir
 from .profiler import Setting, int_bounds, node_costs, random_inputs, time_stages
 from .stage_profile import default_batch_sizes, default_lengths, profile_stages, stage_times_at
 from .triton_files import VERSION_DIR, write_triton_files
@@ -228,8 +229,12 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
         profile = profile_stages(chosen.dir, chosen.manifest, batch_sizes, lengths, served_threads,
                                  max(3, options.repeats // 2), int_bounds(model), say)
         policy = _policy_choice(profile)
-        say("timing the unsliced model beside the stages in a row (the fast path's engine)")
-        fast_path = fast_path_choice(chosen.dir, chosen.manifest, lengths, served_threads, int_bounds(model))
+        if external_data_dir(model) is not None:  # over 2 GB: a second copy of the weights is not offered
+            fast_path = {"engine": "stages", "why": "the model is over 2 GB: the stages in a row, no second copy of "
+                                                    "its weights beside them", "seconds": {}}
+        else:
+            say("timing the unsliced model beside the stages in a row (the fast path's engine)")
+            fast_path = fast_path_choice(chosen.dir, chosen.manifest, lengths, served_threads, int_bounds(model))
         manifest = _final_manifest(chosen, profile, ref, options, pad, int_bounds(model), policy, fast_path,
                                    _stage_count_record(candidates, chosen, has_seq, options.stages), rule)
         _write_profile(chosen.dir, manifest, profile)
