@@ -273,9 +273,9 @@ def length_rule(model: onnx.ModelProto, max_length: int, strides: Sequence[int] 
     shown = sorted(failed)
     listed = ", ".join(map(str, shown[:8])) + (f" and {len(shown) - 8} more" if len(shown) > 8 else "")
     below = [n for n in shown if n < minimum]
-    first = next((n for n in shown if n >= minimum), shown[0]) if multiple > 1 or not below else below[-1]
-    why = (f"the model fails or answers empty at lengths {listed} of the {len(lengths)} tried (at {first}: "
-           f"{failed[first]})")
+    first = shown[-1] if multiple > 1 or not below else below[-1]
+    why = (f"the model fails, or answers empty or off its graph's shape, at lengths {listed} of the {len(lengths)} "
+           f"tried (at {first}: {failed[first]})")
     return LengthRule(minimum, multiple, why, len(lengths))
 
 

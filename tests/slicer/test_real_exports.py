@@ -85,7 +85,7 @@ def test_what_the_slicer_learned_of_each_export(sliced) -> None:
     crnn = sliced["crnn"][1].manifest
     assert crnn.output_batch_axes == {"softmax_0.tmp_0": 1}
     assert crnn.outputs[0].dims == ("batch", "floor(floor(seq/2)/2)", 37)
-    assert (crnn.min_length, crnn.length_multiple) == (4, 1) and "empty" in crnn.length_rule  # T = 0 under 4
+    assert (crnn.min_length, crnn.length_multiple) == (4, 1) and "graph gives" in crnn.length_rule  # onnxruntime pads the pools under 4
     # the YOLOv8-style head: three strides concatenated; the CTC recognizer's time steps
     anchors = sliced["yolov8"][1].manifest.outputs[0].dims[2]
     assert anchors.count("floor") >= 10 and anchors.endswith("+ 14"), anchors
