@@ -13,6 +13,7 @@ import ast
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 import onnx
@@ -41,7 +42,7 @@ class LengthNodes:
         self.constants.append(onnx.numpy_helper.from_array(np.array([int(value)], np.int64), name))
         return name
 
-    def op(self, op_type: str, inputs: list[str], **attrs: object) -> str:
+    def op(self, op_type: str, inputs: list[str], **attrs: Any) -> str:
         out = self._name(op_type.lower())
         self.nodes.append(helper.make_node(op_type, inputs, [out], name=f"{out}_node", **attrs))
         return out
@@ -60,7 +61,7 @@ Scaled = tuple[str, int]  # (int64 tensor v, scale s): the value v / s
 
 def _emit(node: ast.expr, seq: str, b: LengthNodes) -> Scaled:
     if isinstance(node, ast.Constant):
-        value = Fraction(repr(node.value)) if isinstance(node.value, float) else Fraction(node.value)
+        value = Fraction(repr(node.value)) if isinstance(node.value, float) else Fraction(int(node.value))  # type: ignore[arg-type]
         return (b.const(value.numerator), value.denominator)
     if isinstance(node, ast.Name):
         return seq, 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -20,7 +20,12 @@ from .executor import BatchWindow, StageExecutor
 from .fast_path import FastPath
 from .manifest import Manifest
 from .query import Reply
-from .scheduler import Clock, RuntimeSettings, Scheduler, WorkListener
+from .admission import Admission
+from .batch_table import TableSnapshot
+from .buffers import BufferState
+from .query import QueryState
+from .scheduler import Clock, ExecutorState, RuntimeSettings, Scheduler, WorkListener
+from .stats import RuntimeStats, TraceEvent
 
 log = logging.getLogger(__name__)
 
@@ -147,13 +152,59 @@ class Pipeline(WorkListener):
         self.scheduler.cancel(query_ids)
 
     # Observations are the scheduler's: `pipeline.stats` is `pipeline.scheduler.stats`, and so on.
-    _FROM_SCHEDULER = frozenset({
-        "manifest", "num_stages", "bs_max", "settings", "stats", "trace", "buffer_violations", "pending_count",
-        "observe", "executor_states", "buffer_states", "query_states", "snapshot", "wait_until",
-        "admission", "any_queued",
-    })
+    @property
+    def manifest(self) -> Manifest:
+        return self.scheduler.manifest
 
-    def __getattr__(self, name: str) -> Any:
-        if name in Pipeline._FROM_SCHEDULER:
-            return getattr(self.scheduler, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    @property
+    def num_stages(self) -> int:
+        return self.scheduler.num_stages
+
+    @property
+    def bs_max(self) -> int:
+        return self.scheduler.bs_max
+
+    @property
+    def settings(self) -> RuntimeSettings:
+        return self.scheduler.settings
+
+    @property
+    def stats(self) -> RuntimeStats:
+        return self.scheduler.stats
+
+    @property
+    def trace(self) -> list[TraceEvent]:
+        return self.scheduler.trace
+
+    @property
+    def admission(self) -> Admission:
+        return self.scheduler.admission
+
+    @property
+    def buffer_violations(self) -> list[str]:
+        return self.scheduler.buffer_violations
+
+    @property
+    def pending_count(self) -> int:
+        return self.scheduler.pending_count
+
+    def observe(self) -> tuple[RuntimeStats, list[int]]:
+        return self.scheduler.observe()
+
+    def executor_states(self) -> list[ExecutorState]:
+        return self.scheduler.executor_states()
+
+    def buffer_states(self) -> list[list[BufferState]]:
+        return self.scheduler.buffer_states()
+
+    def query_states(self) -> dict[int, QueryState]:
+        return self.scheduler.query_states()
+
+    def snapshot(self) -> TableSnapshot:
+        return self.scheduler.snapshot()
+
+    def wait_until(self, predicate: Callable[[Scheduler], bool], timeout: float) -> bool:
+        return self.scheduler.wait_until(predicate, timeout)
+
+    def any_queued(self, query_ids: Sequence[int]) -> bool:
+        return self.scheduler.any_queued(query_ids)

@@ -53,6 +53,7 @@ def test_node_costs_map_back_to_every_compute_node() -> None:
     costs = node_costs(model, list(input_specs(model).values()), [Setting(4, 16), Setting(16, 16)], repeats=3)
     small, large = costs[Setting(4, 16)], costs[Setting(16, 16)]
     matmuls = [i for i, n in enumerate(model.graph.node) if n.op_type == "MatMul"]
-    assert all(small[i] > 0 for i in matmuls)
-    assert large[matmuls].sum() > small[matmuls].sum()  # four times the rows cost more
-    assert len(small) == len(model.graph.node)
+    # every compute node is found in the profile by its name, at each setting (no clock comparison:
+    # which setting is slower is the machine's business)
+    assert all(small[i] > 0 and large[i] > 0 for i in matmuls)
+    assert len(small) == len(large) == len(model.graph.node)
