@@ -128,6 +128,9 @@ class SliceReport:
             lines.append("  stage-count candidates (queries/s as served, closed loop): "
                          + ", ".join(f"{x.stages}: {x.throughput:.0f}" for x in self.candidates)
                          + f"; chose {c.stages} (the fewest stages within {STAGE_COUNT_TIE:.0%} of the fastest)")
+        if self.manifest.length_rule:
+            lines.append(f"  lengths the model takes: multiples of {self.manifest.length_multiple}, at least "
+                         f"{self.manifest.min_length} ({self.manifest.length_rule})")
         lines.append(f"  legal cut points: {self.legal_points} of {self.nodes} node positions")
         if self.illegal:
             lines.append("  illegal positions: " + "; ".join(f"{n} where {kind}" for kind, n in self.illegal.items()))
