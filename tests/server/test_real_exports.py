@@ -1,6 +1,6 @@
 """Real exports served from the real tritonserver: every model of the exporter corpus
 (tests/slicer/corpus.py: bert, gpt2, vit, resnet18, crnn, yolo, conv_mean, yolov8, ctc, upsample,
-ctc_fp16), sliced into three stages
+ctc_fp16, ctc_external), sliced into three stages
 with its original dim names, served from ONE tritonserver (variable-length models under the
 `input` policy, fixed-shape ones under `load`), answers concurrent HTTP and gRPC requests of mixed
 lengths drawn from each model's sweep (primes, odd widths; one row, and some of two rows of the
@@ -32,7 +32,8 @@ from slicer.triton_files import config_pbtxt
 
 from ..slicer.corpus import CorpusModel, build_corpus
 
-MODELS = ("bert", "gpt2", "vit", "resnet18", "crnn", "yolo", "conv_mean", "yolov8", "ctc", "upsample", "ctc_fp16")
+MODELS = ("bert", "gpt2", "vit", "resnet18", "crnn", "yolo", "conv_mean", "yolov8", "ctc", "upsample", "ctc_fp16",
+          "ctc_external")
 TRANSFORMERS = {"bert", "gpt2", "vit"}
 PROTOCOLS = ("http", "grpc")
 PER_PROTOCOL = 8  # concurrent requests per protocol and model

@@ -586,6 +586,18 @@ def _ctc_fp16(path: Path) -> CorpusModel:
                        _make=make)
 
 
+
+def _ctc_external(path: Path) -> CorpusModel:
+    """The CTC recognizer saved with its weights in an external data file, as every model over 2 GB
+    must be (and many exporters do for smaller ones)."""
+    source = path.with_name(f"{path.stem}_inline.onnx")
+    inline = _ctc(source)
+    onnx.save_model(onnx.load(str(source)), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=f"{path.stem}.weights", size_threshold=256)
+    return CorpusModel("ctc_external", path, "variable_width", inline.opset, max_length=inline.max_length,
+                       min_length=inline.min_length, longest=inline.longest, pad_safe_expected=None,
+                       notes="the CTC recognizer with its weights in an external data file", _make=inline._make)
+
 BUILDERS: dict[str, Callable[[Path], CorpusModel]] = {
     "bert": _bert,
     "gpt2": _gpt2,
@@ -598,6 +610,7 @@ BUILDERS: dict[str, Callable[[Path], CorpusModel]] = {
     "ctc": _ctc,
     "upsample": _upsample,
     "ctc_fp16": _ctc_fp16,
+    "ctc_external": _ctc_external,
 }
 NAMES = tuple(BUILDERS)
 

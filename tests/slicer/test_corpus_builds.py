@@ -24,6 +24,7 @@ EXPECTED_SHAPES = {
     "ctc": {"image": ("N", 1, 32, "image_width"), "logits": ("N", "T", 20)},
     "upsample": {"image": ("batch", 3, 32, "width"), "masks": ("batch", 4, 32, "out_width")},
     "ctc_fp16": {"image": ("N", 1, 32, "image_width"), "logits": ("N", "T", 20)},
+    "ctc_external": {"image": ("N", 1, 32, "image_width"), "logits": ("N", "T", 20)},
 }
 
 
@@ -73,7 +74,7 @@ def test_runs_at_two_batches_and_two_lengths(corpus, name):
         if name == "yolov8":  # three strides of ceil(W/2) convs: 8 rows at 8, 4 at 16, 2 at 32
             cells = [-(-length // 2 ** k) for k in (3, 4, 5)]
             assert outs["output0"] == (batch, 7, 8 * cells[0] + 4 * cells[1] + 2 * cells[2])
-        if name in ("ctc", "ctc_fp16"):
+        if name in ("ctc", "ctc_fp16", "ctc_external"):
             assert outs["logits"] == (batch, ((length - 5) // 2 + 1 - 2 - 1) // 2 + 1, 20)
         if name == "upsample":
             assert outs["masks"] == (batch, 4, 32, 4 * -(-length // 4))

@@ -18,7 +18,8 @@ from slicer.slice_model import SliceOptions, SliceReport, slice_model
 
 from .corpus import CorpusModel, build_corpus
 
-MODELS = ("bert", "gpt2", "vit", "resnet18", "crnn", "yolo", "conv_mean", "yolov8", "ctc", "upsample", "ctc_fp16")
+MODELS = ("bert", "gpt2", "vit", "resnet18", "crnn", "yolo", "conv_mean", "yolov8", "ctc", "upsample", "ctc_fp16",
+          "ctc_external")
 TRANSFORMERS = {"bert", "gpt2", "vit"}
 FP16 = {"ctc_fp16"}  # atol 5e-2: half precision, a stage-split run may round differently
 
