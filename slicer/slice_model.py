@@ -184,8 +184,9 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
     if rule.why:
         say(f"lengths: multiples of {rule.multiple}, at least {rule.min_length}: {rule.why}")
     say(f"axes: {axes.describe()}" + "".join(f"; output {k}: batch axis {v} (served in that layout)" for k, v in moved.items()))
-    say(f"running one query at length {max_length}" if has_seq else "running one query")
-    probe_max_length(full_session(model, options.threads), inputs, max_length, int_bounds(model))
+    if not has_seq:  # a model with a length ran at its longest above, before its length rule
+        say("running one query")
+        probe_max_length(full_session(model, options.threads), inputs, max_length, int_bounds(model))
     lengths = [n for n in options.lengths or runnable_lengths(model, default_lengths(max_length), rule.multiple)
                if rule.allows(n) or not has_seq]
     if not lengths:
