@@ -488,8 +488,9 @@ def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: 
     schedules = {load.key: write_gamma_intervals(data.with_name(f"intervals-{i}.txt"), rates[load.key], load.cv)
                  for i, load in enumerate(FIXED_LOADS) if load.cv != 1}
     for r in range(plan.load_rounds):
-        for i, (key, rate) in enumerate(rates.items()):
-            shape = f"Gamma CV {FIXED_LOADS[i].cv:g}" if key in schedules else "Poisson"
+        for i, load in enumerate(FIXED_LOADS):
+            key, rate = load.key, rates[load.key]
+            shape = f"Gamma CV {load.cv:g}" if load.cv != 1 else "Poisson"
             for system in (systems if (i + r) % 2 == 0 else systems[::-1]):
                 progress(f"{system.label}: {shape} at {rate:g}/s ({key} {of}), round {r + 1}")
                 share[system.label](key, lambda: measure_fixed_load(server.grpc_url, system, data, plan, key, rate,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -579,11 +579,9 @@ def _ctc_fp16(path: Path) -> CorpusModel:
     def make(rng: np.random.Generator, batch: int, width: int) -> dict[str, np.ndarray]:
         return {"image": rng.standard_normal((batch, 1, 32, width)).astype(np.float16)}
 
-    return CorpusModel("ctc_fp16", path, "variable_width", fp32.opset, max_length=fp32.max_length,
-                       min_length=fp32.min_length, longest=fp32.longest, pad_safe_expected=None,
-                       notes="the CTC recognizer converted with onnxconverter-common's convert_float_to_float16 "
-                             "(float16 inputs, weights and outputs), as `--fp16` export scripts do",
-                       _make=make)
+    return replace(fp32, name="ctc_fp16", path=path, _make=make,
+                   notes="the CTC recognizer converted with onnxconverter-common's convert_float_to_float16 "
+                         "(float16 inputs, weights and outputs), as `--fp16` export scripts do")
 
 
 
@@ -594,9 +592,8 @@ def _ctc_external(path: Path) -> CorpusModel:
     inline = _ctc(source)
     onnx.save_model(onnx.load(str(source)), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=f"{path.stem}.weights", size_threshold=256)
-    return CorpusModel("ctc_external", path, "variable_width", inline.opset, max_length=inline.max_length,
-                       min_length=inline.min_length, longest=inline.longest, pad_safe_expected=None,
-                       notes="the CTC recognizer with its weights in an external data file", _make=inline._make)
+    return replace(inline, name="ctc_external", path=path,
+                   notes="the CTC recognizer with its weights in an external data file")
 
 BUILDERS: dict[str, Callable[[Path], CorpusModel]] = {
     "bert": _bert,
