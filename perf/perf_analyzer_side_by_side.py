@@ -20,11 +20,13 @@ entry per request. For each system:
 1. concurrency 1: the latency of a lone query (mean, p50, p99), the average of two rounds with the
    systems' order reversed;
 2. closed loop at bs_max clients: its closed-loop peak;
-3. `--request-rate-range` with `--request-distribution poisson` (open loop), stepping from 0.3x to
-   1.2x of its own closed-loop peak, stopping once p99 passes the target (`--percentile 99 -l
-   TARGET`). Its sustained rate is the highest step whose p99 is within the target and whose
-   answered throughput kept up with the rate (>= 90 % of what the generator delivered at the
-   lowest step, see `sustained`);
+3. Poisson arrivals (open loop) at each level of one grid of rates, the same for every system:
+   0.3x to 1.2x (`--quick`: 0.5x to 1.2x) of the highest closed-loop peak of them all, by 0.1x,
+   lowest first. Each level is the median of the plan's rounds, the systems' order alternating; a
+   system stops at its first level whose p99 passes the target or whose answered throughput did
+   not keep up (>= 90 % of what the generator delivered at the lowest level, see `sustained`).
+   Its sustained rate is the highest level it passed. One grid and medians of alternating rounds
+   keep one system's noisy peak, or one stall in one window, from deciding the ratio;
 4. Poisson at 0.5x and 0.9x the better baseline's sustained rate, and bursty arrivals at 0.5x
    (Gamma gaps with a coefficient of variation of 4, one seeded schedule sent by perf_analyzer's
    `--request-intervals`): the same rates for every system, the order of the systems alternating;
@@ -47,7 +49,6 @@ import argparse
 import dataclasses
 import json
 import re
-import shutil
 import sys
 import tempfile
 import time
@@ -66,8 +67,8 @@ from perf.perf_analyzer import PerfResult, PerfRow, run_perf_analyzer, write_inp
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "work" / "perf"
 LATENCY_TARGET_MS = 500.0
 KEEP_UP = 0.9  # answered throughput / sent rate for a step to count as sustained
-RATE_FRACTIONS = (0.3, 1.2, 0.1)  # start, end, step: fractions of the system's closed-loop peak
-QUICK_RATE_FRACTIONS = (0.4, 1.2, 0.2)
+RATE_FRACTIONS = (0.3, 1.2, 0.1)  # start, end, step: fractions of the highest closed-loop peak
+QUICK_RATE_FRACTIONS = (0.5, 1.2, 0.1)
 MEASUREMENT_INTERVAL_MS = 3000
 QUICK_MEASUREMENT_INTERVAL_MS = 1000
 WINDOWS = 3  # perf_analyzer judges a level over 3 windows; -r 3 with a huge -s: exactly 3 per level
@@ -87,6 +88,9 @@ ZERO_SENDER, ZERO_THREAD, ECHO = "ZeroBatch-sender", "ZeroBatch-thread", "Echo"
 # and DVABatch with the fast path off: the pipeline's own figures, and its stub's memory without the
 # unsliced model beside the stages
 PIPELINE_ONLY = "DVABatch-pipeline"
+# `--sliced DIR`: the same model sliced another way (say `dvabatch slice --stages 2` where the slicer chose
+# one stage), served beside and measured as DVABatch is, so the pipeline's own standing shows
+SLICED = "DVABatch-sliced"
 OVERHEAD = {ZERO_SENDER: "sender", ZERO_THREAD: "thread", ECHO: "echo", PIPELINE_ONLY: "pipeline"}
 
 
@@ -121,18 +125,20 @@ class Plan:
     rate_fractions: tuple[float, float, float]
     latency_target_ms: float
     load_rounds: int = LOAD_ROUNDS
+    closed_loop_sweep: bool = True  # the closed-loop throughput at each of CONCURRENCIES clients
 
     @classmethod
     def for_args(cls, quick: bool, latency_target_ms: float, interval_ms: int | None = None,
-                 rounds: int | None = None) -> Plan:
+                 rounds: int | None = None, closed_loop_sweep: bool = True) -> Plan:
         default = QUICK_MEASUREMENT_INTERVAL_MS if quick else MEASUREMENT_INTERVAL_MS
         return cls(interval_ms or default, QUICK_RATE_FRACTIONS if quick else RATE_FRACTIONS, latency_target_ms,
-                   rounds or (1 if quick else LOAD_ROUNDS))
+                   rounds or (1 if quick else LOAD_ROUNDS), closed_loop_sweep)
 
-    def rates(self, peak: float) -> tuple[float, float, float]:
-        """(start, end, step) in requests/s, whole numbers (perf_analyzer's range takes them so)."""
-        start, end, step = (max(1.0, round(f * peak)) for f in self.rate_fractions)
-        return start, max(start, end), step
+    def rates(self, peak: float) -> list[float]:
+        """The grid of Poisson rates (requests/s, whole numbers, at least 1, no repeats) over `peak`."""
+        start, end, step = self.rate_fractions
+        fractions = np.arange(start, end + step / 2, step)
+        return sorted({max(1.0, float(round(f * peak))) for f in fractions})
 
 
 @dataclass
@@ -173,21 +179,32 @@ def delay_batch_delay_us(manifest: Any) -> int:
     return max(100, round(sum(t[min(t)] for t in times) * 1e6)) if times else 1000
 
 
+def _serve_as(scratch: Path, model_dir: Path, manifest_name: str, name: str, extra: str = "") -> None:
+    """scratch/NAME: `model_dir`'s config.pbtxt renamed (and `extra` appended), its version folder linked."""
+    (scratch / name).mkdir(parents=True)
+    (scratch / name / "config.pbtxt").write_text(
+        (model_dir / "config.pbtxt").read_text().replace(f'name: "{manifest_name}"', f'name: "{name}"') + extra)
+    (scratch / name / "1").symlink_to((model_dir / "1").resolve(), target_is_directory=True)
+
+
 def build_repository(scratch: Path, model_dir: Path, delay_batch_too: bool = True,
-                     overhead: bool = False, delays_us: Sequence[int] = ()) -> dict[str, str]:
+                     overhead: bool = False, delays_us: Sequence[int] = (),
+                     sliced: Path | None = None) -> dict[str, str]:
     """scratch/NAME (the slicer's config.pbtxt as written, its version folder linked),
     scratch/NAME_zerobatch and scratch/NAME_delaybatch (with `delays_us`, one DelayBatch per delay
-    instead, labelled "DelayBatch-0.5ms" ...; and with `overhead` the `OVERHEAD` variants of
-    ZeroBatch); returns {label: model name}."""
+    instead, labelled "DelayBatch-0.5ms" ...; with `overhead` the `OVERHEAD` variants of
+    ZeroBatch; with `sliced` that folder as NAME_sliced); returns {label: model name}."""
     from dvabatch_backend.runtime.manifest import Manifest
     from perf.baselines import add_baseline, delay_batch, zero_batch
 
     version_dir = (model_dir / "1").resolve()
     manifest = Manifest.load(version_dir / "manifest.json")
     names = {DVA: manifest.name, ZERO: f"{manifest.name}_zerobatch"}
-    (scratch / manifest.name).mkdir(parents=True)
-    shutil.copyfile(model_dir / "config.pbtxt", scratch / manifest.name / "config.pbtxt")
-    (scratch / manifest.name / "1").symlink_to(version_dir, target_is_directory=True)
+    _serve_as(scratch, model_dir, manifest.name, manifest.name)
+    if sliced is not None:
+        other = Manifest.load(sliced / "1" / "manifest.json")
+        names[SLICED] = f"{manifest.name}_sliced"
+        _serve_as(scratch, sliced, other.name, names[SLICED])
     zero_batch(scratch, version_dir, names[ZERO], threads=available_cores(), bs_max=manifest.max_batch_size)
     delays = {f"{DELAY}-{d / 1000:g}ms": d for d in delays_us} or (
         {DELAY: delay_batch_delay_us(manifest)} if delay_batch_too else {})
@@ -199,11 +216,8 @@ def build_repository(scratch: Path, model_dir: Path, delay_batch_too: bool = Tru
         for label, respond in OVERHEAD.items():
             names[label] = f"{manifest.name}_{respond}"
             if label == PIPELINE_ONLY:
-                (scratch / names[label]).mkdir()
-                (scratch / names[label] / "config.pbtxt").write_text(
-                    (model_dir / "config.pbtxt").read_text().replace(f'name: "{manifest.name}"', f'name: "{names[label]}"')
-                    + 'parameters: { key: "fast_path" value: { string_value: "false" } }\n')
-                (scratch / names[label] / "1").symlink_to(version_dir, target_is_directory=True)
+                _serve_as(scratch, model_dir, manifest.name, names[label],
+                          'parameters: { key: "fast_path" value: { string_value: "false" } }\n')
                 continue
             add_baseline(scratch, version_dir, names[label], 0, threads=available_cores(),
                          bs_max=manifest.max_batch_size, respond=respond)
@@ -381,7 +395,7 @@ def sustained(rows: Sequence[PerfRow], latency_target_ms: float) -> PerfRow | No
     perf_analyzer's Poisson generator reports fewer answers per second than the rate it was given
     even from a system far from saturation (about 0.75x of 18/s on 2 cores, the same for every
     system), so "kept up" is judged against what the generator delivered at the lowest step (the
-    system there at 0.3x its own peak): throughput >= KEEP_UP x rate x that step's throughput/rate."""
+    system there far from its peak): throughput >= KEEP_UP x rate x that step's throughput/rate."""
     if not rows:
         return None
     lowest = min(rows, key=lambda r: r.level)
@@ -391,18 +405,43 @@ def sustained(rows: Sequence[PerfRow], latency_target_ms: float) -> PerfRow | No
     return max(good, key=lambda r: r.level, default=None)
 
 
-def measure_open_loop(url: str, system: SystemResult, data: Path, plan: Plan,
-                      rates: tuple[float, float, float]) -> None:
-    # --percentile 99 makes -l (the latency threshold, ms) apply to p99: the sweep ends past the target
-    stop = ["--percentile", "99", "-l", f"{plan.latency_target_ms:g}"]
-    result = _run(url, system.model, data, plan, request_rate_range=rates, request_distribution="poisson",
-                  async_mode=True, extra_args=stop)
-    _note_errors(result, system, "request rate", allow_missing=True)
-    system.steps = [{"rate": r.level, "throughput": r.throughput, "p50_ms": r.p50_us / 1e3,
-                     "p99_ms": r.p99_us / 1e3} for r in result.rows]
-    best = sustained(result.rows, plan.latency_target_ms)
-    if best is not None:
-        system.sustained_rate, system.sustained_p99_ms = best.level, best.p99_us / 1e3
+def median_row(rows: Sequence[PerfRow]) -> PerfRow:
+    """One level's rounds as one row: the median of each figure."""
+    figures = {f: float(np.median([getattr(r, f) for r in rows]))
+               for f in ("throughput", "p50_us", "p90_us", "p95_us", "p99_us", "avg_us")}
+    return dataclasses.replace(rows[0], **figures)
+
+
+def measure_sustained(url: str, systems: Sequence[SystemResult], data: Path, plan: Plan, rates: Sequence[float],
+                      progress: Any = print) -> None:
+    """Poisson at each of `rates` (one grid for every system), lowest first, each level the median of
+    the plan's rounds with the systems' order alternating; a system stops at its first level past the
+    target or not kept up (`sustained`). Fills each system's `steps` and sustained rate."""
+    levels: dict[str, list[PerfRow]] = {s.label: [] for s in systems}
+    active = list(systems)
+    for i, rate in enumerate(rates):
+        rounds: dict[str, list[PerfRow]] = {s.label: [] for s in active}
+        for r in range(plan.load_rounds):
+            for system in (active if (i + r) % 2 == 0 else active[::-1]):
+                progress(f"{system.label}: Poisson at {rate:g}/s, round {r + 1}")
+                result = _run(url, system.model, data, plan, async_mode=True, **arrivals(rate, None))
+                _note_errors(result, system, f"request rate {rate:g}")
+                rounds[system.label] += result.rows[:1]
+        for system in list(active):
+            if not rounds[system.label]:
+                active.remove(system)
+                continue
+            row = median_row(rounds[system.label])
+            levels[system.label].append(row)
+            system.steps.append({"rate": rate, "throughput": row.throughput, "p50_ms": row.p50_us / 1e3,
+                                 "p99_ms": row.p99_us / 1e3, "rounds": len(rounds[system.label])})
+            best = sustained(levels[system.label], plan.latency_target_ms)
+            if best is None or best.level != rate:  # past the target, or fell behind: its last level
+                active.remove(system)
+            else:
+                system.sustained_rate, system.sustained_p99_ms = rate, row.p99_us / 1e3
+        if not active:
+            break
 
 
 def arrivals(rate: float, intervals: Path | None) -> dict[str, Any]:
@@ -472,18 +511,19 @@ def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: 
     for system in systems:
         progress(f"{system.label}: concurrency {bs_max} (closed loop)")
         share[system.label]("closed loop", lambda: measure_peak(server.grpc_url, system, data, plan, bs_max))
-    progress(f"closed loop at {', '.join(str(c) for c in CONCURRENCIES if c <= bs_max)} clients")
-    share.get(DVA, share[main[0].label])("closed loop sweep",
-                                         lambda: measure_closed_loop(server.grpc_url, main, data, plan, bs_max))
+    if plan.closed_loop_sweep:
+        progress(f"closed loop at {', '.join(str(c) for c in CONCURRENCIES if c <= bs_max)} clients")
+        share.get(DVA, share[main[0].label])("closed loop sweep",
+                                             lambda: measure_closed_loop(server.grpc_url, main, data, plan, bs_max))
     overhead_systems = [s for s in systems if s.label in OVERHEAD]
     systems = main
     if not any(s.closed_loop_peak for s in systems):
         raise RuntimeError("no closed-loop peak was measured: " + "; ".join(
             e for s in systems for e in s.perf_analyzer_errors))
-    for system in systems:
-        rates = plan.rates(system.closed_loop_peak or 1.0)
-        progress(f"{system.label}: Poisson request rates {rates[0]:g} to {rates[1]:g} by {rates[2]:g}/s")
-        share[system.label]("stepping", lambda: measure_open_loop(server.grpc_url, system, data, plan, rates))
+    grid = plan.rates(max(s.closed_loop_peak or 0.0 for s in systems))
+    progress(f"Poisson request rates {', '.join(f'{r:g}' for r in grid)}/s, every system")
+    share.get(DVA, share[systems[0].label])(
+        "stepping", lambda: measure_sustained(server.grpc_url, systems, data, plan, grid, progress))
     rates, of = fixed_rates([s for s in systems if is_baseline(s.label)] or systems[-1:])
     schedules = {load.key: write_gamma_intervals(data.with_name(f"intervals-{i}.txt"), rates[load.key], load.cv)
                  for i, load in enumerate(FIXED_LOADS) if load.cv != 1}
@@ -622,7 +662,8 @@ def overhead_lines(systems: Sequence[SystemResult]) -> list[str]:
 
 
 def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str, model_dir: Path | None = None,
-        overhead: bool = False, delays_us: Sequence[int] = ()) -> tuple[list[SystemResult], dict[str, Any]]:
+        overhead: bool = False, delays_us: Sequence[int] = (),
+        sliced: Path | None = None) -> tuple[list[SystemResult], dict[str, Any]]:
     """Slices (or reuses OUT/sliced/SIZE/MODEL), or takes `model_dir` (any sliced model folder, as
     `dvabatch slice` wrote it), serves the systems from one server, measures them."""
     from dvabatch_backend.runtime.manifest import Manifest
@@ -639,7 +680,7 @@ def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str, model_dir:
         zoo_name, size = manifest.name, "own"
     with tempfile.TemporaryDirectory(prefix="dvabatch-pa-side-by-side-") as tmp:
         scratch = Path(tmp)
-        names = build_repository(scratch / "repo", model_dir, overhead=overhead, delays_us=delays_us)
+        names = build_repository(scratch / "repo", model_dir, overhead=overhead, delays_us=delays_us, sliced=sliced)
         data = write_queries(scratch / "input_data.json", model_dir, int_high, preset)
         with TritonServer(scratch / "repo") as server:
             for name in names.values():
@@ -654,7 +695,8 @@ def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str, model_dir:
             "bs_max": manifest.max_batch_size, "max_length": manifest.max_length, "plan": asdict(plan),
             "baseline_threads": available_cores(), "policy": _policy(model_dir / "config.pbtxt"),
             "delay_batch_delay_us": list(delays_us) or delay_batch_delay_us(manifest), "fixed_rates_of": fixed_of,
-            "verdicts": verdicts(systems)}
+            "verdicts": verdicts(systems), "sliced": str(sliced) if sliced else None,
+            "stage_count": manifest.extra.get("slicing", {}).get("stage_count")}
     return systems, info
 
 
@@ -679,6 +721,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="shorter windows, fewer steps, one round of the fixed loads")
     parser.add_argument("--rounds", type=int, default=None,
                         help=f"rounds of the fixed loads, each figure their median (default {LOAD_ROUNDS}; --quick 1)")
+    parser.add_argument("--sliced", type=Path, default=None, metavar="DIR",
+                        help="the same model sliced another way (e.g. `dvabatch slice --stages 2`), served beside "
+                             f"as {SLICED!r} and measured as DVABatch is")
+    parser.add_argument("--no-closed-loop-sweep", action="store_true",
+                        help=f"skip the closed-loop throughput at each of {CONCURRENCIES} clients")
     parser.add_argument("--overhead", action="store_true",
                         help="also serve ZeroBatch answering through its response sender and from a worker thread, "
                              "and an echo model: where a query's time goes in the served path")
@@ -692,11 +739,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         delays_us = tuple(int(d) for d in args.delays.split(",") if d.strip())
     except ValueError:
         parser.error(f"--delays takes microseconds separated by commas, got {args.delays!r}")
-    plan = Plan.for_args(args.quick, args.latency_target_ms, args.measurement_interval, args.rounds)
+    plan = Plan.for_args(args.quick, args.latency_target_ms, args.measurement_interval, args.rounds,
+                         not args.no_closed_loop_sweep)
     began = time.perf_counter()
-    systems, info = run(args.model, args.size, args.out, plan, args.lengths, args.model_dir, args.overhead, delays_us)
+    systems, info = run(args.model, args.size, args.out, plan, args.lengths, args.model_dir, args.overhead, delays_us,
+                        args.sliced)
     for line in table(systems, plan.latency_target_ms):
         print(line)
+    if info["stage_count"]:
+        print(f"the slicer's choice: {info['stage_count']['chosen']} stage(s), policy {info['policy']}: "
+              f"{info['stage_count']['why']}")
     results = args.out / "perf_analyzer_side_by_side" / info["model"] / info["size"] / "results.json"
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps({**info, "systems": [asdict(s) for s in systems]}, indent=2) + "\n")

@@ -1,10 +1,11 @@
 """Where the served path spends its CPU, per query: py-spy on the stub under closed-loop load.
 
-    python -m perf.served_profile MODEL_DIR [--clients 8] [--seconds 8] [--lengths sst2]
+    python -m perf.served_profile MODEL_DIR [--clients 8 | --rate 1200] [--seconds 8] [--lengths sst2]
         [--param fast_path=false] [--out work/profile]
 
 One tritonserver serves the sliced model folder (its config.pbtxt as written, plus any `--param`)
-beside its ZeroBatch; perf_analyzer drives each in turn at `--clients` (closed loop) while py-spy
+beside its ZeroBatch; perf_analyzer drives each in turn at `--clients` (closed loop), or with
+`--rate` at that many Poisson arrivals a second (open loop), while py-spy
 samples that model's stub (every thread; a thread waiting in a lock, event or queue is idle and left
 out). Each sample is charged to one part of
 the path, the first of `PARTS` found walking its stack from the innermost frame out; the report
@@ -75,17 +76,17 @@ def cpu_seconds(pid: int) -> float:
 
 
 def profile(model_dir: Path, clients: int, seconds: float, preset: str, params: dict[str, str],
-            out: Path) -> dict[str, dict]:
-    from dvabatch_backend.runtime.manifest import Manifest
+            out: Path, rate: float | None = None) -> dict[str, dict]:
     from dvabatch_backend.tools.serve import TritonServer
     from perf.perf_analyzer import ensure_system_deps, run_perf_analyzer
     from perf.perf_analyzer_side_by_side import (DVA, ZERO, build_repository, failure_counts, stub_pid,
                                                  write_queries)
 
     ensure_system_deps()
-    manifest = Manifest.load(model_dir / "1" / "manifest.json")
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, dict] = {}
+    load: dict = ({"request_rate_range": (rate,), "request_distribution": "poisson", "async_mode": True}
+                  if rate else {"concurrency_range": (clients,)})
     with tempfile.TemporaryDirectory(prefix="dvabatch-served-profile-") as tmp:
         scratch = Path(tmp)
         names = build_repository(scratch / "repo", model_dir, delay_batch_too=False)
@@ -99,7 +100,7 @@ def profile(model_dir: Path, clients: int, seconds: float, preset: str, params: 
             for label in (DVA, ZERO):
                 model = names[label]
                 run_perf_analyzer(model, server.grpc_url, protocol="grpc", input_data=data,
-                                  concurrency_range=(clients,), measurement_interval_ms=500,
+                                  **load, measurement_interval_ms=500,
                                   stability_percentage=1000.0, max_trials=3)  # warm-up
                 pid = stub_pid(server, model)
                 raw, svg = out / f"{label}.txt", out / f"{label}.svg"
@@ -112,7 +113,7 @@ def profile(model_dir: Path, clients: int, seconds: float, preset: str, params: 
                              for fmt, path in (("raw", raw), ("flamegraph", svg))]
                 began = time.perf_counter()
                 result = run_perf_analyzer(model, server.grpc_url, protocol="grpc", input_data=data,
-                                           concurrency_range=(clients,), measurement_interval_ms=window_ms,
+                                           **load, measurement_interval_ms=window_ms,
                                            stability_percentage=1000.0, max_trials=3)
                 for recorder in recorders:
                     recorder.wait(timeout=seconds + 30)
@@ -124,7 +125,8 @@ def profile(model_dir: Path, clients: int, seconds: float, preset: str, params: 
                 seen = max(answered, 1) * min(1.0, (seconds + 2) / elapsed)
                 per_query = {part: round(n / SAMPLE_RATE / seen * 1e6, 1) for part, n in parts.most_common()
                              if part != "idle"}
-                report[label] = {"model": model, "clients": clients, "answered": answered,
+                report[label] = {"model": model, "clients": None if rate else clients, "rate": rate,
+                                 "answered": answered,
                                  "throughput": result.rows[0].throughput if result.rows else None,
                                  "stub_cpu_us_per_query": round(stub_cpu / max(answered, 1) * 1e6, 1),
                                  "python_us_per_query_by_part": per_query, "raw": str(raw), "flamegraph": str(svg)}
@@ -141,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.served_profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", type=Path, help="a sliced model folder (config.pbtxt and 1/)")
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals a second instead of --clients")
     parser.add_argument("--seconds", type=float, default=8.0, help="the profiled window")
     parser.add_argument("--lengths", default="sst2", help="perf.lengths preset (default: %(default)s)")
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
@@ -148,9 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     params = dict(p.split("=", 1) for p in args.param)
-    report = profile(args.model_dir, args.clients, args.seconds, args.lengths, params, args.out)
+    report = profile(args.model_dir, args.clients, args.seconds, args.lengths, params, args.out, args.rate)
     for label, r in report.items():
-        print(f"{label} ({r['model']}, {r['clients']} clients): {r['throughput'] or 0:.0f}/s, stub CPU "
+        load = f"Poisson {r['rate']:g}/s" if r["rate"] else f"{r['clients']} clients"
+        print(f"{label} ({r['model']}, {load}): {r['throughput'] or 0:.0f}/s, stub CPU "
               f"{r['stub_cpu_us_per_query']:.0f} us a query (every thread, onnxruntime's included); Python stacks:")
         for part, us in r["python_us_per_query_by_part"].items():
             print(f"  {part:<34} {us:8.1f} us")

@@ -50,9 +50,39 @@ def test_a_row_per_system_and_every_request_succeeded(tmp_path: Path, capsys: py
 
 def test_rates_step_over_a_peak() -> None:
     plan = sbs.Plan.for_args(quick=True, latency_target_ms=500.0)
-    assert plan.rates(100.0) == (40.0, 120.0, 20.0)
-    assert sbs.Plan.for_args(quick=False, latency_target_ms=500.0).rates(100.0) == (30.0, 120.0, 10.0)
-    assert plan.rates(0.5)[0] >= 1.0  # perf_analyzer needs a rate of at least 1/s
+    assert plan.rates(100.0) == [50.0, 60.0, 70.0, 80.0, 90.0, 100.0, 110.0, 120.0]
+    assert sbs.Plan.for_args(quick=False, latency_target_ms=500.0).rates(100.0) == [30.0 + 10 * i for i in range(10)]
+    assert plan.rates(0.5) == [1.0]  # perf_analyzer needs a rate of at least 1/s; no level twice
+
+
+def test_every_system_steps_over_one_grid_each_level_the_median_of_its_rounds(monkeypatch: pytest.MonkeyPatch,
+                                                                                 tmp_path: Path) -> None:
+    # the perf_analyzer runs are replaced by each system's answers at each rate (in the order asked):
+    # "fast" keeps up to 40/s, one stalled round at 30/s outvoted by the other two; "slow" passes 30/s
+    # on p99, then falls behind at 40/s; a level past its last is never run
+    p99s = {("fast", 20.0): [10, 12, 11], ("fast", 30.0): [400, 20, 25], ("fast", 40.0): [30, 35, 32],
+            ("fast", 50.0): [200, 300, 250], ("slow", 20.0): [15, 16, 14], ("slow", 30.0): [40, 45, 42],
+            ("slow", 40.0): [60, 70, 65]}
+    answered = {"fast": 0.75, "slow": 0.75}
+    asked: list[tuple[str, float]] = []
+
+    def run(url: str, model: str, data: Path, plan: sbs.Plan, windows_x: int = 1, **load: object) -> sbs.PerfResult:
+        rate = load["request_rate_range"][0]  # type: ignore[index]
+        n = sum(1 for a in asked if a == (model, rate))
+        asked.append((model, rate))
+        kept = answered[model] * (0.5 if (model, rate) == ("slow", 40.0) else 1.0)
+        return sbs.PerfResult([], 0, "", "", [_row(rate, kept * rate, p99s[model, rate][n])], [rate], True)
+
+    monkeypatch.setattr(sbs, "_run", run)
+    fast, slow = sbs.SystemResult("DVABatch", "fast"), sbs.SystemResult("ZeroBatch", "slow")
+    plan = sbs.Plan.for_args(quick=True, latency_target_ms=100.0, rounds=3)
+    sbs.measure_sustained("url", [fast, slow], tmp_path, plan, [20.0, 30.0, 40.0, 50.0, 60.0], progress=lambda m: None)
+    assert fast.sustained_rate == 40.0 and [s["p99_ms"] for s in fast.steps] == [11, 25, 32, 250]
+    assert slow.sustained_rate == 30.0 and [s["rate"] for s in slow.steps] == [20.0, 30.0, 40.0]
+    assert ("fast", 60.0) not in asked and ("slow", 50.0) not in asked
+    # the systems' order alternates from round to round and from level to level
+    assert [m for m, r in asked if r == 20.0] == ["fast", "slow", "slow", "fast", "fast", "slow"]
+    assert [m for m, r in asked if r == 30.0][:2] == ["slow", "fast"]
 
 
 def test_verdicts_take_the_better_baseline_for_each_figure() -> None:
@@ -120,3 +150,16 @@ def test_sustained_is_judged_against_what_the_generator_delivered() -> None:
     assert sbs.sustained(rows, latency_target_ms=100).level == 30
     assert sbs.sustained(rows, latency_target_ms=60).level == 20
     assert sbs.sustained([_row(10, 7.5, 120)], latency_target_ms=100) is None
+
+
+def test_another_slicing_of_the_model_is_served_beside_under_its_own_name(tmp_path: Path) -> None:
+    from perf.bench import sliced
+
+    one, _, _, _ = sliced("bert", "test", tmp_path, stages=1)
+    two, _, _, _ = sliced("bert", "test", tmp_path, stages=2)
+    names = sbs.build_repository(tmp_path / "repo", one.parent, sliced=two.parent)
+    assert names[sbs.SLICED] == f"{names[sbs.DVA]}_sliced"
+    served = tmp_path / "repo" / names[sbs.SLICED]
+    assert f'name: "{names[sbs.SLICED]}"' in (served / "config.pbtxt").read_text()
+    assert (served / "1").resolve() == two.resolve() and (tmp_path / "repo" / names[sbs.DVA] / "1").resolve() == one.resolve()
+    assert not sbs.is_baseline(sbs.SLICED)
