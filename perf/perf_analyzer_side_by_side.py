@@ -668,12 +668,13 @@ def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str, model_dir:
     `dvabatch slice` wrote it), serves the systems from one server, measures them."""
     from dvabatch_backend.runtime.manifest import Manifest
     from dvabatch_backend.tools.serve import TritonServer
-    from perf.bench import sliced
+    from perf import bench
     from perf.perf_analyzer import ensure_system_deps
 
     ensure_system_deps()
     if model_dir is None:
-        version_dir, manifest, int_high, reused = sliced(zoo_name, size, out, progress=lambda m: print(m, flush=True))
+        version_dir, manifest, int_high, reused = bench.sliced(zoo_name, size, out,
+                                                              progress=lambda m: print(m, flush=True))
         model_dir = version_dir.parent
     else:
         manifest, int_high, reused = Manifest.load(model_dir / "1" / "manifest.json"), {}, True
