@@ -31,7 +31,8 @@ from dvabatch_backend.runtime.decisions import Policy
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.runtime.pipeline import Pipeline
 from dvabatch_backend.runtime.query import Answer
-from dvabatch_backend.runtime.scheduler import RuntimeSettings, Scheduler
+from dvabatch_backend.runtime.scheduler import Scheduler
+from dvabatch_backend.runtime.settings import RuntimeSettings
 
 perf = time.perf_counter
 Inputs = Mapping[str, np.ndarray]
@@ -369,7 +370,7 @@ def simulate_open_loop(version_dir: Path, policy: Policy, rate: float, seconds: 
     import onnx
 
     from dvabatch_backend.runtime.executor import run_work
-    from dvabatch_backend.runtime.scheduler import QueuePolicy
+    from dvabatch_backend.runtime.settings import QueuePolicy
     from perf.arrivals import poisson
     from perf.bench import sample_queries
     from policies._profile import BatchCost

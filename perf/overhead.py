@@ -61,7 +61,9 @@ import numpy as np
 from dvabatch_backend.runtime.engine import OrtStageEngine, ort_session_options
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.runtime.query import Answer, gather_inputs, scatter_outputs
-from dvabatch_backend.runtime.scheduler import RuntimeSettings, Scheduler, WorkResult
+from dvabatch_backend.runtime.scheduler import Scheduler
+from dvabatch_backend.runtime.settings import RuntimeSettings
+from dvabatch_backend.runtime.work import WorkResult
 from perf.inprocess import (
     IN_A_ROW,
     DirectRunner,

@@ -35,7 +35,7 @@ PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
                                  "_batched", "split_outputs", "_send", "_Responder._loop")),
     ("copies in and out of batches", ("gather_rows", "gather_inputs", "scatter_outputs", "FastPath._run_rows", "cut_row", "pad_batch",
                                       "FastPath._run", "_rows_alone")),
-    ("batching: policy and scheduler", ("on_arrival", "Scheduler.", "plan_inline", "reserve_inline", "release_inline",
+    ("batching: policy and scheduler", ("on_arrival", "Scheduler.", "InlineHold.", "inline_batches",
                                         "BatchWindow._loop", "StageExecutor.")),
     ("reading requests", ("TritonPythonModel._inputs", "TritonPythonModel._rows", "_read", "parse_request",
                           "batch_shape", "validate_inputs")),

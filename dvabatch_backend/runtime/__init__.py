@@ -12,7 +12,9 @@ from .loading import load_pipeline, load_scheduler
 from .manifest import Manifest, StageSpec, TensorSpec
 from .pipeline import Pipeline
 from .query import Answer, Query, QueryInfo, QueryState
-from .scheduler import EarlyExit, ExecutorState, RuntimeSettings, Scheduler, Work, WorkListener, WorkResult
+from .scheduler import Scheduler
+from .settings import RuntimeSettings
+from .work import EarlyExit, ExecutorState, Work, WorkListener, WorkResult
 
 __all__ = [
     "Answer", "ArrivalPlan", "BadInputError", "BatchInfo", "BatchItem", "BatchQueue", "BatchTable",

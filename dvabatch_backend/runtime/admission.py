@@ -22,7 +22,10 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from .settings import QueuePolicy, SloPolicy
+from .cost import StageCost
+from .errors import CancelledError, OverloadedError, QueryError, TimeoutExpiredError
+from .query import Query, QueryState
+from .settings import MIN_WAKE_DELAY, QueuePolicy, SloPolicy
 
 QUEUE_SECONDS = 1.0  # the default queue bound holds about this much work at the pipeline's peak
 UNPROFILED_STAGE_SECONDS = 1e-3  # per row, for a manifest without stage times
@@ -30,31 +33,26 @@ _EWMA = 0.05  # weight of one observation in the measured/profiled correction
 
 
 class ServiceModel:
-    """Predicted seconds for a stage to run a batch: the profile, interpolated between profiled
-    batch sizes, times a correction learnt from what the stages actually take (threads, load and
-    the machine differ from the slicer's measurement)."""
+    """Predicted seconds for a stage to run a batch: the profile (`cost.StageCost`, the rule the
+    policies read it by), times a correction learnt from what the stages actually take (threads,
+    load and the machine differ from the slicer's measurement)."""
 
     def __init__(self, stage_times: Sequence[dict[int, float]], num_stages: int,
                  by_length: Mapping[int, Sequence[dict[int, float]]] | None = None) -> None:
         if not stage_times:
             stage_times = [{1: UNPROFILED_STAGE_SECONDS} for _ in range(num_stages)]
-        self._points = [sorted(t.items()) for t in stage_times]
-        # per profiled length, the same: an observation is compared with the profile at its length
-        self._by_length = {length: [sorted(t.items()) for t in times] for length, times in sorted((by_length or {}).items())}
+        self.cost = StageCost(stage_times, len(stage_times), by_length if by_length else None)
+        self._lengths = bool(by_length)
         self.correction = 1.0
 
     @property
     def num_stages(self) -> int:
-        return len(self._points)
+        return self.cost.num_stages
 
     def profiled(self, stage: int, bs: int, length: int | None = None) -> float:
-        """Profiled seconds at batch size `bs` (at `length`: the shortest profiled length that holds
-        it; without one, the profile's own length, the longest)."""
-        points = self._points[stage]
-        if length is not None and self._by_length:
-            fits = [times for profiled, times in self._by_length.items() if profiled >= length]
-            points = (fits[0] if fits else list(self._by_length.values())[-1])[stage]
-        return _interpolate(points, bs)
+        """Profiled seconds at batch size `bs` (at `length` where the profile has lengths; without
+        one, the batch-size profile, taken at the longest length)."""
+        return self.cost.time(stage, bs, length if self._lengths else None)
 
     def stage_time(self, stage: int, bs: int) -> float:
         return self.profiled(stage, bs) * self.correction
@@ -70,17 +68,6 @@ class ServiceModel:
         predicted = self.profiled(stage, bs, length)
         if predicted > 0 and seconds > 0:
             self.correction += _EWMA * (seconds / predicted - self.correction)
-
-
-def _interpolate(points: list[tuple[int, float]], bs: int) -> float:
-    """Seconds at batch size `bs` from (batch size, seconds) points, linear between them."""
-    if bs <= points[0][0]:
-        return points[0][1] * (bs / points[0][0] if len(points) > 1 else 1.0)
-    for (b0, t0), (b1, t1) in zip(points, points[1:]):
-        if bs <= b1:
-            return t0 + (t1 - t0) * (bs - b0) / (b1 - b0)
-    b_last, t_last = points[-1]
-    return t_last * bs / b_last  # beyond the profile: no better per-row cost than the largest
 
 
 class Admission:
@@ -137,6 +124,30 @@ class Admission:
         if slo_deadline is None or self.slo.action != "reject" or finish <= slo_deadline:
             return None
         return f"overloaded: cannot meet {self.slo.slo_ms:g} ms"
+
+    def arrival_refusal(self, now: float, queued: int) -> str | None:
+        """Why a query arriving now, behind `queued` others, cannot meet its latency target, or None.
+        No target, no prediction: it walks every stage's profile."""
+        deadline = self.slo_deadline(now)
+        return None if deadline is None else self.slo_refusal(self.predicted_finish(now, queued), deadline)
+
+    def drop_error(self, q: Query, now: float, bs: int) -> QueryError | None:
+        """Why a queued query (to run in a batch of `bs`) should not run any more, or None."""
+        if q.cancelled:
+            return CancelledError(q.id)
+        if self.timed_out(now, q.deadline):
+            return TimeoutExpiredError(q.id)
+        if q.slo_deadline is None:  # no target: skip the prediction, which walks every stage's profile
+            return None
+        why = self.slo_refusal(now + self.service.pipeline_time(bs), q.slo_deadline)
+        return None if why is None else OverloadedError(q.id, why)
+
+    @staticmethod
+    def next_drop_time(waiting: Sequence[Query], now: float) -> float | None:
+        """When one of `waiting` still waiting next reaches a deadline (the batch window wakes then to drop it)."""
+        times = [t for q in waiting if q.state is QueryState.WAITING
+                 for t in (q.deadline, q.slo_deadline) if t is not None]
+        return max(min(times), now + MIN_WAKE_DELAY) if times else None
 
     def timed_out(self, now: float, deadline: float | None) -> bool:
         return deadline is not None and now > deadline and self.queue.timeout_action == "reject"

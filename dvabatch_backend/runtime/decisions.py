@@ -21,12 +21,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from .batch_table import BatchInfo, BatchTable
 from .query import QueryInfo
+
+if TYPE_CHECKING:
+    from .manifest import Manifest
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,13 @@ class PolicyContext:
     # zero-padding a query to a longer length leaves its answer unchanged (the manifest's pad_safe);
     # when False the runtime carries out only same-length batches, whatever the policy decides
     pad_safe: bool = True
+
+    @classmethod
+    def for_model(cls, manifest: Manifest, bs_max: int, num_buffer_pairs: int) -> PolicyContext:
+        return cls(num_stages=manifest.num_stages, bs_max=bs_max, max_length=manifest.max_length,
+                   num_buffer_pairs=num_buffer_pairs, stage_times=manifest.stage_times(),
+                   stage_times_by_length=manifest.stage_times_by_length(),
+                   output_names=tuple(t.name for t in manifest.outputs), pad_safe=manifest.pad_safe)
 
 
 class BatchTableView:

@@ -19,7 +19,8 @@ from typing import Sequence
 
 from .engine import StageEngine
 from .query import gather_inputs, scatter_outputs
-from .scheduler import Scheduler, Work, WorkResult
+from .scheduler import Scheduler
+from .work import Work, WorkResult
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class StageExecutor:
     @property
     def stage(self) -> int:
         """The stage this executor plays now."""
-        return self._scheduler.stage_played_by(self.index)
+        return self._scheduler.board.stage_of(self.index)
 
     def wake(self) -> None:
         """The stage it plays may have work (or the scheduler stopped): look again."""

@@ -3,13 +3,13 @@
 A pipeline pays for what it overlaps: a batch table, queues, buffer-pair hand-offs, a thread per
 stage and the wake-ups between them. Queries that arrive at an empty pipeline overlap with nothing
 in flight, so they get none of that. The caller (the Triton adapter, once per `execute` call) asks
-the scheduler to hold the pipeline (`Scheduler.reserve_inline`, granted only while it holds
+the scheduler to hold the pipeline (`InlineHold.reserve`, granted only while it holds
 nothing: no query unanswered, no batch, no stage working); then
 
 - a lone request (`run`): its rows, when well-formed and at most bs_max of one length, run as one
   batch, the stages in a row (or the unsliced model) into scratch buffers of this path's own;
 - several requests (`run_requests`): the policy batches their rows as it would at an empty
-  pipeline (`Scheduler.plan_inline`: the input policy's length clusters, shortest first; the load
+  pipeline (`InlineHold.plan`: the input policy's length clusters, shortest first; the load
   policy's one batch), the batches run one after another, and each request's outputs are handed
   to the caller as soon as its last row is done (the Triton adapter returns them all from `execute`). Only with one buffer pair, where the pipeline runs batches one at a time
   as well; with two or more its stages overlap (per-stage threads, a GPU), and the batches go there.
@@ -17,7 +17,7 @@ nothing: no query unanswered, no batch, no stage working); then
 The switch, and why it never reorders or loses an answer: the reservation is taken and given back
 under the scheduler's lock. While it is held, queries submitted by other callers are admitted and
 batched as usual but no stage starts work, so none of them overtakes the run, and
-`release_inline` signals the stages that have some. A batch that fails answers nothing: its
+`InlineHold.release` signals the stages that have some. A batch that fails answers nothing: its
 requests (and those not yet run) go the usual way, where a failing row is answered with its own
 error naming the stage and the others are not touched. Under Triton one model instance calls
 `execute` one call at a time, so a request that arrives during a run waits in Triton's queue until
@@ -72,7 +72,7 @@ class FastPath:
     def run_requests(self, requests: Sequence[Mapping[str, np.ndarray]],
                      answer: Callable[[int, dict[str, np.ndarray]], None]) -> list[int] | None:
         """Several requests' rows (each input [rows, ...]) batched as the policy batches them at an
-        empty pipeline (`Scheduler.plan_inline`: the input policy's length clusters, the load
+        empty pipeline (`InlineHold.plan`: the input policy's length clusters, the load
         policy's one batch), the batches run one after another on this thread; `answer(i, outputs)`
         is called for request i as soon as its last row is done (outputs cut back to its length),
         exactly once for each request not left to the caller.
@@ -86,14 +86,14 @@ class FastPath:
         if any(shape is None for shape in shapes):
             return None
         rows = [(i, r, length) for i, (k, length) in enumerate(shapes) for r in range(k)]  # type: ignore[misc]
-        if not self._scheduler.reserve_inline(len(rows)):
+        if not self._scheduler.inline.reserve(len(rows)):
             return None
         began = time.perf_counter()
         missing = [k for k, _ in shapes]  # type: ignore[misc]
         outputs: list[dict[str, np.ndarray] | None] = [None] * len(requests)
         runs = answered = 0
         try:
-            for group, pad in self._scheduler.plan_inline([length for _, _, length in rows], self._scheduler.clock()):
+            for group, pad in self._scheduler.inline.plan([length for _, _, length in rows], self._scheduler.clock()):
                 members = [rows[j] for j in group]
                 done = self._run_rows(requests, members, pad)
                 runs += 1
@@ -113,7 +113,7 @@ class FastPath:
             log.debug("fast path failed, the requests left go through the pipeline: %s", exc)
         finally:
             left = [i for i, m in enumerate(missing) if m]
-            self._scheduler.release_inline(answered, time.perf_counter() - began if answered else None, runs,
+            self._scheduler.inline.release(answered, time.perf_counter() - began if answered else None, runs,
                                            fell_back=bool(left))
         return left
 
@@ -131,7 +131,7 @@ class FastPath:
         the rows must go the usual way: not well-formed or not one batch, the pipeline not empty, or
         the run failed."""
         shape = batch_shape(inputs, self._manifest, self._scheduler.bs_max)
-        if shape is None or not self._scheduler.reserve_inline(shape[0]):
+        if shape is None or not self._scheduler.inline.reserve(shape[0]):
             return None
         began = time.perf_counter()
         outputs = None
@@ -140,7 +140,7 @@ class FastPath:
         except Exception as exc:  # noqa: BLE001 - the rows are sent the usual way, which answers each one
             log.debug("fast path failed, the rows go through the pipeline: %s", exc)
         finally:
-            self._scheduler.release_inline(shape[0] if outputs is not None else 0,
+            self._scheduler.inline.release(shape[0] if outputs is not None else 0,
                                            None if outputs is None else time.perf_counter() - began,
                                            fell_back=outputs is None)
         return outputs

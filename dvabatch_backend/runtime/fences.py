@@ -183,4 +183,6 @@ def cuda_fences(streams: Sequence[StreamLike]) -> FenceFactory:
 def install_fences(pipeline: Any, fence_factory: FenceFactory) -> None:
     """Give a `Pipeline`'s (or a `Scheduler`'s) buffer pool the fences of `fence_factory`, before it
     starts (a `Scheduler` also takes `fence_factory` when it is made)."""
-    getattr(pipeline, "scheduler", pipeline).install_fences(fence_factory)
+    scheduler = getattr(pipeline, "scheduler", pipeline)
+    with scheduler.lock:
+        scheduler.board.buffers.install_fences(fence_factory)

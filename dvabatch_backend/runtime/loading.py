@@ -8,7 +8,7 @@ from .decisions import Policy
 from .engine import PER_STAGE, OrtStageEngine, StageEngine
 from .manifest import Manifest
 from .pipeline import Pipeline
-from .scheduler import RuntimeSettings
+from .settings import RuntimeSettings
 
 
 def find_version_dir(model_dir: str | Path, manifest_file: str = "manifest.json") -> Path:

@@ -24,7 +24,9 @@ from .admission import Admission
 from .batch_table import TableSnapshot
 from .buffers import BufferState
 from .query import QueryState
-from .scheduler import Clock, ExecutorState, RuntimeSettings, Scheduler, WorkListener
+from .scheduler import Clock, Scheduler
+from .settings import RuntimeSettings
+from .work import ExecutorState, WorkListener
 from .stats import RuntimeStats, TraceEvent
 
 log = logging.getLogger(__name__)
@@ -44,12 +46,12 @@ class Pipeline(WorkListener):
             raise ValueError(f"{len(engines)} engines for {scheduler.num_stages} stages")
         self.scheduler = scheduler
         self._executors = [StageExecutor(i, engines, scheduler) for i in range(len(engines))]
-        self._fast_path = FastPath(scheduler, engines, whole_model) if scheduler.inline_allowed else None
+        self._fast_path = FastPath(scheduler, engines, whole_model) if scheduler.inline.allowed else None
         self._window = BatchWindow(scheduler)
         self._state_lock = threading.Lock()  # guards _started and _stop_called
         self._started = False
         self._stop_called = False
-        scheduler.listener = self
+        scheduler.board.listener = self
 
     @classmethod
     def create(
@@ -67,7 +69,7 @@ class Pipeline(WorkListener):
     # -- WorkListener: called under the scheduler's lock, so only signal ----------------
 
     def stage_ready(self, stage: int) -> None:
-        self._executors[self.scheduler.executor_playing(stage)].wake()
+        self._executors[self.scheduler.board.executor_of(stage)].wake()
 
     def window_moved(self) -> None:
         self._window.moved()
@@ -195,7 +197,8 @@ class Pipeline(WorkListener):
         return self.scheduler.executor_states()
 
     def buffer_states(self) -> list[list[BufferState]]:
-        return self.scheduler.buffer_states()
+        with self.scheduler.lock:
+            return self.scheduler.board.buffer_states()
 
     def query_states(self) -> dict[int, QueryState]:
         return self.scheduler.query_states()
@@ -207,4 +210,4 @@ class Pipeline(WorkListener):
         return self.scheduler.wait_until(predicate, timeout)
 
     def any_queued(self, query_ids: Sequence[int]) -> bool:
-        return self.scheduler.any_queued(query_ids)
+        return self.scheduler.queries.any_queued(query_ids)

@@ -31,12 +31,20 @@ class Answer:
 Reply = Callable[[Answer], None]
 
 
-class QueryState(enum.Enum):
-    """A query's life, in order: waiting to be batched, in a batch, answered (result or error)."""
+class QueryState(enum.IntEnum):
+    """A query's life, in order (a query only moves forward, `QueryTable` moves it): admitted and
+    waiting for the policy, in a batch not yet started, taken by stage 0, answered (its result or
+    an error; a query refused at arrival goes straight here). "Queued" (the queue bound's gauge)
+    is the first two."""
 
     WAITING = 1
     BATCHED = 2
-    ANSWERED = 3
+    RUNNING = 3
+    ANSWERED = 4
+
+    @property
+    def is_queued(self) -> bool:
+        return self <= QueryState.BATCHED
 
     @property
     def is_finished(self) -> bool:
@@ -63,8 +71,9 @@ class Query:
     info: QueryInfo = field(init=False)
     deadline: float | None = None  # its timeout: dropped if still queued after this
     slo_deadline: float | None = None  # arrival + the latency target
+    # the client cancelled it: a mark, not a state, as the query may be running (it then finishes,
+    # and its answer goes to a request nobody awaits)
     cancelled: bool = False
-    entered: bool = False  # stage 0 took it (or it was answered): no longer queued
 
     def __post_init__(self) -> None:
         self.info = QueryInfo(self.id, self.length, self.arrival)
@@ -88,6 +97,19 @@ def _input_rule(spec: TensorSpec) -> _InputRule:
 @functools.lru_cache(maxsize=64)
 def _specs_by_name(specs: tuple[TensorSpec, ...]) -> dict[str, TensorSpec]:
     return {t.name: t for t in specs}
+
+
+def read_query(query_id: int, inputs: Mapping[str, np.ndarray], manifest: Manifest, arrival: float,
+               reply: Reply) -> Query | BadInputError:
+    """One arrived query, or why its inputs are bad (inputs that are not even tensors included: still
+    this query's answer, not the caller's crash)."""
+    try:
+        arrays, length = validate_inputs(query_id, inputs, manifest)
+    except BadInputError as exc:
+        return exc
+    except Exception as exc:
+        return BadInputError(query_id, f"malformed input: {exc}")
+    return Query(query_id, arrays, length, arrival, reply)
 
 
 def validate_inputs(

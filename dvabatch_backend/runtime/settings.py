@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MIN_WAKE_DELAY = 1e-4  # seconds: the earliest a wake-up asked for "now or before" comes (never at once, forever)
+
 
 @dataclass(frozen=True)
 class QueuePolicy:

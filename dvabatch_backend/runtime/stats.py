@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -59,3 +60,18 @@ class TraceEvent:
     start: int = 0
     num: int = 0
     detail: str = ""
+
+
+class Trace:
+    """What the runtime did, in order, when `enabled` (`RuntimeSettings.record_trace`); `events`
+    stays empty otherwise. `item` is the batch item the event concerns (a `BatchItem`)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.events: list[TraceEvent] = []
+
+    def record(self, kind: str, t0: float, stage: int | None, item: Any, detail: str = "",
+               t1: float | None = None) -> None:
+        if self.enabled:
+            self.events.append(TraceEvent(kind, t0, t0 if t1 is None else t1, stage, item.batch_id, item.start,
+                                          item.num, detail))

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..runtime.query import Answer
 from ..runtime.loading import load_pipeline
-from ..runtime.scheduler import RuntimeSettings
+from ..runtime.settings import RuntimeSettings
 
 if TYPE_CHECKING:
     from .serve import TritonServer

@@ -38,7 +38,7 @@ from ..runtime.manifest import Manifest
 from ..runtime.query import Answer
 from ..runtime.loading import load_pipeline
 from ..runtime.pipeline import Pipeline
-from ..runtime.scheduler import QueuePolicy, RuntimeSettings, SloPolicy
+from ..runtime.settings import QueuePolicy, RuntimeSettings, SloPolicy
 from ..runtime.settings import default_buffer_pairs
 from .metrics import StageMetrics
 
@@ -335,7 +335,7 @@ class TritonPythonModel:
         ).start()
         self._output_names = [t.name for t in manifest.outputs]
         self._input_names = [t.name for t in manifest.inputs]
-        self._fast_path = self._scheduler.scheduler.inline_allowed
+        self._fast_path = self._scheduler.scheduler.inline.allowed
         runtime = settings.runtime  # timeouts and a latency target: the pipeline drops what misses them
         self._inline_many = runtime.slo.slo_ms is None and runtime.queue.default_timeout_us == 0
         self._responder = _Responder()

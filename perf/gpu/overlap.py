@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dvabatch_backend.runtime.scheduler import RuntimeSettings
+from dvabatch_backend.runtime.settings import RuntimeSettings
 from perf.gpu.pipelines import cuda_pipeline, sliced_token_mlp
 from perf.gpu.timeline import EventTimedEngine, Interval, Timeline, busy_overlap_ms, overlapping_pairs
 

@@ -23,7 +23,8 @@ from dvabatch_backend.runtime.fences import cuda_fences, install_fences
 from dvabatch_backend.runtime.loading import make_engine
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.runtime.pipeline import Pipeline
-from dvabatch_backend.runtime.scheduler import RuntimeSettings, Scheduler
+from dvabatch_backend.runtime.scheduler import Scheduler
+from dvabatch_backend.runtime.settings import RuntimeSettings
 from slicer import cut, toy
 from slicer.profiler import int_bounds, random_inputs
 

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from dvabatch_backend.runtime.manifest import Manifest
-from dvabatch_backend.runtime.scheduler import RuntimeSettings
+from dvabatch_backend.runtime.settings import RuntimeSettings
 from dvabatch_backend.runtime.loading import make_engine
 from dvabatch_backend.runtime.query import validate_inputs
 from perf.arrivals import poisson

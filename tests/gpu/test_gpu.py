@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from dvabatch_backend.runtime.fences import CudaEventFence, cuda_fences  # noqa: E402
 from dvabatch_backend.runtime.loading import make_engine  # noqa: E402
-from dvabatch_backend.runtime.scheduler import RuntimeSettings  # noqa: E402
+from dvabatch_backend.runtime.settings import RuntimeSettings  # noqa: E402
 from dvabatch_backend.runtime.torch_engine import TorchStageEngine  # noqa: E402  (the torch engine's API)
 from perf.gpu.overlap import stage_timeline  # noqa: E402
 from perf.gpu.pipelines import cuda_pipeline  # noqa: E402
@@ -192,7 +192,7 @@ def test_random_schedules_on_cuda_answer_every_query_once_and_correctly(zoo, gra
     run_settings = RuntimeSettings(num_buffer_pairs=scenario["pairs"], bs_max=scenario["bs_max"], record_trace=True,
                                    engine="torch", device="cuda")
     pipeline = cuda_pipeline(model.manifest, engines, policy, run_settings)
-    assert all(isinstance(b.fence, CudaEventFence) for b in pipeline.scheduler._buffers.buffers[1])
+    assert all(isinstance(b.fence, CudaEventFence) for b in pipeline.scheduler.board.buffers.buffers[1])
     rng = np.random.default_rng(scenario["seed"])
     collector = Collector()
     sent: dict[int, dict[str, np.ndarray]] = {}

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dvabatch_backend.runtime.errors import StageFailedError
-from dvabatch_backend.runtime.scheduler import ExecutorState
+from dvabatch_backend.runtime.work import ExecutorState
 from policies import RandomLegalPolicy, create_policy
 from policies.examples.early_exit import EarlyExitPolicy
 
@@ -305,7 +305,7 @@ def test_random_schedules_with_the_fast_path_answer_every_query_once_and_correct
 def test_the_whole_model_or_the_stages_run_the_fast_path(zoo, engine: str) -> None:
     from dvabatch_backend.runtime.engine import OrtStageEngine
     from dvabatch_backend.runtime.pipeline import Pipeline
-    from dvabatch_backend.runtime.scheduler import RuntimeSettings
+    from dvabatch_backend.runtime.settings import RuntimeSettings
 
     model = zoo.stages("token", 3)
     whole = OrtStageEngine(model.dir / "model.onnx") if engine == "model" else None
@@ -327,7 +327,8 @@ def test_a_failure_after_a_stage_answers_its_queries_and_the_pipeline_serves_on(
     """`finish_work` raises once (a runtime bug): that batch's queries are answered with an error
     naming the stage and the cause, nothing is left unanswered, and later queries are served."""
     from dvabatch_backend.runtime.pipeline import Pipeline
-    from dvabatch_backend.runtime.scheduler import RuntimeSettings, Scheduler
+    from dvabatch_backend.runtime.scheduler import Scheduler
+    from dvabatch_backend.runtime.settings import RuntimeSettings
 
     model = zoo.stages("dense", 3)
 
@@ -430,7 +431,7 @@ def test_a_model_that_is_not_pad_safe_gets_one_inline_batch_per_length(zoo) -> N
     import dataclasses
 
     from dvabatch_backend.runtime.pipeline import Pipeline
-    from dvabatch_backend.runtime.scheduler import RuntimeSettings
+    from dvabatch_backend.runtime.settings import RuntimeSettings
 
     model = zoo.stages("token", 2)
     recorder = Recorder()

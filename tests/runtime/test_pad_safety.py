@@ -160,7 +160,7 @@ def test_the_input_policy_clusters_exactly_by_length_when_not_pad_safe() -> None
 
 
 def _settings():
-    from dvabatch_backend.runtime.scheduler import RuntimeSettings
+    from dvabatch_backend.runtime.settings import RuntimeSettings
 
     return RuntimeSettings(bs_max=BS_MAX)
 

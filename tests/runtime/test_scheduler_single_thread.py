@@ -55,7 +55,7 @@ def test_driven_from_one_thread_answers_every_query_correctly(zoo) -> None:
     threads_before = set(threading.enumerate())
     scheduler = _scheduler(model, create_policy("pipelined"))
     listener = RecordingListener()
-    scheduler.listener = listener
+    scheduler.board.listener = listener
     engines = model.engines()
     rng = np.random.default_rng(1)
     queries = [model.query(rng) for _ in range(7)]
@@ -136,7 +136,7 @@ def test_batch_window_by_hand_with_a_fake_clock(zoo) -> None:
     now = [100.0]
     scheduler = _scheduler(model, WindowPolicy(window=0.5), bs_max=4, clock=lambda: now[0])
     listener = RecordingListener()
-    scheduler.listener = listener
+    scheduler.board.listener = listener
     rng = np.random.default_rng(3)
     collector = Collector()
     ids = scheduler.submit_many([(model.query(rng), collector) for _ in range(3)])
@@ -158,7 +158,7 @@ def test_stop_answers_waiting_and_batched_queries(zoo) -> None:
     model = zoo.stages("token", 2)
     scheduler = _scheduler(model, create_policy("pipelined"), bs_max=1)
     listener = RecordingListener()
-    scheduler.listener = listener
+    scheduler.board.listener = listener
     rng = np.random.default_rng(4)
     collector = Collector()
     ids = scheduler.submit_many([(model.query(rng), collector) for _ in range(3)])
@@ -168,3 +168,37 @@ def test_stop_answers_waiting_and_batched_queries(zoo) -> None:
     assert listener.stopped
     scheduler.finish_work(work, run_work(work, model.engines()[0], scheduler))  # a late finish is ignored
     assert [str(collector.one(q).error).endswith("shutting down") for q in ids] == [True] * 3
+
+
+class _DoubleNamingPolicy(Policy):
+    """Its first plan names the first query twice in one `New`, and the second query in two `New`s
+    (the second no longer waiting once the first is carried out); afterwards it batches as it should."""
+
+    name = "double-naming"
+
+    def __init__(self) -> None:
+        self.plans = 0
+
+    def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
+        self.plans += 1
+        ids = [q.id for q in waiting]
+        if self.plans == 1:
+            return ArrivalPlan((New((ids[0], ids[0])), New((ids[1],)), New((ids[1],))))
+        return ArrivalPlan((New(tuple(ids)),) if ids else ())
+
+
+def test_a_plan_naming_a_query_twice_or_one_not_waiting_never_answers_twice(zoo) -> None:
+    model = zoo.stages("token", 2)
+    scheduler = _scheduler(model, _DoubleNamingPolicy())
+    collector = Collector()
+    rng = np.random.default_rng(3)
+    queries = [model.query(rng) for _ in range(2)]
+    first, second = scheduler.submit_many([(q, collector) for q in queries])
+    # the query named twice in one decision: refused, answered with the policy's error, once
+    assert collector.one(first).error is not None and "not all distinct and waiting" in str(collector.one(first).error)
+    run_until_idle(scheduler, model.engines())
+    # the query named again once batched: the second decision is refused, the query runs once
+    assert_matches_reference(model, queries[1], collector.one(second))
+    assert scheduler.stats.policy_errors == 2 and scheduler.stats.new == 1
+    assert scheduler.pending_count == 0 and scheduler.stats.answered_ok == 1 and scheduler.stats.answered_error == 1
+    assert scheduler.stats.queued == 0 and scheduler.buffer_violations == []

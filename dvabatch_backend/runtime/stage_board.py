@@ -1,0 +1,144 @@
+"""The stages' side of the pipeline: each stage's batch queue, the buffer pairs between stages,
+each stage's `ExecutorState`, which executor plays which stage, and whom to wake.
+
+Executors and stages: executor i starts playing stage i. A run-on (`run_on`, asked by
+`Scheduler.finish_work`) swaps two executors' stages, so each stage keeps one executor and runs one
+item at a time.
+While the scheduler decides a run-on, the wake-ups it would send are held (`hold_signals`) and
+sent afterwards, but for the stage the finishing executor now plays itself.
+
+Owned by the scheduler and used under its lock; `states` and `stage_of` are read without it (a
+list element or an int: a stale value only makes an executor ask once more).
+"""
+from __future__ import annotations
+
+from .batch_table import BatchItem, BatchQueue, BatchTable
+from .buffers import BufferPool, BufferState
+from .stats import RuntimeStats, Trace
+from .work import ExecutorState, WorkListener
+
+
+class StageBoard:
+    def __init__(self, num_stages: int, table: BatchTable, buffers: BufferPool, stats: RuntimeStats,
+                 trace: Trace) -> None:
+        self.queues = [BatchQueue() for _ in range(num_stages)]
+        self.buffers = buffers
+        self.states = [ExecutorState.INACTIVE] * num_stages
+        self.listener = WorkListener()  # the Pipeline puts itself here
+        self._table = table  # read only: a batch's buffer pair
+        self._stats = stats
+        self._trace = trace
+        self._plays = list(range(num_stages))  # executor -> the stage it plays
+        self._held: list[int] | None = None  # wake-ups held while a run-on is decided
+
+    # -- who plays what ---------------------------------------------------------------------
+
+    def stage_of(self, executor: int) -> int:
+        return self._plays[executor]
+
+    def executor_of(self, stage: int) -> int:
+        """The executor that plays `stage` (the listener asks, under the lock, whom to wake)."""
+        return self._plays.index(stage)
+
+    def run_on(self, executor: int, stage: int) -> int | None:
+        """After `executor` finished an item at `stage`: the stage it plays next when it runs on, or
+        None. Only while `stage` has nothing to run, stage + 1 has an item it can run and its
+        executor is idle; the two executors then swap stages, so each stage keeps one executor and
+        runs one item at a time."""
+        following = stage + 1
+        if (self.ready_pair(stage) is not None or self.states[following] is ExecutorState.WORKING
+                or self.ready_pair(following) is None):
+            return None
+        other = self._plays.index(following)
+        self._plays[executor], self._plays[other] = following, stage
+        self._stats.run_ons += 1
+        return following
+
+    # -- what each stage can run ------------------------------------------------------------
+
+    def ready_pair(self, stage: int) -> int | None:
+        """The buffer pair of `stage`'s next item when that pair is legitimate (the stage can run it
+        now), else None. A new batch takes the first legitimate pair at stage 0."""
+        item = self.queues[stage].head()
+        if item is None:
+            return None
+        pair = self._table.get(item.batch_id).pair
+        if pair < 0:
+            pair = self.buffers.first_legitimate(stage)
+        return pair if pair is not None and self.buffers.is_legitimate(stage, pair) else None
+
+    def settle(self, stage: int) -> None:
+        """`stage` runs nothing now: it holds no usable pair, or waits for an item, or has an item
+        whose pair is not legitimate yet."""
+        if not self.buffers.is_active(stage):
+            self.states[stage] = ExecutorState.INACTIVE
+        elif self.queues[stage].head() is None or self.ready_pair(stage) is not None:
+            self.states[stage] = ExecutorState.ACTIVE
+        else:
+            self.states[stage] = ExecutorState.CHECKING
+
+    def push(self, stage: int, item: BatchItem, now: float) -> None:
+        self.queues[stage].push(item)
+        self._stats.handoffs += 1
+        self._trace.record("push", now, stage, item)
+        self.signal(stage)
+
+    def pairs_returned(self, stage: int) -> None:
+        """`stage` finished with a pair: wake each stage upstream that got one back and has an item."""
+        for upstream in self.buffers.legitimate_upstream(stage):
+            if len(self.queues[upstream]):
+                self.signal(upstream)
+            elif self.states[upstream] is ExecutorState.INACTIVE and self.buffers.is_active(upstream):
+                self.states[upstream] = ExecutorState.ACTIVE  # waits for an item either way
+
+    # -- wake-ups ---------------------------------------------------------------------------
+
+    def signal(self, stage: int) -> None:
+        """`stage` may have work: tell the listener, or hold it while a run-on is decided."""
+        if self._held is not None:
+            self._held.append(stage)
+        else:
+            self.listener.stage_ready(stage)
+
+    def signal_ready(self) -> None:
+        """Wake every stage that can run its next item now."""
+        for stage in range(len(self.queues)):
+            if self.ready_pair(stage) is not None:
+                self.signal(stage)
+
+    def hold_signals(self) -> None:
+        self._held = []
+
+    def release_signals(self, skip: int | None) -> None:
+        """Send the held wake-ups, but to `skip` (the stage the finishing executor now runs itself)."""
+        held, self._held = self._held or [], None
+        for stage in dict.fromkeys(held):
+            if stage != skip:
+                self.listener.stage_ready(stage)
+
+    def free_batch(self, batch_id: int, pair: int, rows: range) -> None:
+        """A failed batch: its queue items go, and its rows past stage 0 in its pair are discarded."""
+        for queue in self.queues:
+            queue.remove_batch(batch_id)
+        for boundary in range(1, len(self.queues)):
+            self.buffers.discard(boundary, pair, rows)
+
+    def recover(self, failed: int) -> None:
+        """After a failed item at stage `failed`: pairs returned upstream, each stage not working (and
+        `failed`) settled, and every stage that can run woken."""
+        for stage in range(len(self.queues)):
+            self.pairs_returned(stage)
+            if self.states[stage] is not ExecutorState.WORKING or stage == failed:
+                self.settle(stage)
+        self.signal_ready()
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        for queue in self.queues:
+            queue.clear()
+        self.states = [ExecutorState.STOPPED] * len(self.states)
+        self.listener.stopping()
+
+    def buffer_states(self) -> list[list[BufferState]]:
+        return [[b.state for b in boundary] for boundary in self.buffers.buffers]

@@ -1,0 +1,107 @@
+"""What passes between the scheduler and whoever runs the stages: one execution (`Work`), what it
+gave (`WorkResult`), the sub-batches that leave early (`EarlyExit`), each stage's executor state
+(paper Figure 11), the `WorkListener` told when there may be work, and the `Progress` that
+wakes whoever waits for the runtime to move.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+
+from .batch_table import BatchItem
+from .buffers import PairUse
+from .query import Query
+
+
+class ExecutorState(enum.Enum):
+    """A stage executor's state (paper Figure 11), kept by the scheduler for each stage."""
+
+    ACTIVE = "active"  # holds a legitimate pair, waits for an item
+    CHECKING = "checking"  # has an item whose pair is not legitimate yet
+    WORKING = "working"
+    INACTIVE = "inactive"  # holds no pair it may use
+    STOPPED = "stopped"
+
+
+@dataclass
+class Work:
+    """One execution of one batch item by one stage, prepared under the lock.
+
+    `inputs` and `outputs` are views of the buffer pair's rows; stage 0 first gathers the
+    queries' tensors into `inputs` (`gather`), the last stage scatters `outputs` into one
+    answer per query (`scatter`).
+    """
+
+    stage: int
+    item: BatchItem
+    use: PairUse
+    inputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]
+    queries: list[Query]
+    started: float
+    gather: bool
+    scatter: bool
+
+
+@dataclass(frozen=True)
+class WorkResult:
+    """What running a `Work` gave: the engine's error for the whole item, or the errors of some of
+    its rows (by index in `Work.queries`; the other rows ran), and (last stage) one output dict per
+    query."""
+
+    error: BaseException | None = None
+    answers: list[dict[str, np.ndarray]] | None = None
+    row_errors: Mapping[int, BaseException] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EarlyExit:
+    """Sub-batches that leave after a stage, answered from that stage's output tensors."""
+
+    leaving: list[BatchItem]
+    sources: dict[str, str]  # model output name -> the stage's output tensor it is taken from
+
+
+class WorkListener:
+    """Told (under the scheduler's lock) when there may be work; it must only signal, never block."""
+
+    def stage_ready(self, stage: int) -> None:
+        """`stage` may now have an item with a legitimate pair."""
+
+    def window_moved(self) -> None:
+        """The policy's batch window (`Scheduler.wake_at`) changed."""
+
+    def stopping(self) -> None:
+        """The scheduler stopped: `next_work` returns None from now on."""
+
+
+class Progress:
+    """Wakes whoever waits for the runtime to move (`Scheduler.wait_until`: tests, shutdown). Its
+    condition is over the scheduler's lock: `notify` and `wait_until` are called holding it."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._moved = threading.Condition(lock)
+        self._waiters = 0
+
+    def notify(self) -> None:
+        if self._waiters:
+            self._moved.notify_all()
+
+    def wait_until(self, holds: Callable[[], bool], timeout: float, stopping: Callable[[], bool]) -> bool:
+        """Wait until `holds()` after some progress (or the timeout, or a stop); return `holds()`."""
+        deadline = time.monotonic() + timeout
+        self._waiters += 1
+        try:
+            while not holds():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or stopping():
+                    return holds()
+                self._moved.wait(remaining)
+            return True
+        finally:
+            self._waiters -= 1
