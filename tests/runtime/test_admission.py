@@ -143,7 +143,7 @@ def test_cancelled_queries_never_run_and_the_others_are_answered(zoo) -> None:
 
     policy.release = True
     batched, inputs = _submit(scheduler, model, collector, 4, seed=5)  # batched at once with the waiting one
-    assert scheduler.any_queued(batched)
+    assert scheduler.queries.any_queued(batched)
     scheduler.cancel(batched[:2])  # batched, not started: dropped when stage 0 reaches the batch
     run_until_idle(scheduler, model.engines())
 
@@ -152,7 +152,7 @@ def test_cancelled_queries_never_run_and_the_others_are_answered(zoo) -> None:
         assert_matches_reference(model, query, collector.one(qid))
     assert collector.one(waiting[1]).ok
     assert scheduler.stats.cancelled == 3 and scheduler.stats.stages[0].rows == 3
-    assert not scheduler.any_queued(batched)
+    assert not scheduler.queries.any_queued(batched)
 
 
 def test_a_query_that_cannot_meet_the_latency_target_is_refused_at_once(zoo) -> None:
