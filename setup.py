@@ -40,7 +40,7 @@ setup(
             *PERF,
         ],
         "serve": SERVE,
-        "perf": [*SERVE, *PERF],  # python -m perf.experiments: its PNG plots
+        "perf": [*SERVE, *PERF],  # python -m perf.paper.experiments: its PNG plots
         "gpu": ["cuda-python>=12.0"],
     },
     entry_points={"console_scripts": ["dvabatch=dvabatch_backend.tools.cli:main"]},

@@ -30,7 +30,7 @@ tokens) a batch started by one long query took every short query after it, each 
 long length: mean batches of 7 that cost as much as 7 long queries. On a CPU, where a batch's time
 is nearly proportional to its rows x padded length, throughput fell below that of batches of one,
 and the queue grew without bound (simulated on the issue's 3-stage transformer at 300 qps:
-`perf.inprocess.simulate_open_loop`).
+`perf.costs.inprocess.simulate_open_loop`).
 
 `t_comp_wait` (seconds) defaults to the profiled time of stage 0 at batch size 1, or 0.002 s
 without a profile.

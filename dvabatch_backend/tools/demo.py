@@ -5,7 +5,7 @@ With MiniLM (the default) the queries are real sentences, tokenized with the mod
 tokenizer; every answer is checked against the unsliced model run on the query alone.
 
 `--out DIR` keeps the model repository (the sliced model in DIR/.sliced/MODEL/1, the served
-variant in DIR/MODEL_POLICY, and `demo.json`, which names them); `python -m perf.side_by_side DIR`
+variant in DIR/MODEL_POLICY, and `demo.json`, which names them); `python -m perf.compare.by_own_driver DIR`
 then serves it beside ZeroBatch under the same load.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ SENTENCES = [
     "Load changes all the time, from a trickle of queries at night to bursts during the day.",
 ]
 
-RECORD = "demo.json"  # in the repository: what the demo served, for perf.side_by_side
+RECORD = "demo.json"  # in the repository: what the demo served, for perf.compare.by_own_driver
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             for line in _meta_operations(server.metrics_url, name):
                 print(f"  {line}")
         if args.out:
-            print(f"\nthe model repository is in {repo}: python -m perf.side_by_side {repo} serves it beside ZeroBatch")
+            print(f"\nthe model repository is in {repo}: python -m perf.compare.by_own_driver {repo} serves it beside ZeroBatch")
     return 1 if failures else 0
 
 

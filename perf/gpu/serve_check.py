@@ -33,7 +33,7 @@ TOLERANCE = 1e-4
 def prepare(repo: Path, instance: str = "gpu") -> tuple[Path, list[dict[str, np.ndarray]]]:
     """The sliced model in `repo` with the GPU config (with `instance` "cpu", its instance group
     on Triton's KIND_CPU); queries of lengths 1..32."""
-    from perf.bench import query_maker
+    from perf.baselines.bench import query_maker
     from slicer.profiler import int_bounds
     from slicer.slice_model import SliceOptions, slice_model
     from slicer.triton_files import add_model_variant

@@ -22,7 +22,7 @@ length bucket (the runtime's default on CUDA), or with --eager none does: the sa
 
 Measured, in this order: each system's latency at concurrency 1 (rounds taken in turn; DVABatch's
 overhead = its mean minus ZeroBatch's); ZeroBatch's closed-loop peak (bs_max clients), which sets the
-loads; then at each fraction of it the same seeded Poisson schedule (perf.arrivals) and the same
+loads; then at each fraction of it the same seeded Poisson schedule (perf.load.arrivals) and the same
 queries to every system, the order rotating per load. Latency = submit -> answer callback. The
 sustained rate of a system is the highest load it served with its p99 within the target (a multiple
 of ZeroBatch's mean at concurrency 1) and every query answered. On CUDA, the device memory each
@@ -46,8 +46,8 @@ from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.runtime.settings import RuntimeSettings
 from dvabatch_backend.runtime.loading import make_engine
 from dvabatch_backend.runtime.query import validate_inputs
-from perf.arrivals import poisson
-from perf.bench import sample_queries
+from perf.load.arrivals import poisson
+from perf.baselines.bench import sample_queries
 from perf.gpu.pipelines import cuda_pipeline, profile_on_device, sliced_token_mlp, sliced_zoo_model, torch_engines
 
 Inputs = Mapping[str, np.ndarray]

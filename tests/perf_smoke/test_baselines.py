@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.tools.serve import TritonServer, infer_inputs
-from perf import baseline_model
+from perf.baselines import model as baseline_model
 from perf.baselines import (
     MODEL_SOURCE,
     add_baseline,

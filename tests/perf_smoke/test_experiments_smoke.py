@@ -1,4 +1,4 @@
-"""Smoke run of the harness (perf.experiments) against the real tritonserver: the test-size BERT, a
+"""Smoke run of the harness (perf.paper.experiments) against the real tritonserver: the test-size BERT, a
 few seconds of load per experiment; every sent query is answered, and results.json, report.md and
 the PNG plot are well-formed."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from perf.experiments import SYSTEMS, ExperimentSettings, figure14, figure15, figure21, main, write_report
+from perf.paper.experiments import SYSTEMS, ExperimentSettings, figure14, figure15, figure21, main, write_report
 
 pytestmark = pytest.mark.server  # every test here runs the harness against the real tritonserver
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from dvabatch_backend.tools.serve import TritonServer
-from perf.arrivals import constant, gamma, poisson, stepping, stepping_rates
-from perf.drivers import run_closed_loop, run_open_loop
-from perf.lengths import PRESETS, describe, names, sample_lengths
-from perf.stats import LoadResult, QueryRecord, peak_load, step_summaries
-from perf.wire import grpc_request, query_length
+from perf.load.arrivals import constant, gamma, poisson, stepping, stepping_rates
+from perf.load.drivers import run_closed_loop, run_open_loop
+from perf.load.lengths import PRESETS, describe, names, sample_lengths
+from perf.load.stats import LoadResult, QueryRecord, peak_load, step_summaries
+from perf.load.wire import grpc_request, query_length
 
 from ..triton_support import add_variant, slice_zoo_model
 

@@ -1,4 +1,4 @@
-"""`python -m perf.model_analyzer`'s files, checked without installing or running Model Analyzer:
+"""`python -m perf.tuning.model_analyzer`'s files, checked without installing or running Model Analyzer:
 the profile config (YAML: remote mode, the policy sweep under `model_config_parameters`, the
 concurrencies, our perf_analyzer, time windows, our input data) and the input data (every entry
 a valid query: token ids inside the manifest's input_bounds, lengths within max_length, masks of
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dvabatch_backend.runtime.manifest import Manifest
-from perf import model_analyzer
+from perf.tuning import model_analyzer
 
 from ..triton_support import slice_zoo_model
 

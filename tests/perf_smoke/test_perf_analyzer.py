@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dvabatch_backend.tools.serve import TritonServer
-from perf.perf_analyzer import (
+from perf.load.perf_analyzer import (
     PerfAnalyzerError,
     PerfResult,
     build_command,
@@ -27,7 +27,7 @@ from perf.perf_analyzer import (
     write_input_data,
     write_request_intervals,
 )
-from perf.arrivals import gamma
+from perf.load.arrivals import gamma
 from slicer import toy
 from slicer.slice_model import SliceOptions, slice_model
 
@@ -210,7 +210,7 @@ def test_cli(server: TritonServer, varied_input: Path, tmp_path: Path, capsys: p
 
 
 def test_missing_binary_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from perf import perf_analyzer
+    from perf.load import perf_analyzer
 
     monkeypatch.setenv("PERF_ANALYZER", str(tmp_path / "nope"))
     with pytest.raises(PerfAnalyzerError, match="PERF_ANALYZER=.*nope"):

@@ -1,4 +1,4 @@
-"""`python -m perf.perf_analyzer_side_by_side` at the zoo's test size, short windows: the slicer's
+"""`python -m perf.compare.by_perf_analyzer` at the zoo's test size, short windows: the slicer's
 model beside ZeroBatch and DelayBatch in one real tritonserver, measured by the real perf_analyzer
 (concurrency 1, closed loop at bs_max, stepping Poisson rates, the fixed 0.5x and 0.9x rates, and
 Gamma CV 4 arrivals at 0.5x). A row
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from perf import perf_analyzer_side_by_side as sbs
+from perf.compare import by_perf_analyzer as sbs
 
 
 @pytest.mark.server
@@ -153,7 +153,7 @@ def test_sustained_is_judged_against_what_the_generator_delivered() -> None:
 
 
 def test_another_slicing_of_the_model_is_served_beside_under_its_own_name(tmp_path: Path) -> None:
-    from perf.bench import sliced
+    from perf.baselines.bench import sliced
 
     one, _, _, _ = sliced("bert", "test", tmp_path, stages=1)
     two, _, _, _ = sliced("bert", "test", tmp_path, stages=2)

@@ -1,7 +1,8 @@
-"""`python -m perf.side_by_side DIR` on a repository as `dvabatch demo --out DIR` leaves it (the
-test-size BERT sliced under DIR/.sliced, a served variant, DIR/demo.json), served by the real
-tritonserver beside ZeroBatch with a few seconds of budget: every query sent to either system is
-answered, the ratios are finite, the table shows them, and DIR is left as it was."""
+"""`python -m perf.compare --demo DIR` (our own driver, `perf.compare.by_own_driver`) on a repository as
+`dvabatch demo --out DIR` leaves it (the test-size BERT sliced under DIR/.sliced, a served variant,
+DIR/demo.json), and `--model-dir` on the served folder itself, served by the real tritonserver beside
+ZeroBatch with a few seconds of budget: every query sent to either system is answered, the ratios are
+finite, the table shows them, and DIR is left as it was."""
 from __future__ import annotations
 
 import math
@@ -9,7 +10,8 @@ import math
 import pytest
 
 from dvabatch_backend.tools import demo
-from perf import side_by_side
+from perf.compare import by_own_driver as side_by_side
+from perf.compare.__main__ import main as compare
 
 from ..triton_support import add_variant, slice_zoo_model
 
@@ -26,7 +28,8 @@ def demo_dir(tmp_path_factory):
 
 
 @pytest.mark.server
-def test_every_query_is_answered_and_ratios_are_finite(demo_dir, monkeypatch, capsys) -> None:
+@pytest.mark.parametrize("how", ["demo", "model-dir"])
+def test_every_query_is_answered_and_ratios_are_finite(demo_dir, how, monkeypatch, capsys) -> None:
     before = sorted(p.name for p in demo_dir.iterdir())
     seen: list = []
     table = side_by_side.table
@@ -36,7 +39,8 @@ def test_every_query_is_answered_and_ratios_are_finite(demo_dir, monkeypatch, ca
         return table(rows)
 
     monkeypatch.setattr(side_by_side, "table", recording_table)
-    code = side_by_side.main([str(demo_dir), "--seconds", "6"])
+    where = ["--demo", str(demo_dir)] if how == "demo" else ["--model-dir", str(demo_dir / DVA_NAME), "--driver", "own"]
+    code = compare([*where, "--seconds", "6"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert [row.fraction for row in seen] == list(side_by_side.LOADS)
@@ -64,5 +68,5 @@ def test_queries_per_run_fits_the_budget_within_bounds() -> None:
 
 
 def test_a_folder_the_demo_did_not_write_is_refused(tmp_path, capsys) -> None:
-    assert side_by_side.main([str(tmp_path)]) == 2
+    assert compare(["--demo", str(tmp_path)]) == 2
     assert "dvabatch demo --out" in capsys.readouterr().err

@@ -152,9 +152,9 @@ def test_make_engines_builds_the_torch_engine_when_asked(sliced: SlicedCache) ->
 
 
 def test_the_baselines_run_the_unsliced_model_on_either_engine(sliced: SlicedCache, tmp_path: Path) -> None:
-    """ZeroBatch/DelayBatch's model (perf/baseline_model.py) with `engine` torch answers a padded
+    """ZeroBatch/DelayBatch's model (perf/baselines/model.py) with `engine` torch answers a padded
     batch of requests of different lengths as with onnxruntime; the config carries the choice."""
-    from perf import baseline_model
+    from perf.baselines import model as baseline_model
     from perf.baselines import add_baseline
 
     model = sliced.get("bert")

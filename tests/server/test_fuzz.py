@@ -1,4 +1,4 @@
-"""Fuzzing the real tritonserver over HTTP and gRPC with hypothesis (perf.fuzz's strategies and
+"""Fuzzing the real tritonserver over HTTP and gRPC with hypothesis (perf.reliability.fuzz's strategies and
 runner): rounds of requests sent together, each bad one (wrong dtype, rank, dims, huge lengths and
 row counts, zero rows or length, ids out of the embedding, missing, extra or repeated inputs, shapes
 the data does not fill) answered INVALID_ARGUMENT / HTTP 400 with a message naming the problem, each
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from dvabatch_backend.tools.serve import TritonServer
-from perf.fuzz import INVALID, PROTOCOLS, FuzzModel, Fuzzer, FuzzTally, liveness
+from perf.reliability.fuzz import INVALID, PROTOCOLS, FuzzModel, Fuzzer, FuzzTally, liveness
 
 from ..triton_support import add_variant, slice_zoo_model
 

@@ -1,4 +1,4 @@
-"""A 30-second soak against the real tritonserver (perf.soak): the test-size bert served as four
+"""A 30-second soak against the real tritonserver (perf.reliability.soak): the test-size bert served as four
 variants (pipelined, input, load, hybrid policies), open-loop Poisson load at 0.9 x a rough sustained
 rate (0.8 x the closed-loop mixed peak), mixed lengths over gRPC and HTTP. Every query is answered,
 once, without an error; the sampled answers (1 in 5) equal the unsliced model; the server and its
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from perf.soak import MAX_DRIFT_PCT, soak
+from perf.reliability.soak import MAX_DRIFT_PCT, soak
 
 SECONDS = 30.0
 

@@ -125,11 +125,11 @@ def test_the_checker_catches_upward_imports_and_triton_in_the_runtime() -> None:
                                             "if TYPE_CHECKING:\n"
                                             "    from policies.api import Policy\n", False),
         "dvabatch_backend.tools": ("", True),
-        "dvabatch_backend.tools.serve": ("from perf import wire\nfrom ..runtime import scheduler\n", False),
+        "dvabatch_backend.tools.serve": ("from perf.load import wire\nfrom ..runtime import scheduler\n", False),
         "policies": ("from dvabatch_backend.runtime import scheduler\n", True),
         "policies.api": ("from dvabatch_backend import Scheduler\n", False),
         "perf": ("", True),
-        "perf.wire": ("from dvabatch_backend.tools.serve import x\nfrom slicer import cut\n", False),
+        "perf.load.wire": ("from dvabatch_backend.tools.serve import x\nfrom slicer import cut\n", False),
         "dvabatch_backend.newthing": ("", False),
     }
     # perf and policies import only below themselves, and `from . import engine` stays in the runtime:
@@ -139,5 +139,5 @@ def test_the_checker_catches_upward_imports_and_triton_in_the_runtime() -> None:
         "dvabatch_backend.runtime.engine:3 imports policies.api: layer 1 (policies) above layer 0 (runtime)",
         "dvabatch_backend.runtime.scheduler:4 imports dvabatch_backend.tools.serve: layer 4 (tools) above layer 0 (runtime)",
         "dvabatch_backend.runtime.scheduler:5 imports tritonclient.grpc (the runtime core imports nothing of Triton's)",
-        "dvabatch_backend.tools.serve:1 imports perf.wire: layer 5 (perf) above layer 4 (tools)",
+        "dvabatch_backend.tools.serve:1 imports perf.load.wire: layer 5 (perf) above layer 4 (tools)",
     ]

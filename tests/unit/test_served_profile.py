@@ -1,9 +1,9 @@
-"""`perf.served_profile` charges each py-spy sample to one part of the served path."""
+"""`perf.costs.served_profile` charges each py-spy sample to one part of the served path."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from perf.served_profile import charge, part_of
+from perf.costs.served_profile import charge, part_of
 
 
 def test_a_sample_is_charged_to_the_innermost_part_it_names() -> None:

@@ -1,6 +1,6 @@
 """Where the served path spends its CPU, per query: py-spy on the stub under closed-loop load.
 
-    python -m perf.served_profile MODEL_DIR [--clients 8 | --rate 1200] [--seconds 8] [--lengths sst2]
+    python -m perf.costs.served_profile MODEL_DIR [--clients 8 | --rate 1200] [--seconds 8] [--lengths sst2]
         [--param fast_path=false] [--out work/profile]
 
 One tritonserver serves the sliced model folder (its config.pbtxt as written, plus any `--param`)
@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "work" / "profile"
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "work" / "profile"
 SAMPLE_RATE = 250  # py-spy samples a second
 # (part, function names): a sample is charged to the first part one of its frames names, leaf first
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -78,8 +78,8 @@ def cpu_seconds(pid: int) -> float:
 def profile(model_dir: Path, clients: int, seconds: float, preset: str, params: dict[str, str],
             out: Path, rate: float | None = None) -> dict[str, dict]:
     from dvabatch_backend.tools.serve import TritonServer
-    from perf.perf_analyzer import ensure_system_deps, run_perf_analyzer
-    from perf.perf_analyzer_side_by_side import (DVA, ZERO, build_repository, failure_counts, stub_pid,
+    from perf.load.perf_analyzer import ensure_system_deps, run_perf_analyzer
+    from perf.compare.by_perf_analyzer import (DVA, ZERO, build_repository, failure_counts, stub_pid,
                                                  write_queries)
 
     ensure_system_deps()
@@ -140,12 +140,12 @@ def _has_module(name: str) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m perf.served_profile", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m perf.costs.served_profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", type=Path, help="a sliced model folder (config.pbtxt and 1/)")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals a second instead of --clients")
     parser.add_argument("--seconds", type=float, default=8.0, help="the profiled window")
-    parser.add_argument("--lengths", default="sst2", help="perf.lengths preset (default: %(default)s)")
+    parser.add_argument("--lengths", default="sst2", help="perf.load.lengths preset (default: %(default)s)")
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="a config.pbtxt parameter for the dvabatch model (e.g. fast_path=false)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)

@@ -1,6 +1,6 @@
 """Run NVIDIA's real `perf_analyzer` against a Triton server and read its results.
 
-    python -m perf.perf_analyzer --model NAME --url 127.0.0.1:8000 [--protocol grpc]
+    python -m perf.load.perf_analyzer --model NAME --url 127.0.0.1:8000 [--protocol grpc]
         [--concurrency 1:4:1 | --request-rate 100:400:100 [--poisson]]
         [--input-data data.json] [--shape x:5,16] [--measurement-interval 1000] [-- extra perf_analyzer args]
 
@@ -154,7 +154,7 @@ def _ensure(binary: Path, install: bool) -> Path:
     if any(name.startswith("libb64") for name in missing):
         if not install:
             raise PerfAnalyzerError(f"{binary} needs {B64_LIBRARY}: apt-get install -y {APT_PACKAGE} "
-                                    "(or call perf.perf_analyzer.ensure_system_deps() as root)")
+                                    "(or call perf.load.perf_analyzer.ensure_system_deps() as root)")
         if shutil.which("apt-get") is None or os.geteuid() != 0:
             raise PerfAnalyzerError(f"{binary} needs {B64_LIBRARY} from the Debian package {APT_PACKAGE}; "
                                     f"install it as root: apt-get update && apt-get install -y {APT_PACKAGE}")
@@ -220,7 +220,7 @@ def write_input_data(path: str | Path, queries: Sequence[Mapping[str, np.ndarray
 
 
 def write_request_intervals(path: str | Path, offsets: Sequence[float] | np.ndarray) -> Path:
-    """Write send offsets (seconds from the first send, `perf.arrivals`) as a `--request-intervals`
+    """Write send offsets (seconds from the first send, `perf.load.arrivals`) as a `--request-intervals`
     file: the gaps between them in whole microseconds, one per line."""
     gaps = np.rint(np.diff(np.asarray(offsets, dtype=float)) * 1e6).astype(np.int64)
     if gaps.size == 0 or (gaps < 0).any():
@@ -482,7 +482,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     if "--" in args_in:
         cut = args_in.index("--")
         args_in, extra = args_in[:cut], args_in[cut + 1:]
-    parser = argparse.ArgumentParser(prog="python -m perf.perf_analyzer", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m perf.load.perf_analyzer", description=__doc__.split("\n\n")[0],
                                      epilog="arguments after -- go to perf_analyzer unchanged")
     parser.add_argument("--model", "-m", required=True)
     parser.add_argument("--url", "-u", required=True, help="host:port of the HTTP or gRPC endpoint")

@@ -1,6 +1,6 @@
 """Fuzzing the real tritonserver with generated bad requests over HTTP and gRPC, good ones interleaved:
 
-    python -m perf.fuzz --cases 1000        # >= 1000 bad requests per protocol; prints the tally
+    python -m perf.reliability.fuzz --cases 1000        # >= 1000 bad requests per protocol; prints the tally
 
 Hypothesis draws *rounds*: a few requests sent at the same time (so that they meet in the server's
 batches), each over a protocol it draws, at least one of them a good request. A request is
@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 
 from dvabatch_backend.runtime.manifest import SEQ, Manifest, TensorSpec
 
-log = logging.getLogger("perf.fuzz")
+log = logging.getLogger("perf.reliability.fuzz")
 
 __all__ = ["FuzzModel", "FuzzTally", "Fuzzer", "Outcome", "Request", "liveness", "main", "rounds"]
 
@@ -683,7 +683,7 @@ def fuzz_served(out_dir: Path, bad_per_protocol: int, seed_value: int = 0) -> Fu
     """Slice the zoo's test-size bert and vgg19 into `out_dir`, serve them from one tritonserver and
     fuzz until each protocol had `bad_per_protocol` bad requests."""
     from dvabatch_backend.tools.serve import TritonServer
-    from perf.bench import sliced
+    from perf.baselines.bench import sliced
     from slicer.triton_files import add_model_variant
 
     repo = out_dir / "repository"
@@ -705,7 +705,7 @@ def fuzz_served(out_dir: Path, bad_per_protocol: int, seed_value: int = 0) -> Fu
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m perf.fuzz", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m perf.reliability.fuzz", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=1000, help="bad requests per protocol (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=None, help="keep the sliced models here (default: a temporary folder)")

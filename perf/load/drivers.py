@@ -1,18 +1,18 @@
 """Load drivers for a Triton server: open- and closed-loop runs that record every query.
 
-    offsets = poisson(rate=200, n=2000, rng=0)                 # perf.arrivals: send times, s
+    offsets = poisson(rate=200, n=2000, rng=0)                 # perf.load.arrivals: send times, s
     queries = [model_query(rng, L) for L in sample_lengths("rte", 2000, 128, rng)]
     result = run_open_loop("127.0.0.1:8001", "bert", queries, offsets)
-    print(result.summary(latency_target=0.2))                  # perf.stats: mean/p50/p99, goodput, send lag
+    print(result.summary(latency_target=0.2))                  # perf.load.stats: mean/p50/p99, goodput, send lag
     result.save("run.json")
 
-The real `perf_analyzer` (perf/perf_analyzer.py) drives fixed-rate and concurrency sweeps; these
-drivers do what it cannot: an exact list of send times (perf.arrivals) with an exact list of
-per-query inputs (lengths drawn from perf/lengths.py), recording every query's send and answer time.
+The real `perf_analyzer` (perf/load/perf_analyzer.py) drives fixed-rate and concurrency sweeps; these
+drivers do what it cannot: an exact list of send times (perf.load.arrivals) with an exact list of
+per-query inputs (lengths drawn from perf/load/lengths.py), recording every query's send and answer time.
 
-Open loop: requests are serialized *before* the clock starts (perf.wire). One sender thread sleeps
+Open loop: requests are serialized *before* the clock starts (perf.load.wire). One sender thread sleeps
 until `start + offset` (time.sleep: sub-ms precise) and starts each request without waiting
-(perf.transport); callbacks on the transport's threads record the answers. How late each send was
+(perf.load.transport); callbacks on the transport's threads record the answers. How late each send was
 against its schedule is recorded (`send_lag`). Closed loop: `concurrency` client threads, each
 sends a query, waits for its answer, sends the next.
 
@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from perf.stats import Floats, LoadResult, QueryRecord
-from perf.transport import make_transport
-from perf.wire import Query, query_length
+from perf.load.stats import Floats, LoadResult, QueryRecord
+from perf.load.transport import make_transport
+from perf.load.wire import Query, query_length
 
 __all__ = ["run_closed_loop", "run_open_loop"]
 

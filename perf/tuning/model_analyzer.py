@@ -1,14 +1,14 @@
 """Tune a dvabatch model with Triton's Model Analyzer: sweep its `policy` (and concurrency) for real.
 
-    python -m perf.model_analyzer MODEL_REPO MODEL [--policies input,load,pipelined]
+    python -m perf.tuning.model_analyzer MODEL_REPO MODEL [--policies input,load,pipelined]
         [--concurrency 1,4,8] [--measurement-interval 3000] [--lengths rte] [--out work/model-analyzer/MODEL]
 
 What it does, in order:
 1. creates (or reuses) Model Analyzer's own virtualenv, `work/model-analyzer-venv` (MA pins a newer
    tritonclient and protobuf than this project's: it cannot share `.venv`);
-2. writes perf_analyzer input data: seeded queries of GLUE-like lengths (`perf.lengths`), token ids
+2. writes perf_analyzer input data: seeded queries of GLUE-like lengths (`perf.load.lengths`), token ids
    below the manifest's `input_bounds` (MA's random data indexes past an embedding table) and masks
-   of ones, one JSON entry per request, each with its own shape (`perf.perf_analyzer.write_input_data`);
+   of ones, one JSON entry per request, each with its own shape (`perf.load.perf_analyzer.write_input_data`);
 3. writes MA's config: remote launch mode, one model with `cpu_only`, `model_config_parameters`
    sweeping `parameters: {policy: {string_value: [...]}}`, the concurrencies, and
    `perf_analyzer_flags` for time windows long enough to rank configs;
@@ -39,7 +39,7 @@ from typing import Any
 
 from dvabatch_backend.runtime.manifest import Manifest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO_ROOT / "work" / "model-analyzer-venv"
 DEFAULT_OUT_ROOT = REPO_ROOT / "work" / "model-analyzer"
 MA_PACKAGE = "triton-model-analyzer"
@@ -90,7 +90,7 @@ def ensure_venv(venv_dir: Path = DEFAULT_VENV) -> Path:
 def input_queries(manifest: Manifest, n: int, preset: str = DEFAULT_LENGTHS, seed: int = 0) -> list[dict]:
     """n seeded queries (arrays without the batch dim): lengths from `preset` up to max_length,
     integer ids below the manifest's input_bounds, masks all ones."""
-    from perf.bench import sample_queries
+    from perf.baselines.bench import sample_queries
 
     queries, _ = sample_queries(manifest, dict(manifest.input_bounds), n, seed, preset)
     return queries
@@ -98,7 +98,7 @@ def input_queries(manifest: Manifest, n: int, preset: str = DEFAULT_LENGTHS, see
 
 def write_ma_input_data(path: Path, manifest: Manifest, n: int = DEFAULT_QUERIES, preset: str = DEFAULT_LENGTHS,
                         seed: int = 0) -> Path:
-    from perf.perf_analyzer import write_input_data
+    from perf.load.perf_analyzer import write_input_data
 
     return write_input_data(path, input_queries(manifest, n, preset, seed))
 
@@ -162,7 +162,7 @@ def write_ma_config(path: Path, config: Mapping[str, Any]) -> Path:
 def ma_environment(perf_analyzer: Path) -> dict[str, str]:
     """MA's environment: our perf_analyzer's folder first on PATH, the CUDA runtime it links on
     LD_LIBRARY_PATH; none of this project's virtualenv (MA runs with its own)."""
-    from perf.perf_analyzer import perf_analyzer_env
+    from perf.load.perf_analyzer import perf_analyzer_env
 
     env = perf_analyzer_env()
     env.pop("VIRTUAL_ENV", None)
@@ -276,7 +276,7 @@ def _csv_words(text: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m perf.model_analyzer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m perf.tuning.model_analyzer", description=__doc__.split("\n\n")[0])
     parser.add_argument("repo", type=Path, metavar="MODEL_REPO", help="the model repository (left as it is)")
     parser.add_argument("model", metavar="MODEL", help="the dvabatch model's name in it")
     parser.add_argument("--policies", type=_csv_words, default=list(DEFAULT_POLICIES), help="default: %(default)s")
@@ -284,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--measurement-interval", type=int, default=DEFAULT_MEASUREMENT_INTERVAL_MS, metavar="MS",
                         help="perf_analyzer's time window (default: %(default)s)")
     parser.add_argument("--queries", type=int, default=DEFAULT_QUERIES, help="input data entries (default: %(default)s)")
-    parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help="perf.lengths preset (default: %(default)s)")
+    parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help="perf.load.lengths preset (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=None, help="default: work/model-analyzer/MODEL")
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="MA's virtualenv (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole MA run")
@@ -298,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def profile(args: argparse.Namespace) -> int:
     from dvabatch_backend.tools.serve import TritonServer
-    from perf.perf_analyzer import ensure_system_deps
+    from perf.load.perf_analyzer import ensure_system_deps
 
     out = (args.out or DEFAULT_OUT_ROOT / args.model).resolve()
     out.mkdir(parents=True, exist_ok=True)

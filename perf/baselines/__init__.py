@@ -3,7 +3,7 @@
 **ZeroBatch** and **DelayBatch** serve the UNSLICED `model.onnx` of a sliced model's version folder
 with the same engine (onnxruntime CPU, `ort_session_options(threads)`; or, with `engine="torch"`,
 the runtime's torch engine on `device` "cpu" or "cuda") in a Python-backend model
-(`perf/baseline_model.py`) behind Triton's own dynamic batcher: `max_queue_delay_microseconds` 0
+(`perf/baselines/model.py`) behind Triton's own dynamic batcher: `max_queue_delay_microseconds` 0
 for ZeroBatch, a delay tuned for peak throughput (`tune_delay`) for DelayBatch. Inputs allow ragged
 batches, so requests of different lengths share a batch, padded to the longest one.
 
@@ -30,10 +30,10 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from dvabatch_backend.runtime.manifest import Manifest
-from perf.baseline_model import DEVICES, ENGINES, RESPONDS
+from perf.baselines.model import DEVICES, ENGINES, RESPONDS
 from slicer.triton_files import VERSION_DIR, python_model_config
 
-MODEL_SOURCE = Path(__file__).with_name("baseline_model.py")
+MODEL_SOURCE = Path(__file__).with_name("model.py")
 DEFAULT_DELAYS_US = (0, 500, 1000, 2000, 5000, 10000)
 
 MakeQuery = Callable[[np.random.Generator], Mapping[str, np.ndarray]]

@@ -1,8 +1,8 @@
 """The paper's experiments (§8) reproduced on this machine: DVABatch side by side with the baselines
 every Triton user has (ZeroBatch, DelayBatch), each model's systems served by one tritonserver
-(`perf.bench.Bench`), every figure a ratio of runs made in one invocation.
+(`perf.baselines.bench.Bench`), every figure a ratio of runs made in one invocation.
 
-    python -m perf.experiments EXPERIMENT [--models bert,minilm] [--size bench] [--out perf/results]
+    python -m perf.paper.experiments EXPERIMENT [--models bert,minilm] [--size bench] [--out perf/results]
 
 | experiment | measures (paper figure) |
 |---|---|
@@ -16,7 +16,7 @@ every Triton user has (ZeroBatch, DelayBatch), each model's systems served by on
 
 Each writes OUT/EXPERIMENT/results.json, report.md (ratios against both baselines) and a PNG plot.
 Open-loop runs send the same seeded Poisson schedule and the same seeded queries (lengths from the
-GLUE-like preset `perf.bench.LENGTH_PRESET`) to every system, the order rotating per load level.
+GLUE-like preset `perf.baselines.bench.LENGTH_PRESET`) to every system, the order rotating per load level.
 The default size is the zoo's "bench" preset, chosen so that each experiment takes minutes here.
 """
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from perf.bench import LENGTH_PRESET, Bench, System, slug as _slug
-from perf.stats import jsonable
+from perf.baselines.bench import LENGTH_PRESET, Bench, System, slug as _slug
+from perf.load.stats import jsonable
 
 __all__ = ["DEFAULT_FRACTIONS", "DEFAULT_MODELS", "DEFAULT_POLICIES", "EXPERIMENTS", "DVA", "SYSTEMS",
            "ExperimentSettings", "compute_bound", "figure14", "figure15", "figure18", "figure19", "figure20",
@@ -146,7 +146,7 @@ def _loads(bench: Bench, labels: Sequence[str], peak_qps: float, fractions: Sequ
            settings: ExperimentSettings, bar: Any, subject: str = DVA) -> list[dict[str, Any]]:
     """Open loop at each fraction of `peak_qps`: one seeded Poisson schedule and one seeded list of
     queries per level, sent to each system in turn (the order rotating per level)."""
-    from perf.arrivals import poisson
+    from perf.load.arrivals import poisson
 
     levels = []
     for k, fraction in enumerate(fractions):
@@ -257,8 +257,8 @@ def figure15(models: Sequence[str], out_dir: Path, settings: ExperimentSettings)
     """Figure 15: the same stepping load (Poisson, the rate raised every `step_queries` queries from
     1/4 of ZeroBatch's peak to 1.5x it) to each system; the peak load is the highest step whose p99
     stays within the latency target."""
-    from perf.arrivals import stepping, stepping_rates
-    from perf.stats import peak_load, step_summaries
+    from perf.load.arrivals import stepping, stepping_rates
+    from perf.load.stats import peak_load, step_summaries
 
     results = _results("figure15", settings)
     bar = _bar(len(models) * (2 + len(SYSTEMS)), settings.progress)
@@ -418,10 +418,10 @@ def _latency_stats(latencies_ms: Sequence[float]) -> dict[str, float | None]:
 
 def overhead_breakdown(bench: Bench, queries: Sequence[dict], dva_settings: Mapping[str, Any],
                        repeats: int = 20) -> dict[str, float]:
-    """Where DVABatch's single-query latency goes (`perf.inprocess.overhead_breakdown`: the
+    """Where DVABatch's single-query latency goes (`perf.costs.inprocess.overhead_breakdown`: the
     unsliced model with the baselines' threads, its stages in a row and the runtime with each
     stage's threads and the served policy, built as Triton does from string parameters)."""
-    from perf.inprocess import overhead_breakdown as in_process
+    from perf.costs.inprocess import overhead_breakdown as in_process
     from policies import load_policy
 
     version_dir, _, _ = bench.slices[None]
@@ -578,7 +578,7 @@ _MODEL_TABLES: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
 
 def write_report(results: Mapping[str, Any], out_dir: Path) -> dict[str, Path]:
     """OUT/results.json, OUT/report.md and OUT/EXPERIMENT.png."""
-    from perf.plots import plot
+    from perf.paper.plots import plot
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -619,7 +619,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m perf.experiments", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m perf.paper.experiments", description=__doc__.split("\n\n")[0])
     parser.add_argument("experiment", choices=[*EXPERIMENTS, "all"])
     parser.add_argument("--models", help="comma-separated zoo models (default: the experiment's)")
     parser.add_argument("--size", default="bench", help="zoo preset (default bench)")

@@ -1,6 +1,6 @@
 """A soak run against the real tritonserver: nothing lost, duplicated or wrong, and no memory drift.
 
-    python -m perf.soak --seconds 600 [--size test|bench] [--model bert]
+    python -m perf.reliability.soak --seconds 600 [--size test|bench] [--model bert]
 
 Slices a zoo model (`--size test`: the small one the tests use; `bench`: the benchmarks' size) and
 serves it from one tritonserver as several variants, one per policy (pipelined, input, load,
@@ -11,7 +11,7 @@ hybrid), all over the same sliced folder. Then:
    sustained rate (a rough estimate: no stepping load is run).
 2. **The soak**: open-loop Poisson arrivals at 0.9 x the sustained rate for `--seconds`, each query
    to a variant and over a protocol (gRPC or HTTP) drawn at random, of mixed lengths (`--lengths`, a
-   perf.lengths preset). One query in `--sample-every` is checked against the unsliced model run on
+   perf.load.lengths preset). One query in `--sample-every` is checked against the unsliced model run on
    it alone (the same output names and shapes, atol 1e-4, rtol 1e-3). Every second the RSS of the
    variants' backend stub processes is read from /proc/PID/status (VmRSS).
 3. **The tally**: sent, answered (ok), rejected (an error from the server, by message), lost (no
@@ -42,12 +42,12 @@ import numpy as np
 
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.tools.serve import TritonServer, stub_processes
-from perf.arrivals import poisson
-from perf.drivers import run_closed_loop
-from perf.stats import QueryRecord
-from perf.transport import Transport, make_transport
+from perf.load.arrivals import poisson
+from perf.load.drivers import run_closed_loop
+from perf.load.stats import QueryRecord
+from perf.load.transport import Transport, make_transport
 
-log = logging.getLogger("perf.soak")
+log = logging.getLogger("perf.reliability.soak")
 
 __all__ = ["SoakResult", "main", "soak"]
 
@@ -137,7 +137,7 @@ class Served:
 def serve_variants(out_dir: Path, zoo_name: str, size: str, policies: Sequence[str] = POLICIES,
                    log_path: Path | None = None) -> Iterator[Served]:
     """The zoo model sliced into `out_dir` and served as one variant per policy."""
-    from perf.bench import sliced
+    from perf.baselines.bench import sliced
     from slicer.triton_files import add_model_variant
 
     version_dir, manifest, int_high, _ = sliced(zoo_name, size, out_dir)
@@ -211,7 +211,7 @@ class QueryPool:
     def __init__(self, served: Served, preset: str, seed: int, size: int = POOL) -> None:
         import onnxruntime as ort
 
-        from perf.bench import sample_queries
+        from perf.baselines.bench import sample_queries
 
         self.queries, _ = sample_queries(served.manifest, served.int_high, size, seed, preset=preset)
         self._full = ort.InferenceSession(str(served.version_dir / (served.manifest.full_model or "model.onnx")),
@@ -450,11 +450,11 @@ def soak(seconds: float, out_dir: Path, *, zoo_name: str = "bert", size: str = "
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m perf.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m perf.reliability.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=600.0, help="length of the soak (default: %(default)s)")
     parser.add_argument("--model", default="bert", help="zoo model (default: %(default)s)")
     parser.add_argument("--size", default="test", choices=("test", "bench"), help="zoo size (default: %(default)s)")
-    parser.add_argument("--lengths", default="sst2", help="perf.lengths preset (default: %(default)s)")
+    parser.add_argument("--lengths", default="sst2", help="perf.load.lengths preset (default: %(default)s)")
     parser.add_argument("--sample-every", type=int, default=10, help="check one answer in N (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="keep the slices here (default: a temporary folder)")

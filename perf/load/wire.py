@@ -1,5 +1,5 @@
 """numpy <-> Triton requests: one query's arrays as a serialized gRPC `ModelInferRequest` or an
-HTTP/REST infer body, built before a run's clock starts (perf.transport sends them).
+HTTP/REST infer body, built before a run's clock starts (perf.load.transport sends them).
 
 A query's inputs are given without the batch dim and sent as `[1, ...]`; datatypes are Triton's
 names for the numpy dtypes (`tritonclient.utils.np_to_triton_dtype`: float32 -> FP32, ...).

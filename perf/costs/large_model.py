@@ -1,6 +1,6 @@
 """A model over protobuf's 2 GB limit, sliced and served: the slicer's peak memory and time.
 
-    python -m perf.large_model [--gib 2.25] [--stages 3] [--out work/perf]
+    python -m perf.costs.large_model [--gib 2.25] [--stages 3] [--out work/perf]
 
 Builds a residual MLP (`slicer.toy.residual_mlp`'s blocks at width 4096) whose weights take
 `--gib` GiB, written with external data as every model over 2 GB must be (one weight at a time:
@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "work" / "perf"
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "work" / "perf"
 WIDTH = 4096
 WEIGHTS_FILE = "model.weights"
 
@@ -114,7 +114,7 @@ def serve_and_compare(repo: Path, name: str, model: Path, queries: int = 6) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m perf.large_model", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m perf.costs.large_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=2.25, help="the weights' size (default: %(default)s GiB)")
     parser.add_argument("--stages", default="3")
     parser.add_argument("--bs-max", type=int, default=4)

@@ -1,13 +1,13 @@
 """Stages in a row against the unsliced model, per-stage threads against one global pool:
 
-    python -m perf.thread_pool [DIR] [--zoo bert --size bench] [--lengths 16,64,128] [--rounds 5]
+    python -m perf.costs.thread_pool [DIR] [--zoo bert --size bench] [--lengths 16,64,128] [--rounds 5]
 
 DIR is a sliced model (its version folder, or the Triton model folder above it); without it the
 zoo model is sliced into 3 stages in a scratch folder first. In this one process, one query at a
-time (batch 1), blocks interleaved in shuffled order (`perf.inprocess.run_interleaved`):
+time (batch 1), blocks interleaved in shuffled order (`perf.costs.inprocess.run_interleaved`):
 
 - the unsliced model on every available core, its own pool of that many threads, no spin-waiting:
-  the baselines' engine (`perf.baseline_model`), the reference;
+  the baselines' engine (`perf.baselines.model`), the reference;
 - its stages run one after another, 1 onnxruntime thread per stage (`thread_pool per_stage`);
 - the same with as many threads per stage as cores (per-stage pools, oversubscribed when stages
   run together);
@@ -32,8 +32,8 @@ import numpy as np
 from dvabatch_backend.runtime.engine import GLOBAL, PER_STAGE, available_cores
 from dvabatch_backend.runtime.loading import find_version_dir
 from dvabatch_backend.runtime.manifest import Manifest
-from perf.bench import query_maker
-from perf.inprocess import DirectRunner, Runner, StagesRunner, run_interleaved
+from perf.baselines.bench import query_maker
+from perf.costs.inprocess import DirectRunner, Runner, StagesRunner, run_interleaved
 
 UNSLICED = "unsliced, own pool"
 PER_STAGE_1 = "stages, 1 thread each"
@@ -101,7 +101,7 @@ def slice_zoo(name: str, size: str, out: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m perf.thread_pool", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m perf.costs.thread_pool", description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", type=Path, nargs="?", help="a sliced model folder (default: slice --zoo)")
     parser.add_argument("--zoo", default="bert", help="zoo model sliced when no DIR is given (default: bert)")
     parser.add_argument("--size", default="bench", help="its size preset (default: bench)")

@@ -1,11 +1,11 @@
 """One zoo model served side by side in several configurations by ONE tritonserver: the setup every
-experiment in `perf.experiments` shares.
+experiment in `perf.paper.experiments` shares.
 
     systems = [System("ZeroBatch", "zerobatch"), System("DelayBatch", "delaybatch"),
                System("DVABatch", "dvabatch", {"policy": "input"})]
     with Bench("bert", "bench", out_dir, systems) as bench:      # slice, register, serve, warm up
         queries, lengths = bench.queries(200, seed=1)
-        run = bench.open_loop("DVABatch", queries, perf.arrivals.poisson(50.0, 200), lengths)
+        run = bench.open_loop("DVABatch", queries, perf.load.arrivals.poisson(50.0, 200), lengths)
 
 A `System` is a label and how it is served: `dvabatch` (a variant of the sliced model with its
 settings: policy, buffer pairs, ...; `stages` asks for its own slicing into that many stages),
@@ -106,7 +106,7 @@ def sample_queries(manifest: Any, int_high: Mapping[str, int], n: int, seed: int
                    preset: str = LENGTH_PRESET) -> tuple[list[dict], list[int] | None]:
     """n seeded queries, lengths from the preset (clipped to the model's max length); lengths is
     None for a model without a sequence axis."""
-    from perf.lengths import sample_lengths
+    from perf.load.lengths import sample_lengths
 
     rng = np.random.default_rng(seed)
     make = query_maker(manifest, int_high)
@@ -221,7 +221,7 @@ class Bench:
     def _tune(self, candidates: Mapping[int, str]) -> None:
         """DelayBatch: the candidate delay of peak closed-loop throughput at bs_max clients."""
         from perf.baselines import tune_delay
-        from perf.lengths import sample_lengths
+        from perf.load.lengths import sample_lengths
 
         self._progress(f"{self.zoo_name}: tuning DelayBatch's delay")
         manifest, make = self.manifest, query_maker(self.manifest, self.int_high)
@@ -238,7 +238,7 @@ class Bench:
                              "concurrency": self.bs_max, "seconds": self.tune_seconds}
 
     def _warm_up(self) -> None:
-        from perf.drivers import run_closed_loop
+        from perf.load.drivers import run_closed_loop
 
         pool = self.pool()
         for label, name in self.names.items():
@@ -258,14 +258,14 @@ class Bench:
         return sample_queries(self.manifest, self.int_high, n, seed)
 
     def closed_loop(self, label: str, concurrency: int, seconds: float, pool: Sequence[dict] | None = None) -> Any:
-        from perf.drivers import run_closed_loop
+        from perf.load.drivers import run_closed_loop
 
         return run_closed_loop(self.url, self.names[label], list(pool or self.pool()), concurrency=concurrency,
                                duration=seconds, timeout=self.timeout, params={"system": label})
 
     def open_loop(self, label: str, queries: Sequence[dict], offsets: Any, lengths: Sequence[int] | None = None,
                   **params: Any) -> Any:
-        from perf.drivers import run_open_loop
+        from perf.load.drivers import run_open_loop
 
         return run_open_loop(self.url, self.names[label], queries, offsets, timeout=self.timeout, lengths=lengths,
                              params={"system": label, **params})

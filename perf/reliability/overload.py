@@ -1,8 +1,8 @@
 """Overload and admission, measured: what each system sustains, what it does past that, and the
 goodput latency-target admission buys. One command, every run side by side in one server:
 
-    python -m perf.overload                       # zoo BERT at bench size, target 100 ms
-    python -m perf.overload --model minilm --factor 2 --seconds 20
+    python -m perf.reliability.overload                       # zoo BERT at bench size, target 100 ms
+    python -m perf.reliability.overload --model minilm --factor 2 --seconds 20
 
 Systems (the same sliced model, the same queries at the same times):
   - `dvabatch`: the config the slicer writes (its default queue bound, no latency target);
@@ -34,9 +34,9 @@ import numpy as np
 
 from dvabatch_backend.runtime.engine import available_cores
 from dvabatch_backend.tools.serve import TritonServer
-from perf.arrivals import poisson, stepping, stepping_rates
-from perf.drivers import run_closed_loop, run_open_loop
-from perf.stats import LoadResult, peak_load
+from perf.load.arrivals import poisson, stepping, stepping_rates
+from perf.load.drivers import run_closed_loop, run_open_loop
+from perf.load.stats import LoadResult, peak_load
 
 TIMEOUT_S = 60.0
 LOW_LOAD = 0.3
@@ -55,7 +55,7 @@ class Setup:
 def serve(out: Path, zoo_name: str, size: str, target_ms: float):
     """Slices the zoo model (reused when already there) and returns the repository of the four systems."""
     from perf.baselines import zero_batch
-    from perf.bench import sliced
+    from perf.baselines.bench import sliced
     from slicer.triton_files import add_model_variant
 
     version_dir, manifest, int_high, _ = sliced(zoo_name, size, out)
@@ -90,7 +90,7 @@ def sustained_rate(setup: Setup, system: str, target: float, estimate: float, se
 
 
 def _steps(result: LoadResult, rates: np.ndarray):
-    from perf.stats import step_summaries
+    from perf.load.stats import step_summaries
 
     return [(s["rate_qps"], s) for s in step_summaries(result, rates)]
 
@@ -128,7 +128,7 @@ class OverloadFigures:
 
 def overload(setup: Setup, system: str, sustained: float, factor: float, seconds: float, seed: int,
              stub_pids: Sequence[int]) -> OverloadFigures:
-    from perf.soak import RssSampler
+    from perf.reliability.soak import RssSampler
 
     low = LOW_LOAD * sustained
     baseline = _open(setup, system, poisson(low, max(30, int(low * 5)), rng=seed), seed)
@@ -178,7 +178,7 @@ def goodput(setup: Setup, rate: float, target: float, seconds: float, seed: int)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m perf.overload", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m perf.reliability.overload", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="bert", help="zoo model (default: %(default)s)")
     parser.add_argument("--size", default="bench", help="zoo size preset (default: %(default)s)")
     parser.add_argument("--target-ms", type=float, default=100.0, help="p99 latency target (default: %(default)s)")
@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     import shutil
 
-    from perf.bench import sample_queries
+    from perf.baselines.bench import sample_queries
 
     target = args.target_ms / 1000.0
     repo, manifest, int_high, names = serve(args.out, args.model, args.size, args.target_ms)
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure(setup: Setup, args: argparse.Namespace, target: float) -> None:
-    from perf.soak import stub_pids
+    from perf.reliability.soak import stub_pids
 
     server, manifest, names = setup.server, setup.manifest, setup.names
     print(f"{args.model} ({args.size}), {manifest.num_stages} stages, bs_max {manifest.max_batch_size}, "

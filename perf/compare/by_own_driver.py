@@ -1,10 +1,12 @@
-"""DVABatch side by side with ZeroBatch on the model `dvabatch demo --out DIR` wrote:
+"""DVABatch side by side with ZeroBatch, driven by our own load generator (`perf.load.drivers`):
 
-    dvabatch demo --out work/demo && python -m perf.side_by_side work/demo [--seconds 45] [--baseline-threads N]
+    python -m perf.compare --demo work/demo --driver own        (or: python -m perf.compare.by_own_driver DIR)
+    python -m perf.compare --model-dir model_repository/my_model --driver own
 
-serves the demo's model (DIR/demo.json names it) beside ZeroBatch, the unsliced `model.onnx` of
-its version folder behind Triton's own dynamic batcher with no queue delay (`perf.baselines.zero_batch`),
-from one tritonserver over a scratch repository (DIR is left as it is). ZeroBatch's peak
+serves the sliced model (a folder `dvabatch slice` wrote, or the one `dvabatch demo --out DIR`
+served: DIR/demo.json names it) beside ZeroBatch, the unsliced `model.onnx` of its version folder
+behind Triton's own dynamic batcher with no queue delay (`perf.baselines.zero_batch`), from one
+tritonserver over a scratch repository (the folder is left as it is). ZeroBatch's peak
 throughput is measured closed loop at bs_max clients; then the same seeded Poisson schedule of
 variable-length queries (RTE-like lengths) goes open loop to both systems at each fraction of that
 peak (`LOADS`: 0.5x and 0.9x), the order alternating, within about `--seconds` in all, after
@@ -29,11 +31,11 @@ from dvabatch_backend.runtime.engine import available_cores
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.tools.demo import read_record
 from dvabatch_backend.tools.serve import TritonServer
-from perf.arrivals import poisson
-from perf.bench import sample_queries
-from perf.drivers import run_closed_loop, run_open_loop
-from perf.experiments import DVA, ZERO, ratios
-from perf.stats import LoadResult
+from perf.load.arrivals import poisson
+from perf.baselines.bench import sample_queries
+from perf.load.drivers import run_closed_loop, run_open_loop
+from perf.paper.experiments import DVA, ZERO, ratios
+from perf.load.stats import LoadResult
 
 # fractions of ZeroBatch's peak, and bounds on the queries of one open-loop run (enough for a p99
 # to mean something, few enough to stay within the time budget)
@@ -46,8 +48,9 @@ QUERY_TIMEOUT_S = 30.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m perf.side_by_side", description=__doc__.split("\n\n")[0])
-    parser.add_argument("dir", type=Path, metavar="DIR", help="the model repository dvabatch demo --out DIR wrote")
+    parser = argparse.ArgumentParser(prog="python -m perf.compare.by_own_driver", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", type=Path, metavar="DIR",
+                        help="the model repository dvabatch demo --out DIR wrote, or a sliced model folder")
     parser.add_argument("--seconds", type=float, default=SECONDS, help="time budget of the runs (default: %(default)s)")
     # the same threads as the served dvabatch model: its stages share one onnxruntime pool of every
     # core (thread_pool: global, the slicer's default)
@@ -61,23 +64,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def run(repo: Path, seconds: float = SECONDS, baseline_threads: int | None = None) -> int:
-    """Serves the demo's model in `repo` beside ZeroBatch and runs `side_by_side`; 1 if any query
-    failed, else 0."""
+def run(folder: Path, seconds: float = SECONDS, baseline_threads: int | None = None) -> int:
+    """Serves the sliced model in `folder` (a model folder, or the demo's repository) beside
+    ZeroBatch and runs `side_by_side`; 1 if any query failed, else 0."""
     import onnx
 
     from perf.baselines import zero_batch
     from slicer.profiler import int_bounds
 
-    record = read_record(repo)
-    dva_name, version_dir = record["served"], (repo / record["version_dir"]).resolve()
+    model_dir = demo_model_dir(folder) if not (folder / "config.pbtxt").is_file() else folder
+    version_dir = (model_dir / "1").resolve()
     manifest = Manifest.load(version_dir / "manifest.json")
+    dva_name = manifest.name
     full = onnx.load(str(version_dir / (manifest.full_model or "model.onnx")), load_external_data=False)
     int_high = int_bounds(full)
-    zero_name = f"{record['zoo_model']}_zerobatch"
+    zero_name = f"{dva_name}_zerobatch"
     with tempfile.TemporaryDirectory(prefix="dvabatch-side-by-side-") as tmp:
         scratch = Path(tmp)
-        shutil.copytree(repo / dva_name, scratch / dva_name, symlinks=True)  # config.pbtxt, and 1/ a link
+        (scratch / dva_name).mkdir()
+        (scratch / dva_name / "config.pbtxt").write_text(
+            (model_dir / "config.pbtxt").read_text().replace(f'name: "{model_dir.name}"', f'name: "{dva_name}"'))
+        (scratch / dva_name / "1").symlink_to(version_dir, target_is_directory=True)
         zero_batch(scratch, version_dir, zero_name, threads=baseline_threads or available_cores(),
                    bs_max=manifest.max_batch_size)
         with TritonServer(scratch) as server:
@@ -86,6 +93,11 @@ def run(repo: Path, seconds: float = SECONDS, baseline_threads: int | None = Non
                 server.wait_model_ready(name, timeout=300)
             failed = side_by_side(server, dva_name, zero_name, manifest, int_high, seconds=seconds)
     return 1 if failed else 0
+
+
+def demo_model_dir(repo: Path) -> Path:
+    """The model folder the demo served in its repository (`dvabatch demo --out DIR`: DIR/demo.json)."""
+    return repo / read_record(repo)["served"]
 
 
 def side_by_side(server: TritonServer, dva_name: str, zero_name: str, manifest: Manifest,
@@ -131,7 +143,7 @@ def side_by_side(server: TritonServer, dva_name: str, zero_name: str, manifest: 
 
 def warm_up_and_peak(url: str, models: Sequence[str], manifest: Manifest, int_high: Mapping[str, int],
                      peak_seconds: float, seed: int, timeout: float) -> float:
-    """Warms every model up (a short closed loop each, as perf.experiments.figure14 does), then
+    """Warms every model up (a short closed loop each, as perf.paper.experiments.figure14 does), then
     measures ZeroBatch's (the last model's) peak throughput closed loop at bs_max clients."""
     bs_max = manifest.max_batch_size
     pool, _ = sample_queries(manifest, int_high, max(4 * bs_max, 32), seed + 1)

@@ -1,6 +1,6 @@
 """Runtime overhead benchmark (not a test): what the dvabatch runtime adds on top of the stage engines.
 
-    python -m perf.overhead [--quick] [--json OUT] [--no-breakdown]
+    python -m perf.costs.overhead [--quick] [--json OUT] [--no-breakdown]
 
 1. Scheduling overhead per stage hand-off. dense_mlp(features=16, layers=8) is sliced into
    1, 2, 4 and 8 stages and served with the PipelinedPolicy, 1 and 2 buffer pairs, one
@@ -25,7 +25,7 @@
    `submit` to the reply callback, the baseline around `np.copy` of the inputs + `session.run`.
    Target: <= 0.3 ms added per query (mean and median) for 4 stages. The 4 stages also run one
    after another without the runtime, for the overhead breakdown figure 21 reports too
-   (`perf.inprocess.breakdown_ms`: unsliced + slicing + hand-offs = runtime, medians).
+   (`perf.costs.inprocess.breakdown_ms`: unsliced + slicing + hand-offs = runtime, medians).
 
 3. Breakdown (skip with --no-breakdown): where a hand-off's time goes. The 8-stage pipeline is
    (a) driven synchronously from one thread through `Scheduler.next_work`/`finish_work` (the
@@ -64,7 +64,7 @@ from dvabatch_backend.runtime.query import Answer, gather_inputs, scatter_output
 from dvabatch_backend.runtime.scheduler import Scheduler
 from dvabatch_backend.runtime.settings import RuntimeSettings
 from dvabatch_backend.runtime.work import WorkResult
-from perf.inprocess import (
+from perf.costs.inprocess import (
     IN_A_ROW,
     DirectRunner,
     Inputs,
@@ -97,7 +97,7 @@ def slice_model(model, layer_tensors: Sequence[str], num_stages: int, out_dir: P
     return out_dir
 
 
-# --- runners (perf.inprocess) ----------------------------------------------------------
+# --- runners (perf.costs.inprocess) ----------------------------------------------------------
 
 
 def check_answers(runners: Mapping[str, Runner], queries: Sequence[Inputs], ref: DirectRunner,
@@ -561,7 +561,7 @@ def print_breakdown(res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m perf.overhead", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m perf.costs.overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer queries: about 20 s")
     parser.add_argument("--json", type=Path, metavar="OUT", help="also write the figures as JSON")
     parser.add_argument("--no-breakdown", action="store_true", help="skip part 3 (where a hand-off goes)")

@@ -1,4 +1,4 @@
-"""Transports for the load drivers (perf.drivers): start a prebuilt request (perf.wire) without
+"""Transports for the load drivers (perf.load.drivers): start a prebuilt request (perf.load.wire) without
 waiting, and record its answer from a callback.
 
 gRPC: the serialized `ModelInferRequest` sent as bytes on a raw channel method, as a future;
@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from perf.stats import QueryRecord
-from perf.wire import Query, grpc_request, http_request
+from perf.load.stats import QueryRecord
+from perf.load.wire import Query, grpc_request, http_request
 
 __all__ = ["Done", "GrpcTransport", "HttpTransport", "Transport", "make_transport"]
 

@@ -1,8 +1,8 @@
 """DVABatch beside Triton's dynamic batcher, measured by NVIDIA's perf_analyzer (issue "faster by default").
 
-    python -m perf.perf_analyzer_side_by_side [--model bert] [--size bench] [--latency-target-ms 500]
+    python -m perf.compare.by_perf_analyzer [--model bert] [--size bench] [--latency-target-ms 500]
         [--lengths rte] [--quick] [--out work/perf]
-    python -m perf.perf_analyzer_side_by_side --model-dir model_repository/my_model --lengths sst2
+    python -m perf.compare.by_perf_analyzer --model-dir model_repository/my_model --lengths sst2
 
 `--model-dir` takes any sliced model folder (`dvabatch slice` wrote it) instead of a zoo model. The
 report also gives, for DVABatch, the share of each figure's queries answered on the fast path
@@ -61,10 +61,10 @@ from typing import Any
 import numpy as np
 
 from dvabatch_backend.runtime.engine import available_cores
-from perf.arrivals import gamma
-from perf.perf_analyzer import PerfResult, PerfRow, run_perf_analyzer, write_input_data, write_request_intervals
+from perf.load.arrivals import gamma
+from perf.load.perf_analyzer import PerfResult, PerfRow, run_perf_analyzer, write_input_data, write_request_intervals
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "work" / "perf"
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "work" / "perf"
 LATENCY_TARGET_MS = 500.0
 KEEP_UP = 0.9  # answered throughput / sent rate for a step to count as sustained
 RATE_FRACTIONS = (0.3, 1.2, 0.1)  # start, end, step: fractions of the highest closed-loop peak
@@ -227,7 +227,7 @@ def build_repository(scratch: Path, model_dir: Path, delay_batch_too: bool = Tru
 def write_queries(path: Path, model_dir: Path, int_high: dict[str, int], preset: str, n: int = INPUT_QUERIES,
                   seed: int = 0) -> Path:
     from dvabatch_backend.runtime.manifest import Manifest
-    from perf.bench import sample_queries
+    from perf.baselines.bench import sample_queries
 
     manifest = Manifest.load(model_dir / "1" / "manifest.json")
     queries, _ = sample_queries(manifest, {**int_high, **manifest.input_bounds}, n, seed, preset)
@@ -668,8 +668,8 @@ def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str, model_dir:
     `dvabatch slice` wrote it), serves the systems from one server, measures them."""
     from dvabatch_backend.runtime.manifest import Manifest
     from dvabatch_backend.tools.serve import TritonServer
-    from perf import bench
-    from perf.perf_analyzer import ensure_system_deps
+    from perf.baselines import bench
+    from perf.load.perf_analyzer import ensure_system_deps
 
     ensure_system_deps()
     if model_dir is None:
@@ -702,19 +702,19 @@ def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str, model_dir:
 
 
 def _policy(config_pbtxt: Path) -> str:
-    from perf.model_analyzer import config_parameters
+    from perf.tuning.model_analyzer import config_parameters
 
     return config_parameters(config_pbtxt.read_text()).get("policy", "?")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m perf.perf_analyzer_side_by_side",
+    parser = argparse.ArgumentParser(prog="python -m perf.compare.by_perf_analyzer",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="bert", help="a zoo model (default: %(default)s)")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="any sliced model folder (config.pbtxt and 1/), instead of a zoo model")
     parser.add_argument("--size", default="bench", help="zoo size preset (default: %(default)s)")
-    parser.add_argument("--lengths", default="rte", help="perf.lengths preset (default: %(default)s)")
+    parser.add_argument("--lengths", default="rte", help="perf.load.lengths preset (default: %(default)s)")
     parser.add_argument("--latency-target-ms", type=float, default=LATENCY_TARGET_MS)
     parser.add_argument("--measurement-interval", type=int, default=None, metavar="MS",
                         help=f"perf_analyzer's window (default {MEASUREMENT_INTERVAL_MS}, --quick "

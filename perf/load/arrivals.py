@@ -1,10 +1,10 @@
-"""Arrival schedules for open-loop runs (perf.drivers.run_open_loop): send offsets in seconds
+"""Arrival schedules for open-loop runs (perf.load.drivers.run_open_loop): send offsets in seconds
 from the run's start, the first query at 0.
 
     offsets = poisson(rate=200, n=2000, rng=0)
 
 Poisson, evenly spaced, Gamma with a coefficient of variation (burstiness), and the paper's §8.3
-stepping load (with `stepping_rates`, the rate each query was sent at, for perf.stats.step_summaries).
+stepping load (with `stepping_rates`, the rate each query was sent at, for perf.load.stats.step_summaries).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""PNG plots of `perf.experiments` results (matplotlib, headless).
+"""PNG plots of `perf.paper.experiments` results (matplotlib, headless).
 
 `plot(results, path)` draws the experiment's figure, one panel per model (three to a row):
 - figure14, figure18, figure19: mean (solid) and p99 (dashed) latency versus offered load;

@@ -1,6 +1,6 @@
 """One query at a time in this process: the unsliced model, its stages run one after another, and
 the dvabatch runtime over the stages; blocks of queries interleaved between them; and the overhead
-breakdown both `perf.overhead` and `perf.experiments.figure21` report.
+breakdown both `perf.costs.overhead` and `perf.paper.experiments.figure21` report.
 
     breakdown = overhead_breakdown(version_dir, queries, create_policy("pipelined"))
     # {"unsliced_ms", "stages_in_a_row_ms", "runtime_ms", "slicing_ms", "handoffs_ms"}
@@ -60,7 +60,7 @@ class Runner(Protocol):
 class TimedEngine:
     """A stage engine that adds up the time spent in the real engine's `run`.
 
-    With `marks` set, also keeps (start, end) of every call (for perf.overhead's breakdown).
+    With `marks` set, also keeps (start, end) of every call (for perf.costs.overhead's breakdown).
     """
 
     def __init__(self, engine, marks: list | None = None) -> None:
@@ -329,8 +329,8 @@ def open_loop_run(version_dir: Path, policy: Policy, rate: float, seconds: float
     import onnx
 
     from dvabatch_backend.runtime.loading import load_pipeline
-    from perf.arrivals import poisson
-    from perf.bench import sample_queries
+    from perf.load.arrivals import poisson
+    from perf.baselines.bench import sample_queries
     from slicer.profiler import int_bounds
 
     manifest = Manifest.load(version_dir / "manifest.json")
@@ -371,8 +371,8 @@ def simulate_open_loop(version_dir: Path, policy: Policy, rate: float, seconds: 
 
     from dvabatch_backend.runtime.executor import run_work
     from dvabatch_backend.runtime.settings import QueuePolicy
-    from perf.arrivals import poisson
-    from perf.bench import sample_queries
+    from perf.load.arrivals import poisson
+    from perf.baselines.bench import sample_queries
     from policies._profile import BatchCost
     from slicer.profiler import int_bounds
 

@@ -1,0 +1,1 @@
+"""Tuning a served dvabatch model with the tools Triton users know: Model Analyzer (`model_analyzer`)."""
