@@ -29,8 +29,7 @@ not started and every arrival may join it. With lengths like GLUE's (most short,
 tokens) a batch started by one long query took every short query after it, each padded to the
 long length: mean batches of 7 that cost as much as 7 long queries. On a CPU, where a batch's time
 is nearly proportional to its rows x padded length, throughput fell below that of batches of one,
-and the queue grew without bound (simulated on the issue's 3-stage transformer at 300 qps:
-`perf.costs.inprocess.simulate_open_loop`).
+and the queue grew without bound (simulated in process on a 3-stage transformer at 300 qps).
 
 `t_comp_wait` (seconds) defaults to the profiled time of stage 0 at batch size 1, or 0.002 s
 without a profile.
