@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shutil
 import sys
 import tempfile
 import time
