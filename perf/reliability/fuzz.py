@@ -43,7 +43,7 @@ import numpy as np
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from dvabatch_backend.runtime.manifest import SEQ, Manifest, TensorSpec
+from dvabatch_backend.runtime.manifest import Manifest, TensorSpec
 
 log = logging.getLogger("perf.reliability.fuzz")
 

@@ -16,12 +16,10 @@ PACKAGES = ("dvabatch_backend", "policies", "slicer", "perf")
 LAYERS: dict[str, int] = {
     "dvabatch_backend": 0,
     "dvabatch_backend.runtime": 0,
-    "dvabatch_backend.decisions": 0,  # compat modules at the top of the package
-    "dvabatch_backend.batch_table": 0,
     "policies": 1,
     "slicer": 2,
     "dvabatch_backend.triton_adapter": 3,
-    "dvabatch_backend.triton_model": 3,  # compat shim
+    "dvabatch_backend.triton_model": 3,  # what an old model.py imports: it says to re-slice
     "dvabatch_backend.tools": 4,
     "perf": 5,
 }
