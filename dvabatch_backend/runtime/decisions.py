@@ -149,13 +149,33 @@ class Policy(ABC):
         return cls.on_stage_done is Policy.on_stage_done
 
     def bind(self, context: PolicyContext) -> None:
+        """Called once, before any query: `self.context` holds the model's fixed facts."""
         self.context = context
 
     @abstractmethod
     def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
-        ...
+        """Queries arrived, a batch window (`ArrivalPlan.wake_at`) passed, or a batch left: decide
+        what to do with the queries not yet batched.
+
+        `waiting`: those queries in arrival order (id, length, arrival time); `table`: the batches
+        in flight, read-only; `now`: the scheduler's clock. Return an `ArrivalPlan` of `New` (a new
+        batch of some of them, padded to `pad_length` or their longest) and `Stretch` (append some
+        to a batch not yet past stage 0) decisions, and `wake_at` to be called again then. Queries
+        left out wait and are offered again. The contract, checked before anything is carried out:
+        each decision names distinct waiting queries, at most bs_max; a query at most once in the
+        plan; a pad length between the longest query's and the model's max_length. A decision that
+        breaks it is refused and its queries answered with a policy error; a policy that raises is
+        treated as having decided nothing (logged, counted in `policy_errors`): a policy's bug never
+        loses a query. Called under the scheduler's lock: keep it quick, never block.
+        """
 
     def on_stage_done(self, stage: int, batch: BatchInfo, table: BatchTableView, now: float) -> Split | None:
+        """`stage` finished every row of `batch`: return None to let it go on whole, or `Split(sizes)`
+        to cut it into sub-batches over consecutive rows that go on (and exit) independently; with
+        `exit` flags and `exit_outputs` some parts leave now, answered from this stage's outputs
+        (`table.stage_outputs()`, read-only, valid during the call). A split the batch cannot take
+        (sizes not summing to its rows, an exit output the stage does not give) is refused and the
+        batch goes on whole. Overriding it turns the fast path off unless `runs_inline` is True."""
         return None
 
 
