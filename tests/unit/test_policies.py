@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -370,7 +371,18 @@ def test_hybrid_without_a_profile_is_load_diversity() -> None:
 
 
 def test_policies_load_from_config_params(tmp_path: Path) -> None:
-    """config.pbtxt passes string params; they become numbers for these constructors."""
+    """config.pbtxt passes string params; they become ints or floats where they parse, else stay strings."""
+    (tmp_path / "kinds.py").write_text(
+        "from policies.api import ArrivalPlan, Policy\n"
+        "class Kinds(Policy):\n"
+        "    name = 'kinds'\n"
+        "    def __init__(self, **params):\n"
+        "        self.params = params\n"
+        "    def on_arrival(self, waiting, table, now):\n"
+        "        return ArrivalPlan()\n")
+    kinds = load_policy("kinds.py:Kinds", {"n": "3", "x": "0.5", "tag": "abc", "neg": "-2"}, tmp_path)
+    assert kinds.params == {"n": 3, "x": 0.5, "tag": "abc", "neg": -2}
+    assert [type(v) for v in kinds.params.values()] == [int, float, str, int]
     cases = {
         "policies.input_diversity:InputDiversityPolicy": ({"pad_tolerance": "0.5", "window": "0.003"}, "input"),
         "policies.operator_diversity:OperatorDiversityPolicy": ({"factor": "2"}, "operator"),
@@ -381,6 +393,8 @@ def test_policies_load_from_config_params(tmp_path: Path) -> None:
         policy = load_policy(spec, params, tmp_path)
         assert policy.name == name
         policy.bind(context())
+    assert load_policy("input", {"pad_tolerance": "0.5"}, tmp_path).pad_tolerance == 0.5
+    assert load_policy("hybrid", {"factor": "2.5"}, tmp_path).splitter.factor == 2.5
 
 
 def test_input_merges_neighbouring_clusters_while_the_profile_says_it_saves_time() -> None:
@@ -434,3 +448,16 @@ def test_load_new_batches_are_length_clusters_shortest_first() -> None:
     policy = bound(LoadDiversityPolicy(), max_length=128, stage_times_by_length=_by_length(1e-5, 0.0))
     plan = policy.on_arrival(queries([100, 10, 11, 12, 110]), Table().view, now=0.0)
     assert [d.query_ids for d in news(plan)] == [(101, 102, 103), (100, 104)]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no_colon", "expected 'module:name' or 'file.py:name'"),
+    ("missing.py:Policy", "not found"),
+    ("no_such_package.mod:Thing", "cannot import 'no_such_package.mod'"),
+    ("policies.pipelined:NoSuchClass", "no 'NoSuchClass' in 'policies.pipelined'"),
+    ("policies.api:length_clusters", "is not a Policy subclass"),
+])
+def test_a_policy_that_cannot_be_loaded_is_named_with_why(tmp_path: Path, spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        load_policy(spec, {}, tmp_path)
+    assert spec in str(info.value)
