@@ -451,7 +451,8 @@ def test_load_new_batches_are_length_clusters_shortest_first() -> None:
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("no_colon", "expected 'module:name' or 'file.py:name'"),
+    ("no_such_builtin", "unknown policy 'no_such_builtin'; built-in policies are"),
+    (":Thing", "expected 'module:name' or 'file.py:name'"),
     ("missing.py:Policy", "not found"),
     ("no_such_package.mod:Thing", "cannot import 'no_such_package.mod'"),
     ("policies.pipelined:NoSuchClass", "no 'NoSuchClass' in 'policies.pipelined'"),
