@@ -14,6 +14,8 @@ reductions).
 """
 from __future__ import annotations
 
+import json
+import re
 import threading
 from dataclasses import dataclass
 from typing import Mapping
@@ -27,6 +29,7 @@ from tritonclient.utils import InferenceServerException
 
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.tools.serve import TritonServer, infer_inputs
+from policies.auto import resolve
 from slicer.slice_model import SliceOptions, SliceReport, slice_model
 from slicer.triton_files import config_pbtxt
 
@@ -74,12 +77,14 @@ def served(tmp_path_factory):
     corpus = build_corpus(root / "corpus")
     repo = root / "repository"
     models: dict[str, Served] = {}
+    chosen: dict[str, str] = {}
     for name in MODELS:
         m = corpus[name]
         options = SliceOptions(stages=3, max_batch_size=4, max_length=m.max_length or 128, repeats=2,
                                calibration_rounds=1, lengths=_profile_lengths(m))
         report = slice_model(m.path, repo / name, options)
-        policy = "input" if m.has_length else "load"
+        chosen[name] = _policy_in((repo / name / "config.pbtxt").read_text())  # the slicer's, as it wrote it
+        policy = "input" if m.has_length else "load"  # served under one known policy per kind
         (repo / name / "config.pbtxt").write_text(config_pbtxt(report.manifest, policy=policy, name=name))
         original = ort.InferenceSession(str(m.path), providers=["CPUExecutionProvider"])
         models[name] = Served(m, report, policy, original)
@@ -87,7 +92,7 @@ def served(tmp_path_factory):
     try:
         for name in MODELS:
             server.wait_model_ready(name, timeout=180)
-        yield {"server": server, "models": models}
+        yield {"server": server, "models": models, "chosen": chosen}
     finally:
         server.stop()
 
@@ -214,11 +219,21 @@ def test_concurrent_mixed_lengths_equal_the_original_export(served, name: str) -
         assert len({next(iter(f.values())).shape for _, f in work}) > 2
 
 
-def test_served_policies(served) -> None:
+def _policy_in(config: str) -> str:
+    found = re.search(r'key: "policy" value: \{ string_value: "([^"]+)" \}', config)
+    assert found, config
+    return found.group(1)
+
+
+def test_the_slicer_chose_each_models_policy_by_the_rule(served) -> None:
+    """What the slicer wrote in config.pbtxt is the rule's choice for the model (policies.auto): input
+    diversity for a length, else hybrid or load by the profile; and the manifest records it."""
     for name, model in served["models"].items():
-        text = (model.report.out_dir / "config.pbtxt").read_text()
-        assert f'string_value: "{model.policy}"' in text, (name, text)
-        assert model.policy == ("input" if model.corpus.has_length else "load")
+        doc = json.loads((model.report.out_dir / "1" / "manifest.json").read_text())
+        written = served["chosen"][name]
+        unrecorded = {k: v for k, v in doc.items() if k != "policy"}  # the rule applied afresh to the profile
+        assert written == doc["policy"]["choice"] == resolve(unrecorded), (name, written, doc["policy"])
+        assert (written == "input") == model.corpus.has_length, (name, written)
 
 
 def test_what_the_slicer_recorded(served) -> None:
