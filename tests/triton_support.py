@@ -132,7 +132,7 @@ def control_client(server: TritonServer, protocol: str):
 
 def stub_pids(model_dir: Path) -> list[int]:
     """Python-backend stub processes serving `model_dir` (their second argument is its model.py)."""
-    prefix = str(model_dir).encode() + b"/"
+    prefix = str(model_dir) + "/"
     return stub_processes(lambda argv: len(argv) > 1 and argv[1].startswith(prefix))
 
 

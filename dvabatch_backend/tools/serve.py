@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
+import psutil
 
 log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")  # where the Python backend's regions (named in each stub's argv) live
@@ -79,19 +80,10 @@ def _link(source: Path, link: Path) -> None:
     link.symlink_to(source)
 
 
-def stub_processes(match: Callable[[list[bytes]], bool]) -> list[int]:
-    """Pids of Python-backend stub processes whose command line (argv as bytes) `match` accepts."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv[0].endswith(b"triton_python_backend_stub") and match(argv):
-            pids.append(int(entry))
-    return pids
+def stub_processes(match: Callable[[list[str]], bool]) -> list[int]:
+    """Pids of Python-backend stub processes whose command line (argv) `match` accepts."""
+    return [proc.info["pid"] for proc in psutil.process_iter(["pid", "cmdline"])
+            if (argv := proc.info["cmdline"]) and argv[0].endswith("triton_python_backend_stub") and match(argv)]
 
 
 @dataclass(frozen=True)
@@ -109,48 +101,43 @@ class StubInfo:
 def server_stubs(server_pid: int) -> dict[int, StubInfo]:
     """The live stub processes the server `server_pid` started, by pid (a zombie has no command line)."""
     stubs = {}
-    for pid in stub_processes(lambda argv: len(argv) > 8 and argv[5] == str(server_pid).encode()):
-        try:
-            argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
-        except OSError:
-            continue
-        if len(argv) > 8:  # read again: the process may have gone in between
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        argv = proc.info["cmdline"] or []
+        if len(argv) > 8 and argv[0].endswith("triton_python_backend_stub") and argv[5] == str(server_pid):
             model_py = Path(argv[1])
-            stubs[pid] = StubInfo(pid, model_py.parent.parent.name, model_py.parent.name, argv[8], argv[2])
+            stubs[proc.info["pid"]] = StubInfo(proc.info["pid"], model_py.parent.parent.name, model_py.parent.name,
+                                               argv[8], argv[2])
     return stubs
 
 
-def process_stat(pid: int | str) -> tuple[str, str, int] | None:
-    """(name, state, parent pid) from /proc/PID/stat, or None once the process is gone. The kernel
-    keeps 15 characters of the name, and a zombie keeps its name but not its command line."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    name, _, rest = stat.partition("(")[2].rpartition(")")
-    fields = rest.split()
-    return name, fields[0], int(fields[1])
-
-
 def children(parent: int) -> list[tuple[int, str, str]]:
-    """(pid, name, state) of every process whose parent is `parent`."""
+    """(pid, name, status) of every process whose parent is `parent` (psutil's names and statuses)."""
+    try:
+        kids = psutil.Process(parent).children()
+    except psutil.Error:
+        return []
     found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (stat := process_stat(entry)) is not None and stat[2] == parent:
-            found.append((int(entry), stat[0], stat[1]))
+    for kid in kids:
+        try:
+            found.append((kid.pid, kid.name(), kid.status()))
+        except psutil.Error:  # gone in between
+            continue
     return found
 
 
 def is_zombie(pid: int) -> bool:
     """The process exited and its parent has not reaped it (a killed stub stays so until its model unloads)."""
-    stat = process_stat(pid)
-    return stat is not None and stat[1] == "Z"
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def zombie_stub_children(parent: int) -> list[int]:
-    """Stub processes of `parent` that died unreaped (a zombie keeps its name, not its command line)."""
-    return [pid for pid, name, state in children(parent)
-            if state == "Z" and "triton_python_backend_stub".startswith(name)]
+    """Stub processes of `parent` that died unreaped (the kernel keeps 15 characters of a zombie's
+    name, and not its command line)."""
+    return [pid for pid, name, status in children(parent)
+            if status == psutil.STATUS_ZOMBIE and "triton_python_backend_stub".startswith(name)]
 
 
 def backend_shm_regions() -> set[str]:
@@ -163,18 +150,14 @@ def backend_shm_regions() -> set[str]:
 
 def mapped_shm_regions() -> set[str]:
     """Backend regions some live process has mapped (a server or stub that uses it)."""
-    mapped = set()
     marker = f"{SHM_DIR}/{SHM_PREFIX}"
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                maps = Path(f"/proc/{entry}/maps").read_text(errors="replace")
-            except OSError:
-                continue
-            for line in maps.splitlines():
-                at = line.find(marker)
-                if at >= 0:
-                    mapped.add(line[at + len(SHM_DIR.as_posix()) + 1:].split()[0])
+    mapped = set()
+    for proc in psutil.process_iter():
+        try:
+            paths = [m.path for m in proc.memory_maps(grouped=True)]
+        except psutil.Error:  # gone, or not ours to read
+            continue
+        mapped.update(Path(path).name for path in paths if path.startswith(marker))
     return mapped
 
 
@@ -566,15 +549,16 @@ class TritonServer:
     def _kill_orphaned_stubs(self) -> set[str]:
         """Backend stubs outlive a server that was killed hard (and ignore SIGTERM): kill ours;
         returns the shared-memory regions they used."""
-        marker = str(self._work / "backends").encode()
+        marker = str(self._work / "backends")
         regions = set()
-        for pid in stub_processes(lambda argv: any(marker in a for a in argv)):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                regions.add(argv[2].decode(errors="replace") if len(argv) > 2 else "")
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        for proc in psutil.process_iter(["cmdline"]):
+            argv = proc.info["cmdline"] or []
+            if argv and argv[0].endswith("triton_python_backend_stub") and any(marker in a for a in argv):
+                regions.add(argv[2] if len(argv) > 2 else "")
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass
         return regions
 
     def log_tail(self, lines: int = 40) -> str:

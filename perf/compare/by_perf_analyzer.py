@@ -269,26 +269,26 @@ def histogram_delta(after: dict[int, int], before: dict[int, int]) -> dict[str, 
 
 def stub_pid(server: Any, model: str) -> int:
     """The pid of the Python-backend stub serving `model` (its command line names the model's folder)."""
-    from dvabatch_backend.tools.serve import children
+    import psutil
 
-    for pid, _, _ in children(server.pid or -1):
+    for child in psutil.Process(server.pid).children() if server.pid else []:
         try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
+            command = " ".join(child.cmdline()) + " "
+        except psutil.Error:
             continue
-        if f"/{model}/" in command + " ":
-            return pid
+        if f"/{model}/" in command:
+            return child.pid
     raise LookupError(f"no stub serving {model!r} under tritonserver {server.pid}")
 
 
 def stub_rss_mb(server: Any, model: str) -> float | None:
     """Resident memory (MiB) of the stub serving `model`, or None if it is not found."""
+    import psutil
+
     try:
-        status = Path(f"/proc/{stub_pid(server, model)}/status").read_text()
-    except (LookupError, OSError):
+        return round(psutil.Process(stub_pid(server, model)).memory_info().rss / 2**20, 1)
+    except (LookupError, psutil.Error):
         return None
-    kb = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), None)
-    return None if kb is None else round(kb / 1024, 1)
 
 
 def fast_path_queries(metrics_url: str, model: str) -> float:

@@ -13,7 +13,7 @@ hybrid), all over the same sliced folder. Then:
    to a variant and over a protocol (gRPC or HTTP) drawn at random, of mixed lengths (`--lengths`, a
    perf.load.lengths preset). One query in `--sample-every` is checked against the unsliced model run on
    it alone (the same output names and shapes, atol 1e-4, rtol 1e-3). Every second the RSS of the
-   variants' backend stub processes is read from /proc/PID/status (VmRSS).
+   variants' backend stub processes is read (psutil, resident set size).
 3. **The tally**: sent, answered (ok), rejected (an error from the server, by message), lost (no
    answer at all within the grace period after the last send, or the client's timeout), duplicated
    (a query answered more than once), wrong (a sampled answer that differs) and memory drift: the
@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+import psutil
 
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.tools.serve import TritonServer, stub_processes
@@ -153,18 +154,15 @@ def serve_variants(out_dir: Path, zoo_name: str, size: str, policies: Sequence[s
 
 def stub_pids(server: TritonServer, names: Sequence[str]) -> list[int]:
     """The backend stub processes of these models (their model.py is under the model's folder)."""
-    prefixes = tuple(str(server.model_repository / name).encode() + b"/" for name in names)
+    prefixes = tuple(str(server.model_repository / name) + "/" for name in names)
     return sorted(stub_processes(lambda argv: len(argv) > 1 and argv[1].startswith(prefixes)))
 
 
 def rss_mb(pid: int) -> float | None:
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
+        return psutil.Process(pid).memory_info().rss / 2**20
+    except psutil.Error:
         return None
-    return None
 
 
 class RssSampler:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from dvabatch_backend.tools.serve import (SHM_DIR, TritonServer, backend_shm_regions, children, connect_host,
@@ -48,7 +49,7 @@ def gated(tmp_path_factory) -> tuple[ServedModel, Path]:
 
 @dataclass
 class ServeProcess:
-    """`dvabatch serve` run as a command, on free ports, and what it started (read off /proc)."""
+    """`dvabatch serve` run as a command, on free ports, and what it started (read with psutil)."""
 
     process: subprocess.Popen[bytes]
     http_port: int
@@ -83,7 +84,7 @@ def server_children(pid: int) -> list[int]:
 
 
 def alive(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists() and not is_zombie(pid)
+    return psutil.pid_exists(pid) and not is_zombie(pid)
 
 
 def admitted(http_url: str, model: str) -> int:
@@ -145,9 +146,9 @@ class Started:
     def find(cls, serve: ServeProcess, repo: Path) -> "Started":
         [triton] = [pid for pid in server_children(serve.process.pid) if alive(pid)]
         [stub] = stub_pids(repo / MODEL)
-        argv = Path(f"/proc/{stub}/cmdline").read_bytes().split(b"\0")
-        work = Path(argv[0].decode()).parents[2]  # <work>/backends/python/triton_python_backend_stub
-        return cls(triton, work, argv[2].decode())
+        argv = psutil.Process(stub).cmdline()
+        work = Path(argv[0]).parents[2]  # <work>/backends/python/triton_python_backend_stub
+        return cls(triton, work, argv[2])
 
 
 def clean_up(serve: ServeProcess, started: Started | None, repo: Path) -> None:
@@ -231,8 +232,8 @@ def test_sigterm_while_starting_stops_it_too(gated, tmp_path) -> None:
     try:
         assert poll(lambda: bool(server_children(process.pid)), UP_TIMEOUT), serve.text()
         [triton] = server_children(process.pid)
-        backends = [a for a in Path(f"/proc/{triton}/cmdline").read_bytes().split(b"\0") if b"--backend-directory=" in a]
-        work = Path(backends[0].decode().partition("=")[2]).parent
+        backends = [a for a in psutil.Process(triton).cmdline() if "--backend-directory=" in a]
+        work = Path(backends[0].partition("=")[2]).parent
         process.send_signal(signal.SIGTERM)
         code = process.wait(150)
         assert code == 0, serve.text()

@@ -8,7 +8,6 @@ server runs the stub watchdog: none of these deliberate unloads counts as a dead
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 import time
@@ -16,10 +15,11 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from dvabatch_backend.tools.serve import SHM_DIR, TritonServer
+from dvabatch_backend.tools.serve import SHM_DIR, TritonServer, children
 
 from ..triton_support import ServedModel, add_variant, control_client, slice_zoo_model, stub_pids
 from .load_clients import MODES, TIMEOUT, Sender, SteadyLoad, assert_reference, infer, poll
@@ -32,35 +32,17 @@ GATE_POLICY = Path(__file__).with_name("gate_policy.py")  # holds arrivals until
 
 # -- helpers -------------------------------------------------------------------------------------
 
-def _proc_status(pid: int) -> dict[str, str]:
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields[key] = value.strip()
-    return fields
-
-
 def server_pid(server: TritonServer) -> int:
     assert server._process is not None and not server.exited(), server.log_tail()
     return server._process.pid
 
 
 def server_threads(server: TritonServer) -> int:
-    return int(_proc_status(server_pid(server))["Threads"])
+    return psutil.Process(server_pid(server)).num_threads()
 
 
 def zombie_children(server: TritonServer) -> list[int]:
-    parent = str(server_pid(server))
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                status = _proc_status(int(entry))
-            except OSError:
-                continue
-            if status.get("PPid") == parent and status.get("State", "").startswith("Z"):
-                found.append(int(entry))
-    return found
+    return [pid for pid, _, status in children(server_pid(server)) if status == psutil.STATUS_ZOMBIE]
 
 
 def admitted(server: TritonServer, model: str) -> int:
