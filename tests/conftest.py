@@ -14,6 +14,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 import onnxruntime as ort
+import psutil
 import pytest
 
 from dvabatch_backend import Answer, Manifest, OrtStageEngine, Pipeline, RuntimeSettings
@@ -104,18 +105,18 @@ def _watch_mkdtemp() -> None:
 
 def _used_by_this_session(folders: list[Path]) -> set[Path]:
     """The folders named on the command line of a live process that carries this session's mark."""
-    mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
+    mark = os.environ[SESSION_MARK]
     used = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
             continue
         try:
-            if mark not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+            if proc.environ().get(SESSION_MARK) != mark:
                 continue
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
+            cmdline = " ".join(proc.cmdline())
+        except psutil.Error:
             continue
-        used.update(f for f in folders if str(f).encode() in cmdline)
+        used.update(f for f in folders if str(f) in cmdline)
     return used
 
 

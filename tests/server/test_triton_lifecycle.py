@@ -217,8 +217,8 @@ def stub_regions(model_dir: Path) -> set[str]:
     regions = set()
     for pid in stub_pids(model_dir):
         try:
-            regions.add(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[2].decode())
-        except (OSError, IndexError):
+            regions.add(psutil.Process(pid).cmdline()[2])
+        except (psutil.Error, IndexError):
             pass
     return regions
 
