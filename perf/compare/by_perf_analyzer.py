@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,11 +179,12 @@ def delay_batch_delay_us(manifest: Any) -> int:
     return max(100, round(sum(t[min(t)] for t in times) * 1e6)) if times else 1000
 
 
-def _serve_as(scratch: Path, model_dir: Path, manifest_name: str, name: str, extra: str = "") -> None:
-    """scratch/NAME: `model_dir`'s config.pbtxt renamed (and `extra` appended), its version folder linked."""
+def _serve_as(scratch: Path, model_dir: Path, name: str, values: Mapping[str, str] | None = None) -> None:
+    """scratch/NAME: `model_dir`'s config.pbtxt renamed (and `values` set as parameters), its version folder linked."""
+    from slicer.model_config import with_parameters
+
     (scratch / name).mkdir(parents=True)
-    (scratch / name / "config.pbtxt").write_text(
-        (model_dir / "config.pbtxt").read_text().replace(f'name: "{manifest_name}"', f'name: "{name}"') + extra)
+    (scratch / name / "config.pbtxt").write_text(with_parameters((model_dir / "config.pbtxt").read_text(), values or {}, name))
     (scratch / name / "1").symlink_to((model_dir / "1").resolve(), target_is_directory=True)
 
 
@@ -200,11 +201,10 @@ def build_repository(scratch: Path, model_dir: Path, delay_batch_too: bool = Tru
     version_dir = (model_dir / "1").resolve()
     manifest = Manifest.load(version_dir / "manifest.json")
     names = {DVA: manifest.name, ZERO: f"{manifest.name}_zerobatch"}
-    _serve_as(scratch, model_dir, manifest.name, manifest.name)
+    _serve_as(scratch, model_dir, manifest.name)
     if sliced is not None:
-        other = Manifest.load(sliced / "1" / "manifest.json")
         names[SLICED] = f"{manifest.name}_sliced"
-        _serve_as(scratch, sliced, other.name, names[SLICED])
+        _serve_as(scratch, sliced, names[SLICED])
     zero_batch(scratch, version_dir, names[ZERO], threads=available_cores(), bs_max=manifest.max_batch_size)
     delays = {f"{DELAY}-{d / 1000:g}ms": d for d in delays_us} or (
         {DELAY: delay_batch_delay_us(manifest)} if delay_batch_too else {})
@@ -216,8 +216,7 @@ def build_repository(scratch: Path, model_dir: Path, delay_batch_too: bool = Tru
         for label, respond in OVERHEAD.items():
             names[label] = f"{manifest.name}_{respond}"
             if label == PIPELINE_ONLY:
-                _serve_as(scratch, model_dir, manifest.name, names[label],
-                          'parameters: { key: "fast_path" value: { string_value: "false" } }\n')
+                _serve_as(scratch, model_dir, names[label], {"fast_path": "false"})
                 continue
             add_baseline(scratch, version_dir, names[label], 0, threads=available_cores(),
                          bs_max=manifest.max_batch_size, respond=respond)
@@ -702,9 +701,9 @@ def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str, model_dir:
 
 
 def _policy(config_pbtxt: Path) -> str:
-    from perf.tuning.model_analyzer import config_parameters
+    from slicer.model_config import parameters
 
-    return config_parameters(config_pbtxt.read_text()).get("policy", "?")
+    return parameters(config_pbtxt.read_text()).get("policy", "?")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

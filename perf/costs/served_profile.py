@@ -81,6 +81,7 @@ def profile(model_dir: Path, clients: int, seconds: float, preset: str, params: 
             out: Path, rate: float | None = None) -> dict[str, dict]:
     from dvabatch_backend.tools.serve import TritonServer
     from perf.load.perf_analyzer import ensure_system_deps, run_perf_analyzer
+    from slicer.model_config import with_parameters
     from perf.compare.by_perf_analyzer import (DVA, ZERO, build_repository, failure_counts, stub_pid,
                                                  write_queries)
 
@@ -93,8 +94,7 @@ def profile(model_dir: Path, clients: int, seconds: float, preset: str, params: 
         scratch = Path(tmp)
         names = build_repository(scratch / "repo", model_dir, delay_batch_too=False)
         config = scratch / "repo" / names[DVA] / "config.pbtxt"
-        config.write_text(config.read_text() + "".join(
-            f'parameters: {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in params.items()))
+        config.write_text(with_parameters(config.read_text(), params))
         data = write_queries(scratch / "input_data.json", model_dir, {}, preset)
         with TritonServer(scratch / "repo") as server:
             for name in names.values():

@@ -26,7 +26,6 @@ import argparse
 import csv
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -54,7 +53,6 @@ DEFAULT_LENGTHS = "rte"
 CONFIG_FILE = "ma_config.yaml"
 INPUT_DATA_FILE = "input_data.json"
 # a string parameter in protobuf text, as the slicer writes it (one line, colons) or MA (multi-line, none)
-PARAMETER_RE = re.compile(r'parameters:?\s*\{\s*key:\s*"([^"]+)"\s*value:?\s*\{\s*string_value:\s*"([^"]*)"\s*\}\s*\}')
 
 
 class ModelAnalyzerError(RuntimeError):
@@ -204,7 +202,9 @@ class ConfigResult:
 
 def config_parameters(config_pbtxt: str) -> dict[str, str]:
     """The string `parameters` of a config.pbtxt (MA writes each variant's as protobuf text)."""
-    return dict(PARAMETER_RE.findall(config_pbtxt))
+    from slicer.model_config import parameters
+
+    return parameters(config_pbtxt)
 
 
 def variant_settings(output_repo: Path, variant: str) -> dict[str, str]:

@@ -10,6 +10,8 @@ import threading
 import numpy as np
 import onnxruntime as ort
 import pytest
+
+from slicer import model_config
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
@@ -93,21 +95,25 @@ def _stats(server: TritonServer, model: str) -> tuple[int, int, dict[int, int]]:
 
 def test_the_repository_entry_is_the_unsliced_model_behind_the_dynamic_batcher(sliced, tmp_path) -> None:
     model_dir = add_baseline(tmp_path, sliced.version_dir, "b", delay_us=750, threads=2, bs_max=4)
-    config = (model_dir / "config.pbtxt").read_text()
-    assert 'name: "b"' in config and 'backend: "python"' in config and "max_batch_size: 4" in config
-    assert config.count("allow_ragged_batch: true") == 2  # both inputs, no output
-    assert '{ name: "x" data_type: TYPE_FP32 dims: [ -1, 16 ] allow_ragged_batch: true }' in config
-    assert '{ name: "pooled" data_type: TYPE_FP32 dims: [ 16 ] }' in config
-    assert "dynamic_batching { max_queue_delay_microseconds: 750 }" in config
-    assert "preferred_batch_size" not in config and "KIND_CPU count: 1" in config
-    assert 'key: "threads" value: { string_value: "2" }' in config
+    config = model_config.read(model_dir / "config.pbtxt")
+    assert (config.name, config.backend, config.max_batch_size) == ("b", "python", 4)
+    assert [t.allow_ragged_batch for t in config.input] == [True, True]  # both inputs, no output
+    x = next(t for t in config.input if t.name == "x")
+    assert (x.data_type, list(x.dims)) == (model_config.DATA_TYPES["float32"], [-1, 16])
+    pooled = next(t for t in config.output if t.name == "pooled")
+    assert list(pooled.dims) == [16] and not pooled.allow_ragged_batch
+    assert config.dynamic_batching.max_queue_delay_microseconds == 750
+    assert not config.dynamic_batching.preferred_batch_size
+    assert [(g.kind, g.count) for g in config.instance_group] == [(model_config.pb.ModelInstanceGroup.KIND_CPU, 1)]
+    assert model_config.parameters(config)["threads"] == "2"
     version = model_dir / "1"
     assert (version / "model.py").read_text() == MODEL_SOURCE.read_text()
     for file in ("model.onnx", "manifest.json"):
         assert (version / file).is_symlink() and (version / file).resolve() == (sliced.version_dir / file).resolve()
     assert not list(version.glob("stage*.onnx"))
     add_baseline(tmp_path, sliced.version_dir, "b", delay_us=0)  # replaces the earlier one
-    assert "max_queue_delay_microseconds: 0 }" in (model_dir / "config.pbtxt").read_text()
+    again = model_config.read(model_dir / "config.pbtxt")
+    assert again.HasField("dynamic_batching") and again.dynamic_batching.max_queue_delay_microseconds == 0
     with pytest.raises(ValueError, match="delay_us"):
         add_baseline(tmp_path, sliced.version_dir, "c", delay_us=-1)
 

@@ -15,7 +15,6 @@ reductions).
 from __future__ import annotations
 
 import json
-import re
 import threading
 from dataclasses import dataclass
 from typing import Mapping
@@ -32,6 +31,7 @@ from dvabatch_backend.tools.serve import TritonServer, infer_inputs
 from policies.auto import resolve
 from slicer.slice_model import SliceOptions, SliceReport, slice_model
 from slicer.triton_files import config_pbtxt
+from slicer.model_config import parameters
 
 from ..slicer.corpus import CorpusModel, build_corpus
 
@@ -220,9 +220,7 @@ def test_concurrent_mixed_lengths_equal_the_original_export(served, name: str) -
 
 
 def _policy_in(config: str) -> str:
-    found = re.search(r'key: "policy" value: \{ string_value: "([^"]+)" \}', config)
-    assert found, config
-    return found.group(1)
+    return parameters(config)["policy"]
 
 
 def test_the_slicer_chose_each_models_policy_by_the_rule(served) -> None:

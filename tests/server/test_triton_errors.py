@@ -19,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from dvabatch_backend.tools.serve import TritonServer, infer_inputs
 from slicer.triton_files import add_model_variant, config_pbtxt
+from slicer.model_config import with_parameters
 
 from ..triton_support import Clients, ServedModel, add_variant, slice_zoo_model, control_client, stub_pids
 
@@ -148,7 +149,7 @@ def served(tmp_path_factory) -> dict:
     # a manifest under another name, named by the parameter: this one loads
     _own_version_dir(repo, bert, "renamed_manifest", rename={"manifest.json": "sliced.json"})
     (repo / "renamed_manifest" / "config.pbtxt").write_text(
-        config_pbtxt(bert.manifest, name="renamed_manifest").replace('"manifest.json"', '"sliced.json"'))
+        with_parameters(config_pbtxt(bert.manifest, name="renamed_manifest"), {"manifest": "sliced.json"}))
 
     server = TritonServer(repo, explicit=True, load=list(models)).start()
     try:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dvabatch_backend.tools.serve import TritonServer
+from slicer.model_config import parameters
 
 from ..triton_support import Clients, add_variant, slice_zoo_model
 
@@ -32,7 +33,7 @@ def test_a_sliced_model_served_on_the_torch_engine_answers_as_the_unsliced_model
     (base.version_dir / "torch_only.py").write_text(TORCH_ONLY_PY)
     model = add_variant(repo, base, f"{ZOO_MODEL}_torch", policy="input",
                         extra={"engine": "torch", "device": "cpu", "engine_wrapper": "torch_only.py:torch_only"})
-    assert 'key: "engine" value: { string_value: "torch" }' in (repo / model.name / "config.pbtxt").read_text()
+    assert parameters((repo / model.name / "config.pbtxt").read_text())["engine"] == "torch"
     failures: list[str] = []
     with TritonServer(repo) as server:
         server.wait_model_ready(model.name, timeout=180)

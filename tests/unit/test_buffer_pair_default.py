@@ -3,12 +3,12 @@ served default, global pool), 2 where each stage has cores or a device of its ow
 that number into config.pbtxt."""
 from __future__ import annotations
 
-import re
 
 import pytest
 
 from dvabatch_backend.runtime.settings import default_buffer_pairs
 from slicer.triton_files import config_pbtxt
+from slicer.model_config import parameters
 
 
 @pytest.mark.parametrize("device, thread_pool, pairs", [
@@ -18,7 +18,7 @@ def test_default_buffer_pairs(device: str, thread_pool: str, pairs: int) -> None
 
 
 def _pairs(config: str) -> int:
-    return int(re.search(r'key: "num_buffer_pairs" value: \{ string_value: "(\d+)" \}', config).group(1))
+    return int(parameters(config)["num_buffer_pairs"])
 
 
 def test_the_slicer_writes_the_default_and_keeps_a_chosen_number(zoo) -> None:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from slicer import model_config
+
 yaml = pytest.importorskip("yaml")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,11 +74,11 @@ def test_dockerfile_model_steps_run_here_and_give_a_gpu_config(tmp_path: Path) -
         elif argv[0] == "python":
             argv = [sys.executable, *argv[1:]]
         subprocess.run(argv, cwd=REPO, check=True, capture_output=True, timeout=240)
-    config = (tmp_path / "models" / "token_mlp" / "config.pbtxt").read_text()
-    assert "KIND_GPU" in config and "KIND_CPU" not in config
+    config = model_config.read(tmp_path / "models" / "token_mlp" / "config.pbtxt")
+    assert [g.kind for g in config.instance_group] == [model_config.pb.ModelInstanceGroup.KIND_GPU]
+    written = model_config.parameters(config)
     for key, value in (("engine", "torch"), ("device", "cuda"), ("FORCE_CPU_ONLY_INPUT_TENSORS", "yes")):
-        assert config.count(f'key: "{key}"') == 1
-        assert f'key: "{key}" value: {{ string_value: "{value}" }}' in config
+        assert written[key] == value
     assert (tmp_path / "models" / "token_mlp" / "1" / "manifest.json").is_file()
     assert not (tmp_path / "model.onnx").exists()
 
@@ -91,11 +93,13 @@ def test_gpu_config_replaces_what_was_set() -> None:
             'parameters: { key: "engine" value: { string_value: "onnxruntime" } }\n'
             'parameters: { key: "policy" value: { string_value: "input" } }\n'
             'parameters: { key: "num_buffer_pairs" value: { string_value: "1" } }\n')
-    out = gpu_config(text, gpus=2)
-    assert "gpus: [ 0, 1 ]" in out and 'string_value: "onnxruntime"' not in out
-    # the CPU's one pair becomes two: stages on their own streams overlap
-    assert 'key: "num_buffer_pairs" value: { string_value: "2" }' in out and 'string_value: "1"' not in out
-    assert 'key: "policy" value: { string_value: "input" }' in out
+    out = model_config.parse(gpu_config(text, gpus=2))
+    (group,) = out.instance_group
+    assert group.kind == model_config.pb.ModelInstanceGroup.KIND_GPU and list(group.gpus) == [0, 1]
+    written = model_config.parameters(out)
+    # the CPU's one pair becomes two: stages on their own streams overlap; the engine is replaced
+    assert written["num_buffer_pairs"] == "2" and written["engine"] == "torch"
+    assert written["policy"] == "input"  # kept
     with pytest.raises(ValueError):
         gpu_config('name: "m"\n')
 
