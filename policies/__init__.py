@@ -6,8 +6,8 @@ policy the model's diversity calls for (`policies.auto`: the rule is in its docs
 """
 from __future__ import annotations
 
-import importlib
 import importlib.util
+import pkgutil
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -61,9 +61,11 @@ def load_object(spec: str, model_dir: Path, what: str) -> Any:
         module_spec.loader.exec_module(module)
     else:
         try:
-            module = importlib.import_module(where)
+            return pkgutil.resolve_name(spec)
         except ImportError as exc:
             raise ValueError(f"{what} {spec!r}: cannot import {where!r}: {exc}") from exc
+        except AttributeError:
+            raise ValueError(f"{what} {spec!r}: no {name!r} in {where!r}") from None
     if not hasattr(module, name):
         raise ValueError(f"{what} {spec!r}: no {name!r} in {where!r}")
     return getattr(module, name)
