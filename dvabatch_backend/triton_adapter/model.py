@@ -28,7 +28,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -40,6 +40,7 @@ from ..runtime.loading import load_pipeline
 from ..runtime.pipeline import Pipeline
 from ..runtime.settings import QueuePolicy, RuntimeSettings, SloPolicy
 from ..runtime.settings import default_buffer_pairs
+from . import parameters
 from .metrics import StageMetrics
 
 
@@ -52,58 +53,27 @@ class AdapterSettings:
     engine_wrapper: str | None = None  # "file.py:name" or "module:name": wraps each stage's engine
 
 
-def _integer(key: str, raw: str, minimum: int) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"parameter {key!r}: {raw!r} is not an integer") from None
-    if value < minimum:
-        raise ValueError(f"parameter {key!r}: must be >= {minimum}, got {value}")
-    return value
-
-
-def _positive_float(key: str, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"parameter {key!r}: {raw!r} is not a number") from None
-    if not value > 0:
-        raise ValueError(f"parameter {key!r}: must be > 0, got {raw}")
-    return value
-
-
-def _choice(key: str, raw: str, choices: tuple[str, ...]) -> str:
-    value = raw.strip().lower()
-    if value not in choices:
-        raise ValueError(f"parameter {key!r}: {raw!r} is not one of {list(choices)}")
-    return value
-
-
-def _boolean(key: str, raw: str) -> bool:
-    return _choice(key, raw, ("true", "false", "1", "0", "yes", "no")) in ("true", "1", "yes")
-
-
 # every parameter the adapter reads (besides policy.*), with how it is parsed
-_PARSERS: dict[str, Callable[[str, str], Any]] = {
-    "manifest": lambda k, v: v,
-    "policy": lambda k, v: v,
-    "num_buffer_pairs": lambda k, v: _integer(k, v, 1),
-    "bs_max": lambda k, v: _integer(k, v, 1),
-    "threads_per_stage": lambda k, v: _integer(k, v, 1),
-    "engine": lambda k, v: _choice(k, v, ("onnxruntime", "torch")),
-    "device": lambda k, v: _choice(k, v, ("cpu", "cuda")),
-    "thread_pool": lambda k, v: _choice(k, v, ("global", "per_stage")),
-    "run_on": _boolean,
-    "fast_path": _boolean,
-    "cuda_graphs": _boolean,
-    "engine_wrapper": lambda k, v: v,
+_PARSERS: dict[str, parameters.Parser] = {
+    "manifest": parameters.text,
+    "policy": parameters.text,
+    "num_buffer_pairs": parameters.integer(1),
+    "bs_max": parameters.integer(1),
+    "threads_per_stage": parameters.integer(1),
+    "engine": parameters.choice("onnxruntime", "torch"),
+    "device": parameters.choice("cpu", "cuda"),
+    "thread_pool": parameters.choice("global", "per_stage"),
+    "run_on": parameters.boolean,
+    "fast_path": parameters.boolean,
+    "cuda_graphs": parameters.boolean,
+    "engine_wrapper": parameters.text,
     # Triton's default_queue_policy, under the names its config uses
-    "max_queue_size": lambda k, v: _integer(k, v, 0),
-    "default_timeout_microseconds": lambda k, v: _integer(k, v, 0),
-    "allow_timeout_override": _boolean,
-    "timeout_action": lambda k, v: _choice(k, v, ("reject", "delay")),
-    "slo_ms": _positive_float,
-    "slo_action": lambda k, v: _choice(k, v, ("reject", "serve_late")),
+    "max_queue_size": parameters.integer(0),
+    "default_timeout_microseconds": parameters.integer(0),
+    "allow_timeout_override": parameters.boolean,
+    "timeout_action": parameters.choice("reject", "delay"),
+    "slo_ms": parameters.positive_float,
+    "slo_action": parameters.choice("reject", "serve_late"),
 }
 
 
@@ -116,11 +86,7 @@ TRITON_PARAMETERS = frozenset({"FORCE_CPU_ONLY_INPUT_TENSORS", "EXECUTION_ENV_PA
 
 def parse_parameters(params: Mapping[str, str], model_dir: Path) -> AdapterSettings:
     """Read and check the config.pbtxt parameters; a ValueError names the bad one."""
-    unknown = sorted(k for k in params if k not in _PARSERS and k not in TRITON_PARAMETERS
-                     and not k.startswith("policy."))
-    if unknown:
-        raise ValueError(f"unknown parameter(s) {unknown}; known: {sorted(_PARSERS)} and policy.*")
-    values = {k: _PARSERS[k](k, v) for k, v in params.items() if k in _PARSERS}
+    values = parameters.read(params, _PARSERS, also=TRITON_PARAMETERS, prefixes=("policy.",))
     manifest = model_dir / values.get("manifest", "manifest.json")
     if not manifest.is_file():
         raise ValueError(f"parameter 'manifest': {manifest} not found")
@@ -324,8 +290,7 @@ class TritonPythonModel:
 
         config = json.loads(args["model_config"])
         model_dir = Path(args["model_repository"]) / args["model_version"]
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        settings = parse_parameters(params, model_dir)
+        settings = parse_parameters(parameters.string_parameters(config), model_dir)
         manifest = Manifest.load(settings.manifest)
         policy = load_policy(settings.policy, settings.policy_params, model_dir)
         self._manifest = manifest

@@ -39,6 +39,7 @@ from typing import Any, Mapping, Sequence  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dvabatch_backend.runtime.engine import ort_session_options  # noqa: E402
+from dvabatch_backend.triton_adapter import parameters  # noqa: E402
 from dvabatch_backend.runtime.manifest import SEQ, Manifest, TensorSpec, dim_size, is_length_dim  # noqa: E402
 
 try:
@@ -81,32 +82,22 @@ class Request:
 
 
 def parse_parameters(params: Mapping[str, str], version_dir: Path) -> Settings:
-    """Read and check the config.pbtxt parameters; a ValueError names the bad one."""
-    unknown = sorted(set(params) - set(PARAMETERS))
-    if unknown:
-        raise ValueError(f"unknown parameter(s) {unknown}; known: {sorted(PARAMETERS)}")
+    """Read and check the config.pbtxt parameters (`triton_adapter.parameters`, the dvabatch
+    adapter's reader); a ValueError names the bad one."""
     values = {**PARAMETERS, **params}
+    values.update(parameters.read(params, {
+        "onnx_model": parameters.text, "manifest": parameters.text, "threads": parameters.integer(1),
+        "engine": parameters.choice(*ENGINES), "device": parameters.choice(*DEVICES),
+        "respond": parameters.choice(*RESPONDS)}))
     files = {}
     for key in ("onnx_model", "manifest"):
         files[key] = version_dir / values[key]
         if not files[key].is_file():
             raise ValueError(f"parameter {key!r}: {files[key]} not found")
-    try:
-        threads = int(values["threads"])
-    except ValueError:
-        raise ValueError(f"parameter 'threads': {values['threads']!r} is not an integer") from None
-    if threads < 1:
-        raise ValueError(f"parameter 'threads': must be >= 1, got {threads}")
     engine, device = values["engine"], values["device"]
-    if engine not in ENGINES:
-        raise ValueError(f"parameter 'engine': {engine!r} is not one of {list(ENGINES)}")
-    if device not in DEVICES:
-        raise ValueError(f"parameter 'device': {device!r} is not one of {list(DEVICES)}")
     if device == "cuda" and engine != "torch":
         raise ValueError("parameter 'device': 'cuda' needs engine 'torch' (onnxruntime runs on the CPU here)")
-    if values["respond"] not in RESPONDS:
-        raise ValueError(f"parameter 'respond': {values['respond']!r} is not one of {list(RESPONDS)}")
-    return Settings(files["onnx_model"], files["manifest"], threads, engine, device, values["respond"])
+    return Settings(files["onnx_model"], files["manifest"], int(values["threads"]), engine, device, values["respond"])
 
 
 def load_manifest(path: Path) -> Manifest:
@@ -227,8 +218,7 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config = json.loads(args["model_config"])
         version_dir = Path(args["model_repository"]) / args["model_version"]
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        settings = parse_parameters(params, version_dir)
+        settings = parse_parameters(parameters.string_parameters(config), version_dir)
         self._manifest = load_manifest(settings.manifest)
         self._runner = make_runner(settings)
         session_inputs, session_outputs = self._runner.input_names, self._runner.output_names

@@ -1,0 +1,67 @@
+"""config.pbtxt's string parameters, read and checked: one reader for every Python-backend model here
+(the dvabatch adapter, and the ZeroBatch/DelayBatch baseline model in perf.baselines).
+
+A model declares each parameter it reads with its parser (`integer`, `positive_float`, `choice`,
+`boolean`, or `text`); `read` parses what config.pbtxt gives, refusing an unknown name, and a
+ValueError names the parameter, the bad value and what it must be.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Collection, Mapping
+
+Parser = Callable[[str, str], Any]  # (parameter name, raw string) -> value
+
+
+def string_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
+    """The parameters of the model config Triton hands `initialize` (its JSON form)."""
+    return {key: value["string_value"] for key, value in model_config.get("parameters", {}).items()}
+
+
+def read(params: Mapping[str, str], parsers: Mapping[str, Parser], also: Collection[str] = (),
+         prefixes: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Each parameter in `parsers` parsed; names in `also` or starting with one of `prefixes` are
+    allowed and left to the caller; any other name is refused, with the known ones."""
+    unknown = sorted(k for k in params if k not in parsers and k not in also and not k.startswith(prefixes))
+    if unknown:
+        known = sorted(parsers) + [f"{p}*" for p in prefixes]
+        raise ValueError(f"unknown parameter(s) {unknown}; known: {known}")
+    return {k: parsers[k](k, v) for k, v in params.items() if k in parsers}
+
+
+def text(key: str, raw: str) -> str:
+    return raw
+
+
+def integer(minimum: int) -> Parser:
+    def parse(key: str, raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"parameter {key!r}: {raw!r} is not an integer") from None
+        if value < minimum:
+            raise ValueError(f"parameter {key!r}: must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def positive_float(key: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"parameter {key!r}: {raw!r} is not a number") from None
+    if not value > 0:
+        raise ValueError(f"parameter {key!r}: must be > 0, got {raw}")
+    return value
+
+
+def choice(*choices: str) -> Parser:
+    def parse(key: str, raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ValueError(f"parameter {key!r}: {raw!r} is not one of {list(choices)}")
+        return value
+    return parse
+
+
+def boolean(key: str, raw: str) -> bool:
+    return choice("true", "false", "1", "0", "yes", "no")(key, raw) in ("true", "1", "yes")

@@ -1,0 +1,44 @@
+"""config.pbtxt's string parameters, read and checked by one reader (the adapter's and the
+baselines'): each kind of bad value is named with the parameter, the value and what it must be."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dvabatch_backend.triton_adapter import parameters as p
+
+PARSERS = {"pairs": p.integer(1), "queue": p.integer(0), "slo_ms": p.positive_float,
+           "engine": p.choice("onnxruntime", "torch"), "fast_path": p.boolean, "manifest": p.text}
+
+
+def test_good_values_parse() -> None:
+    got = p.read({"pairs": "2", "queue": "0", "slo_ms": "12.5", "engine": " Torch ", "fast_path": "no",
+                  "manifest": "m.json", "policy.window": "0.002", "FORCE_CPU_ONLY_INPUT_TENSORS": "yes"},
+                 PARSERS, also={"FORCE_CPU_ONLY_INPUT_TENSORS"}, prefixes=("policy.",))
+    assert got == {"pairs": 2, "queue": 0, "slo_ms": 12.5, "engine": "torch", "fast_path": False, "manifest": "m.json"}
+
+
+@pytest.mark.parametrize("key, raw, message", [
+    ("pairs", "two", "parameter 'pairs': 'two' is not an integer"),
+    ("pairs", "0", "parameter 'pairs': must be >= 1, got 0"),
+    ("queue", "-1", "parameter 'queue': must be >= 0, got -1"),
+    ("slo_ms", "soon", "parameter 'slo_ms': 'soon' is not a number"),
+    ("slo_ms", "0", "parameter 'slo_ms': must be > 0, got 0"),
+    ("engine", "tensorrt", "parameter 'engine': 'tensorrt' is not one of ['onnxruntime', 'torch']"),
+    ("fast_path", "maybe", "parameter 'fast_path': 'maybe' is not one of"),
+])
+def test_each_bad_value_is_named(key: str, raw: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        p.read({key: raw}, PARSERS)
+
+
+def test_an_unknown_name_is_refused_with_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=re.escape("unknown parameter(s) ['pair']; known: ['engine', 'fast_path'")):
+        p.read({"pair": "2"}, PARSERS, prefixes=("policy.",))
+
+
+def test_the_parameters_of_tritons_model_config() -> None:
+    config = {"name": "m", "parameters": {"policy": {"string_value": "load"}, "bs_max": {"string_value": "8"}}}
+    assert p.string_parameters(config) == {"policy": "load", "bs_max": "8"}
+    assert p.string_parameters({"name": "m"}) == {}
