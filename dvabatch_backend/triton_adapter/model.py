@@ -24,8 +24,8 @@ Only this module imports `triton_python_backend_utils`; the runtime does not.
 from __future__ import annotations
 
 import json
-import queue
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -121,32 +121,37 @@ RESPONDER_THREADS = 2
 
 
 class _Responder:
-    """Threads that send the responses handed to them; `close` sends what is queued, then joins
-    the threads. Several, because a send waits for the server process to take the response, and
-    responses to different requests need no order."""
+    """A pool of threads that send the responses handed to them; `close` waits (up to `timeout`) for
+    what is queued. Several threads, because a send waits for the server process to take the
+    response, and responses to different requests need no order."""
 
     def __init__(self, threads: int = RESPONDER_THREADS) -> None:
-        self._queue: queue.SimpleQueue[_RequestAnswer | None] = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._loop, name=f"dvabatch-responder-{i}", daemon=True)
-                         for i in range(threads)]
-        for thread in self._threads:
-            thread.start()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dvabatch-responder")
+        self._pending: set[Future[None]] = set()
+        self._lock = threading.Lock()  # guards _pending (added by execute's callers, removed by the pool)
 
     def submit(self, answer: "_RequestAnswer") -> None:
-        self._queue.put(answer)
+        future = self._pool.submit(_send, answer)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._done)
 
-    def _loop(self) -> None:
-        while (answer := self._queue.get()) is not None:
-            try:
-                answer.send()
-            except Exception as exc:  # noqa: BLE001 - one failed send (a client gone) must not stop the others
-                pb_utils.Logger.log_error(f"dvabatch: sending a response failed: {exc}")
+    def _done(self, future: "Future[None]") -> None:
+        with self._lock:
+            self._pending.discard(future)
 
     def close(self, timeout: float = 30.0) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-        for thread in self._threads:
-            thread.join(timeout)
+        with self._lock:
+            pending = list(self._pending)
+        wait(pending, timeout)
+        self._pool.shutdown(wait=False)
+
+
+def _send(answer: "_RequestAnswer") -> None:
+    try:
+        answer.send()
+    except Exception as exc:  # noqa: BLE001 - one failed send (a client gone) must not stop the others
+        pb_utils.Logger.log_error(f"dvabatch: sending a response failed: {exc}")
 
 
 class _RequestAnswer:
