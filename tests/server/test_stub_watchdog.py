@@ -3,8 +3,9 @@ concurrent load. The requests sent while the stub is dead get an error at once; 
 (in flight at the kill) are never answered by the server and end by their client's timeout
 (none hangs),
 the model stops answering ready (observed while the watchdog is held in its model-down hook,
-before it loads the model again), and within 10 s of the kill the model serves answers equal to
-the unsliced model again; nothing of the server is left after it stops."""
+before it loads the model again), and then the model serves answers equal to the unsliced model
+again (a generous bound catches a hang; how fast it recovers is not asserted); nothing of the server
+is left after it stops."""
 from __future__ import annotations
 
 import os
@@ -23,7 +24,7 @@ from .load_clients import Sender, SteadyLoad, outcome_of, poll
 MODEL = "watched"
 POLLED = "polled"  # served by a second server whose watchdog polls only when the test says
 CLIENTS = 4
-RECOVERY_BOUND = 10.0  # a bound on a hang, not a speed requirement
+RECOVERY_BOUND = 90.0  # a bound on a hang, not a speed requirement
 HOLD = 30.0  # longest the model-down hook holds the watchdog
 CLIENT_TIMEOUT = 15.0  # ends the requests the dead stub held
 
