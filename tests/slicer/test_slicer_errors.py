@@ -1,6 +1,7 @@
 """Bad input to the slicer: a clear error naming the problem, and nothing left in the output."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import onnx
@@ -108,3 +109,29 @@ def test_input_without_batch_dim_is_refused_with_its_name(tmp_path) -> None:
         slice_model(model, tmp_path / "m", SliceOptions(**{**QUICK.__dict__, "stages": 1}))
     assert not (tmp_path / "m").exists()
     assert isinstance(onnx.load_model_from_string(model.SerializeToString()), onnx.ModelProto)
+
+
+def test_stages_that_differ_from_the_original_fail_verification(tmp_path, monkeypatch) -> None:
+    """The slicer's own check: a cut whose stages in a row do not give the original's outputs is an
+    error naming the output and the difference, and nothing is written."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    from slicer import slice_model as slicing
+
+    verify = slicing.verify_stages
+
+    def tampered(model, folder, manifest, lengths, atol):  # the last stage's first weights doubled
+        path = folder / manifest.stages[-1].file
+        stage = onnx.load(str(path))
+        weight = next(w for w in stage.graph.initializer if numpy_helper.to_array(w).size > 1)
+        weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) * np.float32(2), weight.name))
+        onnx.save(stage, str(path))
+        return verify(model, folder, manifest, lengths, atol)
+
+    monkeypatch.setattr(slicing, "verify_stages", tampered)
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    with pytest.raises(SliceError, match=r"verification failed: output '.+' of the stages differs from the original by"):
+        slice_model(toy.token_mlp(8, 4), out_parent / "m", dataclasses.replace(QUICK, stages=2))
+    _no_leftovers(out_parent, out_parent / "m")
