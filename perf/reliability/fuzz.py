@@ -325,13 +325,18 @@ def repeated_input(data: st.DataObject, model: FuzzModel, protocol: str) -> Requ
     return _bad("repeated input", model, items, protocol, spec.name)
 
 
-def short_data(data: st.DataObject, model: FuzzModel, protocol: str) -> Request:
-    """A declared shape its data does not fill (or overfills): the byte size disagrees."""
+def _one_axis(data: st.DataObject, model: FuzzModel) -> tuple[dict[str, np.ndarray], int, str, np.ndarray, list[int], int]:
+    """A valid request's feeds, one input drawn from them (its index, name, array and shape as a
+    list), and one of its axes: what a strategy that breaks one declared dim starts from."""
     feeds, _, _ = _valid(data, model)
     index = data.draw(st.integers(0, len(feeds) - 1), label="input")
     name, arr = list(feeds.items())[index]
-    shape = list(arr.shape)
-    axis = data.draw(st.integers(0, len(shape) - 1), label="axis")
+    return feeds, index, name, arr, list(arr.shape), data.draw(st.integers(0, arr.ndim - 1), label="axis")
+
+
+def short_data(data: st.DataObject, model: FuzzModel, protocol: str) -> Request:
+    """A declared shape its data does not fill (or overfills): the byte size disagrees."""
+    feeds, index, name, arr, shape, axis = _one_axis(data, model)
     shape[axis] = data.draw(st.integers(1, max(2, 2 * shape[axis])).filter(lambda n: n != arr.shape[axis]),
                             label="size")
     # Triton names the first input whose batch size disagrees, or says the batch is too big
@@ -340,11 +345,7 @@ def short_data(data: st.DataObject, model: FuzzModel, protocol: str) -> Request:
 
 
 def negative_dim(data: st.DataObject, model: FuzzModel, protocol: str) -> Request:
-    feeds, _, _ = _valid(data, model)
-    index = data.draw(st.integers(0, len(feeds) - 1), label="input")
-    name, arr = list(feeds.items())[index]
-    shape = list(arr.shape)
-    axis = data.draw(st.integers(0, len(shape) - 1), label="axis")
+    feeds, index, name, arr, shape, axis = _one_axis(data, model)
     shape[axis] = -data.draw(st.integers(1, 64), label="size")
     fragments = () if axis == 0 else (name,)
     return _bad("negative dim", model, feeds, "grpc", *fragments, declared={index: shape})
