@@ -23,6 +23,7 @@ from .query import Reply
 from .admission import Admission
 from .batch_table import TableSnapshot
 from .buffers import BufferState
+from .errors import BufferStateError
 from .query import QueryState
 from .scheduler import Clock, Scheduler
 from .settings import RuntimeSettings
@@ -183,7 +184,7 @@ class Pipeline(WorkListener):
         return self.scheduler.admission
 
     @property
-    def buffer_violations(self) -> list[str]:
+    def buffer_violations(self) -> list[BufferStateError]:
         return self.scheduler.buffer_violations
 
     @property

@@ -40,7 +40,8 @@ from .admission import Admission, ServiceModel
 from .batch_table import BatchItem, BatchTable, TableSnapshot
 from .buffers import BufferPool, BufferState, PairUse
 from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, Stretch
-from .errors import BadInputError, CancelledError, OverloadedError, PolicyError, QueueFullError, ShuttingDownError
+from .errors import (BadInputError, BufferStateError, CancelledError, OverloadedError, PolicyError, QueueFullError,
+                     ShuttingDownError)
 from .fences import FenceFactory, host_fences
 from .inline_hold import InlineHold
 from .manifest import Manifest
@@ -424,7 +425,7 @@ class Scheduler:
                 and ExecutorState.WORKING not in self.board.states)
 
     @property
-    def buffer_violations(self) -> list[str]:
+    def buffer_violations(self) -> list[BufferStateError]:
         return list(self.board.buffers.violations)
 
     def observe(self) -> tuple[RuntimeStats, list[int]]:

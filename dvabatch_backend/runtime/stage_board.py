@@ -62,9 +62,8 @@ class StageBoard:
         item = self.queues[stage].head()
         if item is None:
             return None
-        pair = self._table.get(item.batch_id).pair
-        if pair < 0:
-            pair = self.buffers.first_legitimate(stage)
+        owned = self._table.get(item.batch_id).pair
+        pair = owned if owned >= 0 else self.buffers.first_legitimate(stage)
         return pair if pair is not None and self.buffers.is_legitimate(stage, pair) else None
 
     def settle(self, stage: int) -> None:

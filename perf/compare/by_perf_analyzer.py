@@ -406,9 +406,12 @@ def sustained(rows: Sequence[PerfRow], latency_target_ms: float) -> PerfRow | No
 
 def median_row(rows: Sequence[PerfRow]) -> PerfRow:
     """One level's rounds as one row: the median of each figure."""
-    figures = {f: float(np.median([getattr(r, f) for r in rows]))
-               for f in ("throughput", "p50_us", "p90_us", "p95_us", "p99_us", "avg_us")}
-    return dataclasses.replace(rows[0], **figures)
+    def median(figure: str) -> float:
+        return float(np.median([getattr(r, figure) for r in rows]))
+
+    return dataclasses.replace(rows[0], throughput=median("throughput"), p50_us=median("p50_us"),
+                               p90_us=median("p90_us"), p95_us=median("p95_us"), p99_us=median("p99_us"),
+                               avg_us=median("avg_us"))
 
 
 def measure_sustained(url: str, systems: Sequence[SystemResult], data: Path, plan: Plan, rates: Sequence[float],
