@@ -46,7 +46,7 @@ from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.runtime.settings import RuntimeSettings
 from dvabatch_backend.runtime.loading import make_engine
 from dvabatch_backend.runtime.query import validate_inputs
-from perf.load.arrivals import poisson
+from perf.load.arrivals import paced, poisson
 from perf.baselines.bench import sample_queries
 from perf.gpu.pipelines import cuda_pipeline, profile_on_device, sliced_token_mlp, sliced_zoo_model, torch_engines
 
@@ -212,13 +212,9 @@ def open_loop(submit: Submit, queries: Sequence[Inputs], offsets: np.ndarray) ->
             remaining.release()
         return done
 
-    t0 = time.perf_counter()
-    for i, (query, offset) in enumerate(zip(queries, offsets)):
-        delay = t0 + offset - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
+    for i in paced(offsets[:len(queries)]):
         sent[i] = time.perf_counter()
-        submit(query, done_for(i))
+        submit(queries[i], done_for(i))
     deadline = time.perf_counter() + 60
     for _ in queries:
         if not remaining.acquire(timeout=max(0.0, deadline - time.perf_counter())):

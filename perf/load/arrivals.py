@@ -9,12 +9,30 @@ stepping load (with `stepping_rates`, the rate each query was sent at, for perf.
 from __future__ import annotations
 
 import math
+import time
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["RngLike", "constant", "gamma", "poisson", "stepping", "stepping_rates"]
+__all__ = ["RngLike", "constant", "gamma", "paced", "poisson", "stepping", "stepping_rates"]
 
 RngLike = np.random.Generator | int | None
+
+
+def paced(offsets: Sequence[float], order: Sequence[int] | None = None,
+          on_start: Callable[[float], None] | None = None) -> Iterator[int]:
+    """The indices of `offsets` (in `order`, default as given), each yielded at its send time: the
+    clock starts at the first step (`on_start(t0)`, t0 from `time.perf_counter`), and query i is
+    yielded once `t0 + offsets[i]` has come (time.sleep: sub-ms precise). The one send loop of every
+    open-loop tool: what to send at each time is the caller's."""
+    t0 = time.perf_counter()
+    if on_start is not None:
+        on_start(t0)
+    for i in (range(len(offsets)) if order is None else order):
+        delay = t0 + float(offsets[i]) - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        yield i
 
 
 def _rng(rng: RngLike) -> np.random.Generator:

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from perf.load.arrivals import paced
 from perf.load.stats import Floats, LoadResult, QueryRecord
 from perf.load.transport import make_transport
 from perf.load.wire import Query, query_length
@@ -117,11 +118,7 @@ def run_open_loop(client_url: str, model: str, queries: Sequence[Query], offsets
         targets = times.tolist()
         with _GcFrozen():
             started_at = time.time()
-            t0 = clock["t0"] = time.perf_counter()
-            for i in order:
-                delay = t0 + targets[i] - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
+            for i in paced(targets, order, on_start=lambda t0: clock.__setitem__("t0", t0)):
                 record = QueryRecord(i, 0.0, length=sizes[i], scheduled=targets[i])
                 records.append(record)
                 tracker.started()

@@ -43,7 +43,7 @@ import psutil
 
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.tools.serve import TritonServer, stub_processes
-from perf.load.arrivals import poisson
+from perf.load.arrivals import paced, poisson
 from perf.load.drivers import run_closed_loop
 from perf.load.stats import QueryRecord
 from perf.load.transport import Transport, make_transport
@@ -386,11 +386,7 @@ def run_open_loop_mixed(served: Served, pool: QueryPool, rate: float, seconds: f
 
             return done
 
-        t0 = clock["t0"] = time.perf_counter()
-        for i in range(n):
-            delay = t0 + offsets[i] - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
+        for i in paced(offsets[:n], on_start=lambda t0: clock.__setitem__("t0", t0)):
             key = (served.names[variants[i]], PROTOCOLS[protocols[i]])
             # the record's id is the query's index: transports key kept outputs by it
             record = QueryRecord(i, 0.0, scheduled=float(offsets[i]))

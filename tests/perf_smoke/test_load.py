@@ -3,6 +3,7 @@ and open- and closed-loop runs against the real tritonserver serving a sliced te
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -318,3 +319,14 @@ def test_closed_loop_raises_what_make_query_raised(served) -> None:
 
     with pytest.raises(RuntimeError, match="no query 3"):
         run_closed_loop(server.grpc_url, model.name, make_query, concurrency=2, n=10)
+
+
+def test_paced_yields_each_query_no_earlier_than_its_time_in_the_order_given() -> None:
+    from perf.load.arrivals import paced
+
+    starts: list[float] = []
+    seen = []
+    for i in paced([0.0, 0.02, 0.01], order=[0, 2, 1], on_start=starts.append):
+        seen.append((i, time.perf_counter() - starts[0]))
+    assert [i for i, _ in seen] == [0, 2, 1]
+    assert all(elapsed >= offset - 1e-3 for (_, elapsed), offset in zip(seen, (0.0, 0.01, 0.02)))  # never early (lateness is not checked)
