@@ -31,6 +31,7 @@ from dvabatch_backend.runtime.decisions import Policy
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.runtime.pipeline import Pipeline
 from dvabatch_backend.runtime.query import Answer
+from perf.load.stats import latency_stats
 from dvabatch_backend.runtime.scheduler import Scheduler
 from dvabatch_backend.runtime.settings import RuntimeSettings
 
@@ -263,6 +264,6 @@ def q(values: Sequence[float] | np.ndarray, p: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), p))
 
 
-def summary(values: Sequence[float] | np.ndarray, scale: float = 1e6) -> dict[str, float]:
-    a = np.asarray(values, dtype=float) * scale
-    return {"mean": float(a.mean()), "p50": float(np.median(a)), "p90": q(a, 90), "p99": q(a, 99)}
+def summary(values: Sequence[float] | np.ndarray, scale: float = 1e6) -> dict[str, float | None]:
+    """`perf.load.stats.latency_stats`, in microseconds by default."""
+    return latency_stats(values, scale)

@@ -47,6 +47,7 @@ from dvabatch_backend.runtime.settings import RuntimeSettings
 from dvabatch_backend.runtime.loading import make_engine
 from dvabatch_backend.runtime.query import validate_inputs
 from perf.load.arrivals import paced, poisson
+from perf.load.stats import latency_stats
 from perf.baselines.bench import sample_queries
 from perf.gpu.pipelines import cuda_pipeline, profile_on_device, sliced_token_mlp, sliced_zoo_model, torch_engines
 
@@ -222,13 +223,11 @@ def open_loop(submit: Submit, queries: Sequence[Inputs], offsets: np.ndarray) ->
     return latency
 
 
-def summary_ms(latencies: Sequence[float]) -> dict[str, float | int]:
+def summary_ms(latencies: Sequence[float]) -> dict[str, float | int | None]:
+    """The answered latencies' `latency_stats` (ms; an unanswered query is NaN), answered and sent."""
     a = np.asarray(latencies, dtype=float)
-    ok = a[~np.isnan(a)] * 1e3
-    if ok.size == 0:
-        return {"answered": 0, "sent": int(a.size)}
-    return {"mean": float(ok.mean()), "p50": float(np.median(ok)), "p99": float(np.percentile(ok, 99)),
-            "answered": int(ok.size), "sent": int(a.size)}
+    ok = a[~np.isnan(a)]
+    return {**latency_stats(ok), "answered": int(ok.size), "sent": int(a.size)}
 
 
 def prepare(out_dir: Path, setup: Setup, device: str) -> tuple[Path, Manifest, dict[str, int]]:

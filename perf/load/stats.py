@@ -41,12 +41,19 @@ class QueryRecord:
         return None if self.scheduled is None else self.send - self.scheduled
 
 
-def _stats_ms(values: np.ndarray, prefix: str) -> dict[str, float | None]:
+def latency_stats(seconds: Sequence[float] | np.ndarray, scale: float = 1e3) -> dict[str, float | None]:
+    """mean, p50, p90, p99 and max of latencies given in seconds, times `scale` (ms by default; 1e6:
+    us); None each where there is none. The one latency summary of every perf tool."""
+    values = np.asarray(seconds, dtype=float)
     if values.size == 0:
-        return {f"{prefix}_{k}_ms": None for k in ("mean", "p50", "p90", "p99", "max")}
-    p50, p90, p99 = np.percentile(values, [50, 90, 99]) * 1e3
-    return {f"{prefix}_mean_ms": float(values.mean() * 1e3), f"{prefix}_p50_ms": float(p50),
-            f"{prefix}_p90_ms": float(p90), f"{prefix}_p99_ms": float(p99), f"{prefix}_max_ms": float(values.max() * 1e3)}
+        return dict.fromkeys(("mean", "p50", "p90", "p99", "max"))
+    p50, p90, p99 = np.percentile(values, [50, 90, 99]) * scale
+    return {"mean": float(values.mean() * scale), "p50": float(p50), "p90": float(p90), "p99": float(p99),
+            "max": float(values.max() * scale)}
+
+
+def _stats_ms(values: np.ndarray, prefix: str) -> dict[str, float | None]:
+    return {f"{prefix}_{k}_ms": v for k, v in latency_stats(values).items()}
 
 
 @dataclass
