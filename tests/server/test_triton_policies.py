@@ -1,7 +1,8 @@
 """Multi-entry multi-exit, observed from a client of the real tritonserver:
 - input diversity: short queries sent in the same burst as long ones are batched apart from them
   and answered first (pipelined new-only makes one batch of them all);
-- load diversity: a query arriving while a batch is in flight joins it (stretch counter moves);
+- load diversity: a query arriving while a batch is in flight joins it (stretch counter moves; the
+  batch is held in stage 0 by an engine wrapper, tests/server/gate_engine.py, until the test lets it go);
 - the custom early-exit example: confident queries come back with the exit head's result, and the
   early-exit counter counts exactly them.
 
@@ -31,6 +32,7 @@ from ..triton_support import Clients, ServedModel, add_variant, admitted_request
 
 HIDDEN, LONG, SHORT = 256, 256, 8
 GATE_POLICY = Path(__file__).with_name("gate_policy.py")
+GATE_ENGINE = Path(__file__).with_name("gate_engine.py")
 SETTLE = 30.0  # seconds to wait for a counter to reach its value (sampled every 0.25 s); only a failure bound
 
 
@@ -46,6 +48,7 @@ def server(tmp_path_factory):
                                                             batch_sizes=(1, 8), lengths=(LONG,),
                                                             calibration_rounds=1))
     shutil.copy(GATE_POLICY, report.out_dir / "1" / GATE_POLICY.name)
+    shutil.copy(GATE_ENGINE, report.out_dir / "1" / GATE_ENGINE.name)
     base = ServedModel("tm", report.out_dir / "1", report.manifest, int_bounds(token), LONG)
     gated = f"{GATE_POLICY.name}:GatePolicy"
     models = {
@@ -54,9 +57,10 @@ def server(tmp_path_factory):
         "pipelined": add_variant(repo, base, "tm_pipelined", policy=gated,
                                  policy_params={"gate": gates / "pipelined", "inner": "pipelined"}),
         # T_comp_wait far beyond a batch's time in the pipeline: a batch in flight always may stretch;
-        # no fast path, which would run the batch of 4 inline while the late query waits in Triton's queue
+        # no fast path, which would run the batch of 4 inline while the late query waits in Triton's
+        # queue; stage 0 holds its first run until the test opens the gate
         "load": add_variant(repo, base, "tm_load", policy="load", policy_params={"t_comp_wait": 600},
-                            extra={"fast_path": "false"}),
+                            extra={"fast_path": "false", "engine_wrapper": f"{GATE_ENGINE.name}:hold_first"}),
     }
     cascade = toy.cascade_mlp(features=1024, classes=4, layers=12)
     report = slice_model(cascade, sliced / "cascade", SliceOptions(stages=4, max_batch_size=8, repeats=3,
@@ -157,37 +161,42 @@ def test_short_queries_in_a_burst_with_long_ones_are_batched_apart_and_exit_firs
 
 
 def test_a_query_arriving_while_a_batch_is_in_flight_joins_it(server) -> None:
-    """A real server cannot be paused mid-batch: each round sends a batch of 4 and, right after it
-    on the same channel, one more query; T_comp_wait (600 s) lets any batch still in flight take
-    it. The answers are checked every round; some round must have stretched (the chance that the
-    late query missed the batch in flight in every round is negligible, and no round's outcome
-    depends on a sleep)."""
+    """A request of 4 rows enters stage 0, which holds it (gate_engine.py) until the test opens the
+    gate; a query sent meanwhile joins that batch in flight (one stretch, none refused), and every
+    answer equals the unsliced model's. The order is set by the gate, not by timing."""
     triton, models, _ = server
     model = models["load"]
+    held, gate = model.version_dir / "held", model.version_dir / "open"
     rng = np.random.default_rng(2)
     client = grpcclient.InferenceServerClient(triton.grpc_url)
-    client.infer("tm_load", Clients.inputs(grpcclient, model.query(rng, LONG)))  # warm: the first run is slow
     before = _metric(triton, "tm_load", "stretch")
-    for _ in range(10):
-        first = [model.query(rng, LONG) for _ in range(4)]  # one request of 4 rows: a batch of 4 in flight
-        late = model.query(rng, 100)
-        inputs = Clients.inputs(grpcclient, {name: np.stack([q[name] for q in first]) for name in first[0]},
-                                add_batch_dim=False)
-        box: list = []
-        first_done = threading.Event()
-        client.async_infer("tm_load", inputs, lambda result, error: (box.append((result, error)), first_done.set()),
-                           client_timeout=60)
-        result = client.infer("tm_load", Clients.inputs(grpcclient, late), client_timeout=60)  # same channel
-        late_answer = {n: result.as_numpy(n)[0] for n in ("tokens", "pooled")}
-        assert first_done.wait(60) and box[0][1] is None
-        for out, ref in model.reference(late).items():
-            np.testing.assert_allclose(late_answer[out], ref, atol=1e-4, err_msg=f"late {out}")
-        for i, query in enumerate(first):
-            for out, ref in model.reference(query).items():
-                np.testing.assert_allclose(box[0][0].as_numpy(out)[i], ref, atol=1e-4, err_msg=f"row {i} {out}")
-        if _settle(lambda: _metric(triton, "tm_load", "stretch"), lambda v: v > before, timeout=1.0) > before:
-            break
-    assert _metric(triton, "tm_load", "stretch") > before
+    first = [model.query(rng, LONG) for _ in range(4)]  # one request of 4 rows: one batch
+    late = model.query(rng, 100)
+    answers: dict[str, list] = {"first": [], "late": []}
+    done = threading.Semaphore(0)
+
+    def keep(key: str) -> Callable[[object, object], None]:
+        return lambda result, error: (answers[key].append((result, error)), done.release())
+
+    inputs = Clients.inputs(grpcclient, {name: np.stack([q[name] for q in first]) for name in first[0]},
+                            add_batch_dim=False)
+    try:
+        client.async_infer("tm_load", inputs, keep("first"), client_timeout=120)
+        assert _settle(held.exists, bool), "stage 0 never took the first batch"
+        client.async_infer("tm_load", Clients.inputs(grpcclient, late), keep("late"), client_timeout=120)
+        assert _settle(lambda: _metric(triton, "tm_load", "stretch"), lambda v: v >= before + 1) == before + 1
+    finally:
+        gate.touch()
+    assert done.acquire(timeout=120) and done.acquire(timeout=120)
+    (result, error), = answers["first"]
+    assert error is None, error
+    for i, query in enumerate(first):
+        for out, ref in model.reference(query).items():
+            np.testing.assert_allclose(result.as_numpy(out)[i], ref, atol=1e-4, err_msg=f"row {i} {out}")
+    (result, error), = answers["late"]
+    assert error is None, error
+    for out, ref in model.reference(late).items():
+        np.testing.assert_allclose(result.as_numpy(out)[0], ref, atol=1e-4, err_msg=f"late {out}")
     assert _metric(triton, "tm_load", "stretch_refused") == 0
 
 
