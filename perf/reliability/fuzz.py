@@ -658,7 +658,7 @@ def liveness(server: Any, model_dirs: Sequence[Path]) -> Callable[[], str | None
     def stubs() -> dict[Path, list[int]]:
         out = {}
         for model_dir in model_dirs:
-            prefix = str(model_dir).encode() + b"/"
+            prefix = str(model_dir) + "/"
             out[model_dir] = sorted(stub_processes(lambda argv, p=prefix: len(argv) > 1 and argv[1].startswith(p)))
         return out
 
