@@ -38,8 +38,7 @@ from ..runtime.manifest import Manifest
 from ..runtime.query import Answer
 from ..runtime.loading import load_pipeline
 from ..runtime.pipeline import Pipeline
-from ..runtime.settings import QueuePolicy, RuntimeSettings, SloPolicy
-from ..runtime.settings import default_buffer_pairs
+from ..runtime.settings import QueuePolicy, RuntimeSettings, SloPolicy, default_buffer_pairs
 from . import parameters
 from .metrics import StageMetrics
 

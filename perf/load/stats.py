@@ -52,8 +52,9 @@ def latency_stats(seconds: Sequence[float] | np.ndarray, scale: float = 1e3) -> 
             "max": float(values.max() * scale)}
 
 
-def _stats_ms(values: np.ndarray, prefix: str) -> dict[str, float | None]:
-    return {f"{prefix}_{k}_ms": v for k, v in latency_stats(values).items()}
+def latency_fields(seconds: Sequence[float] | np.ndarray, prefix: str = "latency") -> dict[str, float | None]:
+    """`latency_stats` in ms as flat fields: PREFIX_mean_ms, PREFIX_p50_ms, ... PREFIX_max_ms."""
+    return {f"{prefix}_{k}_ms": v for k, v in latency_stats(seconds).items()}
 
 
 @dataclass
@@ -108,7 +109,7 @@ class LoadResult:
         out: dict[str, Any] = {"mode": self.mode, "model": self.model, "protocol": self.protocol,
                                "queries": len(self.records), "answered": len(ok),
                                "errors": len(self.records) - len(ok), "duration_s": self.window()}
-        out.update(_stats_ms(self.latencies(), "latency"))
+        out.update(latency_fields(self.latencies()))
         out["throughput_qps"] = self.throughput()
         if latency_target is not None:
             out["latency_target_ms"] = latency_target * 1e3
@@ -119,7 +120,7 @@ class LoadResult:
         if scheduled:
             span = max(scheduled) - min(scheduled)
             out["offered_qps"] = (len(scheduled) - 1) / span if span > 0 else None
-            out.update(_stats_ms(self.send_lags(), "send_lag"))
+            out.update(latency_fields(self.send_lags(), "send_lag"))
         return out
 
     def segments(self, size: int) -> list[LoadResult]:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from perf.baselines.bench import LENGTH_PRESET, Bench, System, slug as _slug
-from perf.load.stats import jsonable
+from perf.load.stats import jsonable, latency_fields
 
 __all__ = ["DEFAULT_FRACTIONS", "DEFAULT_MODELS", "DEFAULT_POLICIES", "EXPERIMENTS", "DVA", "SYSTEMS",
            "ExperimentSettings", "compute_bound", "figure14", "figure15", "figure18", "figure19", "figure20",
@@ -385,11 +385,11 @@ def figure21(models: Sequence[str], out_dir: Path, settings: ExperimentSettings,
                     for label in (labels if k % 2 == 0 else labels[::-1]):
                         bar.set_description(f"{model}: concurrency 1, {label}")
                         run = bench.closed_loop(label, 1, settings.peak_seconds / rounds, pool=pool)
-                        latencies[label] += [float(x) * 1e3 for x in run.latencies()]
+                        latencies[label] += [float(x) for x in run.latencies()]  # seconds
                         errors[label] += len(run.errors())
                         bar.update(1)
                 stats: dict[str, dict[str, Any]] = {
-                    label: {"queries": len(v), "errors": errors[label], **_latency_stats(v)}
+                    label: {"queries": len(v), "errors": errors[label], **latency_fields(v)}
                     for label, v in latencies.items()}
                 if any(s["latency_mean_ms"] is None for s in stats.values()):
                     raise RuntimeError(f"{model}: a system answered no query at concurrency 1: {errors}")
@@ -407,13 +407,6 @@ def figure21(models: Sequence[str], out_dir: Path, settings: ExperimentSettings,
     finally:
         bar.close()
     return results
-
-
-def _latency_stats(latencies_ms: Sequence[float]) -> dict[str, float | None]:
-    if not latencies_ms:
-        return {"latency_mean_ms": None, "latency_p50_ms": None, "latency_p99_ms": None}
-    return {"latency_mean_ms": float(np.mean(latencies_ms)), "latency_p50_ms": float(np.percentile(latencies_ms, 50)),
-            "latency_p99_ms": float(np.percentile(latencies_ms, 99))}
 
 
 def overhead_breakdown(bench: Bench, queries: Sequence[dict], dva_settings: Mapping[str, Any],

@@ -200,16 +200,12 @@ class ConfigResult:
     p99_ms: float
 
 
-def config_parameters(config_pbtxt: str) -> dict[str, str]:
-    """The string `parameters` of a config.pbtxt (MA writes each variant's as protobuf text)."""
+def variant_settings(output_repo: Path, variant: str) -> dict[str, str]:
+    """A variant's string parameters (MA writes each variant's config.pbtxt as protobuf text)."""
     from slicer.model_config import parameters
 
-    return parameters(config_pbtxt)
-
-
-def variant_settings(output_repo: Path, variant: str) -> dict[str, str]:
     path = output_repo / variant / "config.pbtxt"
-    return config_parameters(path.read_text()) if path.is_file() else {}
+    return parameters(path.read_text()) if path.is_file() else {}
 
 
 def _column(row: Mapping[str, str], prefix: str) -> str:
