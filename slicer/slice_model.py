@@ -239,7 +239,7 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
         manifest = _final_manifest(chosen, profile, ref, options, pad, int_bounds(model), policy, fast_path,
                                    _stage_count_record(candidates, chosen, has_seq, options.stages), rule)
         _write_profile(chosen.dir, manifest, profile)
-        write_triton_files(chosen.dir.parent, manifest, threads_per_stage=options.threads, policy=policy["choice"])
+        write_triton_files(chosen.dir.parent, manifest, policy=policy["choice"])  # served: every core per stage
         if out_dir.exists():
             shutil.rmtree(out_dir)
         chosen.dir.parent.rename(out_dir)

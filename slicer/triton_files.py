@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Mapping
 
 from dvabatch_backend.runtime.manifest import Manifest
-from dvabatch_backend.runtime.settings import default_buffer_pairs
+from dvabatch_backend.runtime.settings import EVERY_CORE, default_buffer_pairs
 
 from . import model_config
 
@@ -40,17 +40,19 @@ def python_model_config(manifest: Manifest, name: str, parameters: Mapping[str, 
 
 
 def config_pbtxt(manifest: Manifest, policy: str = "pipelined", num_buffer_pairs: int | None = None,
-                 threads_per_stage: int = 1, name: str | None = None,
-                 policy_params: Mapping[str, object] | None = None, thread_pool: str = "global",
+                 threads_per_stage: int = EVERY_CORE, name: str | None = None,
+                 policy_params: Mapping[str, object] | None = None, thread_pool: str = "per_stage",
                  extra: Mapping[str, object] | None = None) -> str:
     """dvabatch forms the batches. Triton's dynamic batcher, with no queue delay and ragged inputs,
     only hands `execute` every request that queued while the last call ran, each request its own
     object with its own shapes: one call per request would cap admission at one stub round trip
-    per request. `thread_pool` "global" (one onnxruntime pool of every core for all stages) or
-    "per_stage" (`threads_per_stage` threads each). `num_buffer_pairs` None: the served default for
-    the CPU and that pool (`default_buffer_pairs`: 1 with the global pool), written out."""
+    per request. `thread_pool` "per_stage" (`threads_per_stage` threads each; EVERY_CORE, the
+    default: a pool of every core for each stage, the stages in turn) or "global" (one onnxruntime
+    pool of every core for all stages). `num_buffer_pairs` None: the served default for the device
+    and those threads (`default_buffer_pairs`: 1 where each stage runs on every CPU core), written out."""
     if num_buffer_pairs is None:
-        num_buffer_pairs = default_buffer_pairs(str((extra or {}).get("device", "cpu")), thread_pool)
+        num_buffer_pairs = default_buffer_pairs(str((extra or {}).get("device", "cpu")), thread_pool,
+                                                threads_per_stage)
     parameters = {
         "manifest": "manifest.json", "policy": policy, "num_buffer_pairs": str(num_buffer_pairs),
         "thread_pool": thread_pool, "threads_per_stage": str(threads_per_stage),

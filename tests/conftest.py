@@ -194,6 +194,13 @@ class ModelZoo:
 
 
 @pytest.fixture(scope="session")
+def zoo_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `--out` folder of the perf commands that slice a zoo model at its test size: a finished
+    slice there is reused (`perf.baselines.bench.sliced`), so each is made once per session."""
+    return tmp_path_factory.mktemp("zoo_out")
+
+
+@pytest.fixture(scope="session")
 def zoo(tmp_path_factory: pytest.TempPathFactory) -> ModelZoo:
     return ModelZoo(tmp_path_factory.mktemp("zoo"))
 

@@ -2,6 +2,9 @@
 one-query calls over HTTP and gRPC, sync and async."""
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -49,15 +52,31 @@ class ServedModel:
         return dict(zip(names, (r[0] for r in self._full.run(None, {k: v[None] for k, v in query.items()}))))
 
 
+# each (zoo model, stage count) is sliced once per test process, in a folder removed at exit; a
+# caller gets a copy of its own (tests write into their version folders: policies, logs, gates)
+_slices: dict[tuple[str, int], tuple[Path, dict[str, int]]] = {}
+_slice_lock = threading.Lock()
+_SLICE_ROOT = Path(tempfile.mkdtemp(prefix="dvabatch-test-slices-"))
+atexit.register(shutil.rmtree, _SLICE_ROOT, True)
+
+
 def slice_zoo_model(repository: Path, zoo_name: str, stages: int = 3) -> ServedModel:
-    entry = ZOO[zoo_name]
-    max_length = entry.max_length.get("test", 0)
-    model = build(zoo_name, "test")
-    options = SliceOptions(stages=stages, max_batch_size=8, max_length=max_length or 128, repeats=3,
-                           batch_sizes=(1, 2, 4, 8), lengths=(max_length,) if max_length else None,
-                           calibration_rounds=1)
-    report = slice_model(model, repository / zoo_name, options)
-    return ServedModel(zoo_name, report.out_dir / "1", report.manifest, int_bounds(model), max_length)
+    """The zoo model at test size sliced into `stages` stages, as `repository/zoo_name` (a copy of
+    this process's one slice of it)."""
+    max_length = ZOO[zoo_name].max_length.get("test", 0)
+    with _slice_lock:
+        if (zoo_name, stages) not in _slices:
+            model = build(zoo_name, "test")
+            options = SliceOptions(stages=stages, max_batch_size=8, max_length=max_length or 128, repeats=3,
+                                   batch_sizes=(1, 2, 4, 8), lengths=(max_length,) if max_length else None,
+                                   calibration_rounds=1)
+            report = slice_model(model, _SLICE_ROOT / f"{zoo_name}-{stages}", options)
+            _slices[(zoo_name, stages)] = report.out_dir, int_bounds(model)
+        sliced, int_high = _slices[(zoo_name, stages)]
+    target = repository / zoo_name
+    shutil.copytree(sliced, target)
+    version_dir = target / "1"
+    return ServedModel(zoo_name, version_dir, Manifest.load(version_dir / "manifest.json"), dict(int_high), max_length)
 
 
 def add_variant(repository: Path, base: ServedModel, name: str, **settings: object) -> ServedModel:

@@ -5,8 +5,9 @@ whose shapes are the actual ones (rows of the batch, padded length). The engine 
 results into `outputs` in place.
 
 Threads (onnxruntime): a stage session either has its own intra-op pool (`thread_pool
-"per_stage"`, `threads` threads each) or uses the process's one global pool (`"global"`, the
-default): a lone stage then runs on every core, and stages running at the same time share them.
+"per_stage"`, `threads` threads each; served, every core each, the stages in turn) or uses the
+process's one global pool (`"global"`): a lone stage then runs on every core, and stages running at
+the same time share them.
 onnxruntime makes the global pool once per process (`set_global_thread_pool_sizes`, which takes
 sizes only: no spin setting, and per-session `allow_spinning` entries do not reach it), so
 `use_global_thread_pool` makes it the first time and reports the size in effect afterwards;

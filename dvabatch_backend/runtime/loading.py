@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Callable
 
 from .decisions import Policy
-from .engine import PER_STAGE, OrtStageEngine, StageEngine
+from .engine import PER_STAGE, OrtStageEngine, StageEngine, available_cores
 from .manifest import Manifest
 from .pipeline import Pipeline
 from .settings import RuntimeSettings
@@ -30,14 +30,15 @@ def make_engine(path: Path, settings: RuntimeSettings, manifest: Manifest | None
     if settings.engine == "torch":  # imported only here: the runtime runs without torch
         from .torch_engine import TorchStageEngine, graph_buckets
 
-        engine = TorchStageEngine(path, settings.device, settings.threads_per_stage)
+        engine = TorchStageEngine(path, settings.device, settings.threads_per_stage or available_cores())
         if settings.device == "cuda" and settings.cuda_graphs and manifest is not None:
             sizes, lengths = graph_buckets(settings.bs_max or manifest.max_batch_size, manifest.max_length,
                                            manifest.has_seq)
             engine.capture_buckets(sizes, lengths, pad_length=manifest.pad_safe)
         return engine
-    # per_stage: threads_per_stage threads each; global: one pool of every available core (0)
-    threads = settings.threads_per_stage if settings.thread_pool == PER_STAGE else 0
+    # per_stage: threads_per_stage threads each (EVERY_CORE: every available core); global: one pool
+    # of every available core (0)
+    threads = (settings.threads_per_stage or available_cores()) if settings.thread_pool == PER_STAGE else 0
     return OrtStageEngine(path, threads, thread_pool=settings.thread_pool)
 
 

@@ -36,16 +36,19 @@ class SloPolicy:
 class RuntimeSettings:
     num_buffer_pairs: int = 2
     bs_max: int | None = None  # None: the manifest's max_batch_size
-    threads_per_stage: int = 1
+    threads_per_stage: int = 1  # EVERY_CORE (0): each stage on every available core
     record_trace: bool = False
     engine: str = "onnxruntime"  # "onnxruntime" | "torch"
     device: str = "cpu"  # "cpu" | "cuda"
     # the torch engine on CUDA replays CUDA graphs captured at load, per batch-size and length bucket
     # (runtime/torch_engine.py): eagerly, a stage is one Python call per node, which bounds a GPU
     cuda_graphs: bool = True
-    # onnxruntime: "per_stage" threads, or one "global" pool for all stages. The served default is
-    # "global" (the adapter's, and what the slicer writes); in-process the default stays "per_stage":
-    # once a process has the global pool, onnxruntime refuses every session with threads of its own
+    # onnxruntime: "per_stage" threads, or one "global" pool for all stages. The served default (the
+    # adapter's, and what the slicer writes) is "per_stage" with EVERY_CORE threads and one buffer
+    # pair (`default_buffer_pairs`): each stage in turn on a pool of every core of its own, which
+    # sleeps between runs; the global pool spin-waits after each run (its spin setting cannot be
+    # set), which on a few cores takes them from the server and the clients: on 2 cores, served by
+    # perf_analyzer, the residual MLP's p99 at 0.5x load was 77 ms with the global pool, 22 ms this way
     thread_pool: str = "per_stage"
     # the executor that finishes an item at stage k runs it at k+1 itself when k has nothing to run
     # and k+1's executor is idle (the two swap stages): no thread wake-up on a quiet pipeline
@@ -57,15 +60,23 @@ class RuntimeSettings:
     slo: SloPolicy = SloPolicy()
 
 
-def default_buffer_pairs(device: str, thread_pool: str) -> int:
+EVERY_CORE = 0  # threads_per_stage: each stage on every available core (the served default)
+
+
+def stages_share_cores(thread_pool: str, threads_per_stage: int) -> bool:
+    """Whether each stage runs on every core: the global pool, or per-stage pools of EVERY_CORE."""
+    return thread_pool == "global" or threads_per_stage == EVERY_CORE
+
+
+def default_buffer_pairs(device: str, thread_pool: str, threads_per_stage: int = EVERY_CORE) -> int:
     """The buffer pairs a served model gets unless its config says otherwise.
 
-    On the CPU with one pool of every core for all stages (`thread_pool` "global", the served
-    default), a stage alone already runs on every core: two stages at once only split the cores
-    between them, and contend for them, so overlapping batches buys nothing and costs latency.
-    One pair runs the batches through the stages one at a time, each stage on every core, while
-    later queries gather for the next batch (measured on MiniLM, 2 cores, perf_analyzer: lower
-    latency at concurrency 1, at 0.5x and 0.9x load, and a higher closed-loop peak than 2 pairs).
-    Stages with cores or a device stream of their own (`per_stage`, a GPU) overlap: 2 pairs."""
-    return 1 if device == "cpu" and thread_pool == "global" else 2
+    On the CPU where each stage runs on every core (`stages_share_cores`: the served default), a
+    stage alone already uses the machine: two stages at once only split the cores between them,
+    and contend for them, so overlapping batches buys nothing and costs latency. One pair runs the
+    batches through the stages one at a time, each stage on every core, while later queries gather
+    for the next batch (measured on MiniLM, 2 cores, perf_analyzer: lower latency at concurrency 1,
+    at 0.5x and 0.9x load, and a higher closed-loop peak than 2 pairs). Stages with cores or a
+    device stream of their own (per-stage threads of a few cores each, a GPU) overlap: 2 pairs."""
+    return 1 if device == "cpu" and stages_share_cores(thread_pool, threads_per_stage) else 2
 

@@ -62,27 +62,38 @@ class StageMetrics:
             self.sample()
 
     def sample(self) -> None:
+        """Copy what changed since the last sample: each metric update is a round trip to the server,
+        on the channel the answers take, so unchanged ones are not sent."""
         stats, queues = self._scheduler.observe()
         for k, stage in enumerate(stats.stages):
             self._add("dvabatch_stage_batches_total", k, stage.batches)
             self._add("dvabatch_stage_rows_total", k, stage.rows)
             self._add("dvabatch_stage_busy_seconds_total", k, stage.busy_seconds)
-            self._queues[k].set(queues[k])
+            self._set(self._queues[k], ("queue", k), queues[k])
         for op, metric in self._ops.items():
             self._increment(metric, op, getattr(stats, op))
         for reason, metric in self._refused.items():
             self._increment(metric, reason, getattr(stats, _REFUSALS[reason]))
         self._increment(self._goodput, "within_slo", stats.within_slo)
         self._increment(self._fast, "inline_queries", stats.inline_queries)
-        self._queued.set(stats.queued)
+        self._set(self._queued, ("queued", -1), stats.queued)
 
     def _increment(self, metric: object, key: str, total: float) -> None:
-        metric.increment(total - self._last.get((key, -1), 0))  # type: ignore[attr-defined]
-        self._last[(key, -1)] = total
+        self._counter(metric, (key, -1), total)
 
     def _add(self, name: str, stage: int, total: float) -> None:
-        self._per_stage[name][stage].increment(total - self._last.get((name, stage), 0))
-        self._last[(name, stage)] = total
+        self._counter(self._per_stage[name][stage], (name, stage), total)
+
+    def _counter(self, metric: object, key: tuple[str, int], total: float) -> None:
+        delta = total - self._last.get(key, 0)
+        if delta:
+            metric.increment(delta)  # type: ignore[attr-defined]
+            self._last[key] = total
+
+    def _set(self, metric: object, key: tuple[str, int], value: float) -> None:
+        if self._last.get(key) != value:
+            metric.set(value)  # type: ignore[attr-defined]
+            self._last[key] = value
 
     def close(self) -> None:
         self._stop.set()

@@ -14,8 +14,9 @@ last stage would otherwise stand idle through one per query of its batch.
 
 Settings come from `config.pbtxt` parameters, each checked at load with the bad value named
 (`_PARSERS` lists them): manifest (default manifest.json), policy (default pipelined),
-num_buffer_pairs (1 on the CPU with the global pool, else 2: `default_buffer_pairs`), bs_max (the
-manifest's), threads_per_stage (1), engine, device, thread_pool, run_on, fast_path, cuda_graphs (true),
+num_buffer_pairs (1 on the CPU where each stage runs on every core, else 2: `default_buffer_pairs`),
+bs_max (the manifest's), thread_pool (per_stage), threads_per_stage (0: every available core), engine,
+device, run_on, fast_path, cuda_graphs (true),
 engine_wrapper; Triton's
 queue policy (max_queue_size, default_timeout_microseconds, allow_timeout_override,
 timeout_action); a latency target (slo_ms, slo_action); and policy parameters prefixed "policy.".
@@ -38,7 +39,7 @@ from ..runtime.manifest import Manifest
 from ..runtime.query import Answer
 from ..runtime.loading import load_pipeline
 from ..runtime.pipeline import Pipeline
-from ..runtime.settings import QueuePolicy, RuntimeSettings, SloPolicy, default_buffer_pairs
+from ..runtime.settings import EVERY_CORE, QueuePolicy, RuntimeSettings, SloPolicy, default_buffer_pairs
 from . import parameters
 from .metrics import StageMetrics
 
@@ -58,7 +59,7 @@ _PARSERS: dict[str, parameters.Parser] = {
     "policy": parameters.text,
     "num_buffer_pairs": parameters.integer(1),
     "bs_max": parameters.integer(1),
-    "threads_per_stage": parameters.integer(1),
+    "threads_per_stage": parameters.integer(0),
     "engine": parameters.choice("onnxruntime", "torch"),
     "device": parameters.choice("cpu", "cuda"),
     "thread_pool": parameters.choice("global", "per_stage"),
@@ -77,7 +78,8 @@ _PARSERS: dict[str, parameters.Parser] = {
 
 
 # the stub process is ours alone: its stages share one onnxruntime pool of every core
-SERVED_THREAD_POOL = "global"
+# each stage in turn on a pool of every core of its own (runtime/settings.py says why not the global pool)
+SERVED_THREAD_POOL, SERVED_THREADS_PER_STAGE = "per_stage", EVERY_CORE
 
 # parameters Triton's Python backend reads itself (the GPU config sets the first)
 TRITON_PARAMETERS = frozenset({"FORCE_CPU_ONLY_INPUT_TENSORS", "EXECUTION_ENV_PATH"})
@@ -93,10 +95,11 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path) -> AdapterSetti
     queue_defaults = defaults.queue
     device = values.get("device", defaults.device)
     thread_pool = values.get("thread_pool", SERVED_THREAD_POOL)
+    threads = values.get("threads_per_stage", SERVED_THREADS_PER_STAGE)
     runtime = RuntimeSettings(
-        num_buffer_pairs=values.get("num_buffer_pairs", default_buffer_pairs(device, thread_pool)),
+        num_buffer_pairs=values.get("num_buffer_pairs", default_buffer_pairs(device, thread_pool, threads)),
         bs_max=values.get("bs_max"),
-        threads_per_stage=values.get("threads_per_stage", defaults.threads_per_stage),
+        threads_per_stage=threads,
         engine=values.get("engine", defaults.engine),
         device=device,
         thread_pool=thread_pool,

@@ -13,9 +13,9 @@ settings: policy, buffer pairs, ...; `stages` asks for its own slicing into that
 delays, tuned when the server is up; the tuning is recorded in `Bench.delay_tuning`).
 Slices are kept in OUT/sliced/SIZE/MODEL[-sN] and reused by later runs.
 
-Threads: a dvabatch stage runs with `threads` onnxruntime threads (1: the stages of a pipeline run
-in parallel on the cores); the baselines run the whole model with `baseline_threads` (default: every
-core), so that each system may use the whole machine.
+Threads: a dvabatch stage runs with `threads` onnxruntime threads (default 0, every core: the
+served default, the stages in turn); the baselines run the whole model with `baseline_threads`
+(default: every core), so that each system may use the whole machine.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dvabatch_backend.runtime.settings import EVERY_CORE
 
 __all__ = ["Bench", "LENGTH_PRESET", "System", "query_maker", "sample_queries", "slice_options", "sliced", "slug"]
 
@@ -125,7 +127,7 @@ class Bench:
     and warms each up (`__enter__`); then measures them (`open_loop`, `closed_loop`)."""
 
     def __init__(self, zoo_name: str, size: str, out_dir: Path, systems: Sequence[System], *,
-                 threads: int = 1, baseline_threads: int | None = None,
+                 threads: int = EVERY_CORE, baseline_threads: int | None = None,
                  delays_us: Sequence[int] = (0, 1000, 2000, 5000), tune_seconds: float = 2.0,
                  seed: int = 0, timeout: float = 60.0, progress: Callable[[str], None] = lambda _: None) -> None:
         labels = [s.label for s in systems]

@@ -73,8 +73,7 @@ MEASUREMENT_INTERVAL_MS = 3000
 QUICK_MEASUREMENT_INTERVAL_MS = 1000
 WINDOWS = 3  # perf_analyzer judges a level over 3 windows; -r 3 with a huge -s: exactly 3 per level
 INPUT_QUERIES = 200
-C1_ROUNDS = 3
-LOAD_ROUNDS = 3  # the fixed Poisson loads: each a median of this many rounds, systems in alternating order
+LOAD_ROUNDS = 3  # concurrency 1, the closed-loop sweep, the fixed loads: each a median of this many rounds
 CONCURRENCIES = (1, 2, 4, 8, 16)  # closed-loop throughput at each (capped at bs_max)
 FIXED_LOAD_WINDOWS_X = 2  # the fixed rates get windows this many times longer: more queries for a p99
 # DVABatch against the better baseline (issue "faster by default"): c=1 mean difference (ms), and ratios
@@ -347,11 +346,11 @@ def warm_up(url: str, system: SystemResult, data: Path, plan: Plan, bs_max: int)
 
 
 def measure_lone(url: str, systems: Sequence[SystemResult], data: Path, plan: Plan) -> None:
-    """Concurrency 1, C1_ROUNDS rounds with the systems' order reversed each round; the figures
+    """Concurrency 1, the plan's rounds with the systems' order reversed each round; the figures
     are the rounds' medians, with the means' spread (one lone query's latency moves with whatever
     else the machine does)."""
     figures: dict[str, list[tuple[float, float, float]]] = {s.label: [] for s in systems}
-    for r in range(C1_ROUNDS):
+    for r in range(plan.load_rounds):
         for system in (systems if r % 2 == 0 else list(reversed(systems))):
             lone = _run(url, system.model, data, plan, concurrency_range=(1,))
             _note_errors(lone, system, "concurrency 1")
@@ -506,7 +505,7 @@ def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: 
         progress(f"{system.label}: warm-up")
         warm_up(server.grpc_url, system, data, plan, bs_max)
     share = {s.label: FastPathShare(server, s) for s in systems}
-    progress(f"concurrency 1, {C1_ROUNDS} rounds")
+    progress(f"concurrency 1, {plan.load_rounds} round(s)")
     lone = share.get(DVA, share[systems[0].label])  # the rounds take every system in turn
     lone("c1", lambda: measure_lone(server.grpc_url, systems, data, plan))
     main = [s for s in systems if s.label not in OVERHEAD]  # the overhead variants: c=1 and their peak only
@@ -721,9 +720,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--measurement-interval", type=int, default=None, metavar="MS",
                         help=f"perf_analyzer's window (default {MEASUREMENT_INTERVAL_MS}, --quick "
                              f"{QUICK_MEASUREMENT_INTERVAL_MS})")
-    parser.add_argument("--quick", action="store_true", help="shorter windows, fewer steps, one round of the fixed loads")
+    parser.add_argument("--quick", action="store_true", help="shorter windows, fewer steps, one round of concurrency 1 and of the fixed loads")
     parser.add_argument("--rounds", type=int, default=None,
-                        help=f"rounds of the fixed loads, each figure their median (default {LOAD_ROUNDS}; --quick 1)")
+                        help=f"rounds of concurrency 1, the closed-loop sweep and the fixed loads, each figure their median "
+                             f"(default {LOAD_ROUNDS}; --quick 1)")
     parser.add_argument("--sliced", type=Path, default=None, metavar="DIR",
                         help="the same model sliced another way (e.g. `dvabatch slice --stages 2`), served beside "
                              f"as {SLICED!r} and measured as DVABatch is")

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from dvabatch_backend.runtime.settings import EVERY_CORE
 from perf.baselines.bench import LENGTH_PRESET, Bench, System, slug as _slug
 from perf.load.stats import jsonable, latency_fields
 
@@ -66,7 +67,7 @@ class ExperimentSettings:
     latency_target: float = 0.5  # seconds: goodput, and the stepping load's peak (p99 within it)
     seed: int = 0
     timeout: float = 60.0
-    threads: int = 1  # per dvabatch stage: the stages share the cores (more oversubscribes them)
+    threads: int = EVERY_CORE  # per dvabatch stage: 0, every core (the served default: the stages in turn)
     baseline_threads: int | None = None  # None: every core
     policies: Mapping[str, str] = field(default_factory=dict)  # overrides of DEFAULT_POLICIES
     policy_params: Mapping[str, Mapping[str, object]] = field(default_factory=dict)  # per model
@@ -479,7 +480,7 @@ def report_markdown(results: Mapping[str, Any]) -> str:
 def _model_line(entry: Mapping[str, Any]) -> str:
     tuning = entry.get("delay_tuning") or {}
     parts = [f"policy `{entry.get('policy')}`", f"{entry.get('stages')} stages", f"bs_max {entry.get('bs_max')}",
-             f"{entry.get('threads_per_stage')} thread(s) per stage, baselines {entry.get('baseline_threads')}"]
+             f"{entry.get('threads_per_stage') or 'every core'} thread(s) per stage, baselines {entry.get('baseline_threads')}"]
     if entry.get("peak"):
         parts.append(f"ZeroBatch peak {_fmt(entry['peak'].get('throughput_qps'))} qps")
     if tuning:
@@ -629,7 +630,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="stepping load: rate steps")
     parser.add_argument("--step-queries", type=int, default=60, help="stepping load: queries per step")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="onnxruntime threads per dvabatch stage")
+    parser.add_argument("--threads", type=int, default=EVERY_CORE,
+                        help="onnxruntime threads per dvabatch stage (default 0: every core, the served default)")
     parser.add_argument("--baseline-threads", type=int, default=None, help="onnxruntime threads of the baselines "
                         "(default: every core)")
     parser.add_argument("--no-progress", action="store_true")

@@ -3,6 +3,7 @@ goodput latency-target admission buys. One command, every run side by side in on
 
     python -m perf.reliability.overload                       # zoo BERT at bench size, target 100 ms
     python -m perf.reliability.overload --model minilm --factor 2 --seconds 20
+    python -m perf.reliability.overload --size test --seconds 1 --quick   # a smoke run: every part, briefly
 
 Systems (the same sliced model, the same queries at the same times):
   - `dvabatch`: the config the slicer writes (its default queue bound, no latency target);
@@ -40,7 +41,21 @@ from perf.load.stats import LoadResult, peak_load
 
 TIMEOUT_S = 60.0
 LOW_LOAD = 0.3
-RECOVERY_S = 8.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How long each part runs besides the overload itself (`--seconds`)."""
+
+    peak_seconds: float = 4.0  # the closed-loop estimate the stepping load is scaled to
+    steps: int = 12  # the stepping load, 0.3x to 1.5x the estimate
+    step_seconds: float = 1.5  # each step lasts about this long ...
+    step_min_queries: int = 60  # ... with at least this many queries
+    low_seconds: float = 5.0  # the low-load latency measured before the overload
+    recovery_seconds: float = 8.0  # the low load after the overload, to see latency come back
+
+
+QUICK = Plan(peak_seconds=1.0, steps=5, step_seconds=0.5, step_min_queries=20, low_seconds=1.0, recovery_seconds=2.0)
 
 
 @dataclass
@@ -69,7 +84,7 @@ def serve(out: Path, zoo_name: str, size: str, target_ms: float):
     return repo, manifest, int_high, names
 
 
-def closed_loop_peak(setup: Setup, system: str, seconds: float = 4.0) -> float:
+def closed_loop_peak(setup: Setup, system: str, seconds: float) -> float:
     bs_max = setup.manifest.max_batch_size
     name = setup.names[system]
     run_closed_loop(setup.server.grpc_url, name, setup.queries, concurrency=bs_max, n=4 * bs_max, timeout=TIMEOUT_S)
@@ -77,9 +92,10 @@ def closed_loop_peak(setup: Setup, system: str, seconds: float = 4.0) -> float:
                            timeout=TIMEOUT_S).throughput()
 
 
-def sustained_rate(setup: Setup, system: str, target: float, estimate: float, seed: int) -> tuple[float, list]:
+def sustained_rate(setup: Setup, system: str, target: float, estimate: float, seed: int,
+                   plan: Plan) -> tuple[float, list]:
     """The highest step of a stepping Poisson load answered whole with p99 within `target`."""
-    steps, per_step = 12, max(60, int(estimate * 1.5))
+    steps, per_step = plan.steps, max(plan.step_min_queries, int(estimate * plan.step_seconds))
     start, step = LOW_LOAD * estimate, (1.5 - LOW_LOAD) * estimate / (steps - 1)
     n = steps * per_step
     rates = stepping_rates(start, step, per_step, n)
@@ -127,15 +143,15 @@ class OverloadFigures:
 
 
 def overload(setup: Setup, system: str, sustained: float, factor: float, seconds: float, seed: int,
-             stub_pids: Sequence[int]) -> OverloadFigures:
+             stub_pids: Sequence[int], plan: Plan) -> OverloadFigures:
     from perf.reliability.soak import RssSampler
 
     low = LOW_LOAD * sustained
-    baseline = _open(setup, system, poisson(low, max(30, int(low * 5)), rng=seed), seed)
+    baseline = _open(setup, system, poisson(low, max(30, int(low * plan.low_seconds)), rng=seed), seed)
     low_p99 = float(np.percentile(baseline.latencies(), 99))
     heavy = poisson(factor * sustained, int(factor * sustained * seconds), rng=seed + 1)
     drop = float(heavy[-1]) if len(heavy) else 0.0
-    calm = drop + poisson(low, max(20, int(low * RECOVERY_S)), rng=seed + 2)
+    calm = drop + poisson(low, max(20, int(low * plan.recovery_seconds)), rng=seed + 2)
     offsets = np.concatenate([heavy, calm])
     sampler = RssSampler(stub_pids, every=1.0).start()
     result = _open(setup, system, offsets, seed + 3)
@@ -188,6 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--systems", default="dvabatch,zerobatch", help="systems overloaded (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("work/perf"), help="where slices are kept (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: a 1-s closed-loop estimate, 5 short steps, 1 s of low load before the "
+                             "overload and 2 s after")
     args = parser.parse_args(argv)
     return run(args)
 
@@ -219,12 +238,13 @@ def measure(setup: Setup, args: argparse.Namespace, target: float) -> None:
     from perf.reliability.soak import stub_pids
 
     server, manifest, names = setup.server, setup.manifest, setup.names
+    plan = QUICK if args.quick else Plan()
     print(f"{args.model} ({args.size}), {manifest.num_stages} stages, bs_max {manifest.max_batch_size}, "
           f"target p99 {args.target_ms:g} ms", flush=True)
     sustained = {}
     for system in args.systems.split(","):
-        estimate = closed_loop_peak(setup, system)
-        sustained[system], steps = sustained_rate(setup, system, target, estimate, args.seed + 10)
+        estimate = closed_loop_peak(setup, system, plan.peak_seconds)
+        sustained[system], steps = sustained_rate(setup, system, target, estimate, args.seed + 10, plan)
         print(f"{system}: closed-loop peak {estimate:.1f} qps; sustained {sustained[system]:.1f} qps "
               f"(steps: " + ", ".join(f"{r:.0f}:{s.get('latency_p99_ms') or 0:.0f}ms"
                                       + ("!" if s['errors'] else "") for r, s in steps) + ")", flush=True)
@@ -233,13 +253,13 @@ def measure(setup: Setup, args: argparse.Namespace, target: float) -> None:
         if base:
             print(f"sustained rate ratio dvabatch / zerobatch: {sustained.get('dvabatch', 0.0) / base:.2f}")
     print(f"\noverload at {args.factor:g}x each system's sustained rate for {args.seconds:g} s, "
-          f"then {LOW_LOAD:g}x for {RECOVERY_S:g} s:", flush=True)
+          f"then {LOW_LOAD:g}x for {plan.recovery_seconds:g} s:", flush=True)
     for system, rate in sustained.items():
         if rate <= 0:
             print(f"{system}: no sustained rate under the target; skipped")
             continue
         figures = overload(setup, system, rate, args.factor, args.seconds, args.seed + 20,
-                           stub_pids(server, [names[system]]))
+                           stub_pids(server, [names[system]]), plan)
         print(figures.line(), flush=True)
     rate = args.goodput_factor * sustained.get("dvabatch", 0.0)
     if rate > 0:

@@ -61,6 +61,6 @@ def test_served_profile(bert_dir: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.server
-def test_overload(tmp_path: Path) -> None:
-    assert "sustained" in run("perf.reliability.overload", "--size", "test", "--seconds", "1", "--factor", "2",
-                              "--out", str(tmp_path))
+def test_overload(zoo_out: Path) -> None:
+    assert "sustained" in run("perf.reliability.overload", "--size", "test", "--seconds", "1", "--factor", "2", "--quick",
+                              "--out", str(zoo_out))

@@ -18,10 +18,9 @@ SETTINGS = ExperimentSettings(size="test", queries=QUERIES, peak_seconds=1.0, fr
 
 
 @pytest.fixture(scope="module")
-def fig14(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fig14")
-    results = figure14(["bert"], out, SETTINGS)
-    return out, results, write_report(results, out)
+def fig14(zoo_out):
+    results = figure14(["bert"], zoo_out, SETTINGS)  # the test-size slice other perf commands made, reused
+    return zoo_out, results, write_report(results, zoo_out)
 
 
 def test_every_query_is_answered(fig14) -> None:
@@ -77,10 +76,10 @@ def test_slices_are_reused_and_cli_rejects_bad_policy(fig14, capsys) -> None:
         main(["figure14", "--models", "bert", "--policy", "bert", "--out", str(out)])
 
 
-def test_stepping_load_and_overhead_smoke(tmp_path) -> None:
+def test_stepping_load_and_overhead_smoke(zoo_out, tmp_path) -> None:
     """Figure 15 (stepping load) and Figure 21 (closed loop at concurrency 1): every query answered,
     the peak loads read off the steps, and both reports written."""
-    stepping = figure15(["bert"], tmp_path, SETTINGS)
+    stepping = figure15(["bert"], zoo_out, SETTINGS)
     entry = stepping["models"]["bert"]
     n = SETTINGS.steps * SETTINGS.step_queries
     assert len(entry["rates_qps"]) == n and sorted(entry["rates_qps"]) == entry["rates_qps"]
@@ -93,7 +92,7 @@ def test_stepping_load_and_overhead_smoke(tmp_path) -> None:
     paths = write_report(stepping, tmp_path / "figure15")
     assert paths["png"].stat().st_size > 0 and "peak load under target" in paths["markdown"].read_text()
 
-    overhead = figure21(["bert"], tmp_path, SETTINGS, rounds=2)
+    overhead = figure21(["bert"], zoo_out, SETTINGS, rounds=2)
     entry = overhead["models"]["bert"]
     assert entry["systems"]["DVABatch"]["settings"]["policy_params"]["window"] == 0
     for label, stats in entry["closed_loop"].items():

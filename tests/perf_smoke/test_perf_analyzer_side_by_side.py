@@ -1,9 +1,9 @@
 """`python -m perf.compare.by_perf_analyzer` at the zoo's test size, short windows: the slicer's
 model beside ZeroBatch and DelayBatch in one real tritonserver, measured by the real perf_analyzer
 (concurrency 1, closed loop at bs_max, stepping Poisson rates, the fixed 0.5x and 0.9x rates, and
-Gamma CV 4 arrivals at 0.5x). A row
-per system, every request succeeded (Triton's own statistics: no failure, some successes), and a
-verdict per figure; no timing assertions."""
+Gamma CV 4 arrivals at 0.5x). A row per system, every request succeeded (Triton's own statistics:
+no failure, some successes), and a verdict per figure; no timing assertions. The closed-loop sweep
+over client counts and the rounds' order are checked on perf_analyzer results given by the test."""
 from __future__ import annotations
 
 import json
@@ -16,10 +16,11 @@ from perf.compare import by_perf_analyzer as sbs
 
 
 @pytest.mark.server
-def test_a_row_per_system_and_every_request_succeeded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = sbs.main(["--size", "test", "--quick", "--measurement-interval", "500", "--out", str(tmp_path), "--overhead"])
+def test_a_row_per_system_and_every_request_succeeded(zoo_out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = sbs.main(["--size", "test", "--quick", "--measurement-interval", "500", "--out", str(zoo_out), "--overhead",
+                     "--no-closed-loop-sweep"])
     out = capsys.readouterr().out
-    results = json.loads((tmp_path / "perf_analyzer_side_by_side" / "bert" / "test" / "results.json").read_text())
+    results = json.loads((zoo_out / "perf_analyzer_side_by_side" / "bert" / "test" / "results.json").read_text())
     systems = {s["label"]: s for s in results["systems"]}
     overhead = ("ZeroBatch-sender", "ZeroBatch-thread", "Echo", "DVABatch-pipeline")
     assert set(systems) == {"DVABatch", "ZeroBatch", "DelayBatch", *overhead}, out
@@ -35,7 +36,7 @@ def test_a_row_per_system_and_every_request_succeeded(tmp_path: Path, capsys: py
         # a rate step, unless the lowest rate was already past the target (perf_analyzer's latency stop)
         assert system["steps"] or system["sustained_rate"] is None, (label, out)
         assert set(system["loads"]) == {"0.5x", "0.9x", "0.5x gamma4"}, (label, out)
-        assert set(system["closed_loop"]) == {"1", "2", "4", "8"}, (label, out)  # bs_max 8 at test size
+        assert system["closed_loop"] == {}, (label, out)  # --no-closed-loop-sweep
         assert all(load["mean_ms"] > 0 and load["p99_ms"] >= load["mean_ms"] * 0.5 for load in system["loads"].values())
         assert any(line.startswith(label) for line in out.splitlines()), out
     # the same fixed rates for every system, fractions of ZeroBatch's sustained rate (or its peak)
@@ -83,6 +84,33 @@ def test_every_system_steps_over_one_grid_each_level_the_median_of_its_rounds(mo
     # the systems' order alternates from round to round and from level to level
     assert [m for m, r in asked if r == 20.0] == ["fast", "slow", "slow", "fast", "fast", "slow"]
     assert [m for m, r in asked if r == 30.0][:2] == ["slow", "fast"]
+
+
+def test_concurrency_one_and_the_closed_loop_sweep_alternate_the_order_and_keep_the_median(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # each run answers with the next figure of its system (latency in ms at c=1, throughput in the sweep)
+    figures = {"a": iter([5.0, 9.0, 6.0, 100.0, 130.0, 120.0, 200.0, 210.0, 190.0]),
+               "b": iter([7.0, 7.5, 20.0, 90.0, 95.0, 80.0, 150.0, 170.0, 160.0])}
+    asked: list[tuple[str, int]] = []
+
+    def run(url: str, model: str, data: Path, plan: sbs.Plan, windows_x: int = 1, **load: object) -> sbs.PerfResult:
+        clients = load["concurrency_range"][0]  # type: ignore[index]
+        asked.append((model, clients))
+        value = next(figures[model])  # read as the mean (ms) at concurrency 1, as the throughput in the sweep
+        row = sbs.PerfRow("concurrency", clients, value, *[value * 1e3] * 5)
+        return sbs.PerfResult([], 0, "", "", [row], [clients], True)
+
+    monkeypatch.setattr(sbs, "_run", run)
+    a, b = sbs.SystemResult("DVABatch", "a"), sbs.SystemResult("ZeroBatch", "b")
+    plan = sbs.Plan.for_args(quick=True, latency_target_ms=100.0, rounds=3)
+    sbs.measure_lone("url", [a, b], tmp_path, plan)
+    assert [m for m, _ in asked] == ["a", "b", "b", "a", "a", "b"]
+    assert (a.c1_mean_ms, a.c1_mean_spread_ms) == (6.0, (5.0, 9.0)) and b.c1_mean_ms == 7.5
+    asked.clear()
+    sbs.measure_closed_loop("url", [a, b], tmp_path, plan, bs_max=2)  # clients 1 and 2, three rounds each
+    assert asked == [("a", 1), ("b", 1), ("b", 1), ("a", 1), ("a", 1), ("b", 1),
+                     ("b", 2), ("a", 2), ("a", 2), ("b", 2), ("b", 2), ("a", 2)]
+    assert a.closed_loop == {"1": 120.0, "2": 200.0} and b.closed_loop == {"1": 90.0, "2": 160.0}
 
 
 def test_verdicts_take_the_better_baseline_for_each_figure() -> None:

@@ -21,7 +21,7 @@ def test_the_slicer_writes_the_chosen_policy_and_auto_loads_it(tmp_path: Path) -
     div = report.profile["diversity"]
     assert recorded["choice"] == choose(div["input"], div["operator"])[0] == "input"  # a length axis
     written = parameters((tmp_path / "bert" / "config.pbtxt").read_text())
-    assert written["policy"] == "input" and written["thread_pool"] == "global"
+    assert written["policy"] == "input" and (written["thread_pool"], written["threads_per_stage"]) == ("per_stage", "0")
     assert isinstance(load_policy("auto", {}, report.chosen.dir), InputDiversityPolicy)
     assert parameters(config_pbtxt(report.manifest, policy="auto"))["policy"] == "auto"  # auto may be written too
 

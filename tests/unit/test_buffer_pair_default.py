@@ -1,6 +1,6 @@
-"""The buffer pairs a served model gets by default: 1 where the stages share every CPU core (the
-served default, global pool), 2 where each stage has cores or a device of its own; the slicer writes
-that number into config.pbtxt."""
+"""The buffer pairs a served model gets by default: 1 where each stage runs on every CPU core (the
+served default: a pool of every core per stage; or the global pool), 2 where each stage has a few
+cores or a device of its own; the slicer writes that number, and the threads, into config.pbtxt."""
 from __future__ import annotations
 
 
@@ -11,10 +11,11 @@ from slicer.triton_files import config_pbtxt
 from slicer.model_config import parameters
 
 
-@pytest.mark.parametrize("device, thread_pool, pairs", [
-    ("cpu", "global", 1), ("cpu", "per_stage", 2), ("cuda", "global", 2), ("cuda", "per_stage", 2)])
-def test_default_buffer_pairs(device: str, thread_pool: str, pairs: int) -> None:
-    assert default_buffer_pairs(device, thread_pool) == pairs
+@pytest.mark.parametrize("device, thread_pool, threads, pairs", [
+    ("cpu", "per_stage", 0, 1), ("cpu", "per_stage", 1, 2), ("cpu", "per_stage", 2, 2), ("cpu", "global", 1, 1),
+    ("cuda", "per_stage", 0, 2), ("cuda", "global", 1, 2)])
+def test_default_buffer_pairs(device: str, thread_pool: str, threads: int, pairs: int) -> None:
+    assert default_buffer_pairs(device, thread_pool, threads) == pairs
 
 
 def _pairs(config: str) -> int:
@@ -23,7 +24,9 @@ def _pairs(config: str) -> int:
 
 def test_the_slicer_writes_the_default_and_keeps_a_chosen_number(zoo) -> None:
     manifest = zoo.stages("token", 2).manifest
-    assert _pairs(config_pbtxt(manifest)) == 1
-    assert _pairs(config_pbtxt(manifest, thread_pool="per_stage")) == 2
+    written = parameters(config_pbtxt(manifest))
+    assert (written["thread_pool"], written["threads_per_stage"], written["num_buffer_pairs"]) == ("per_stage", "0", "1")
+    assert _pairs(config_pbtxt(manifest, threads_per_stage=1)) == 2
+    assert _pairs(config_pbtxt(manifest, thread_pool="global", threads_per_stage=1)) == 1
     assert _pairs(config_pbtxt(manifest, extra={"device": "cuda", "engine": "torch"})) == 2
     assert _pairs(config_pbtxt(manifest, num_buffer_pairs=3)) == 3
