@@ -122,6 +122,9 @@ def _used_by_this_session(folders: list[Path]) -> set[Path]:
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    support = sys.modules.get("tests.triton_support")
+    if support is not None:
+        support.remove_slices()  # the zoo slices the server tests shared: this session's own, removed here
     left = sorted(p for p in Path(tempfile.gettempdir()).glob(LEFTOVER_GLOB) if p not in _tmp_at_start)
     if not left:
         return

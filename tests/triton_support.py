@@ -52,12 +52,23 @@ class ServedModel:
         return dict(zip(names, (r[0] for r in self._full.run(None, {k: v[None] for k, v in query.items()}))))
 
 
-# each (zoo model, stage count) is sliced once per test process, in a folder removed at exit; a
-# caller gets a copy of its own (tests write into their version folders: policies, logs, gates)
+# each (zoo model, stage count) is sliced once per test process, in a folder removed when the session
+# ends (tests/conftest.py) or at exit; a caller gets a copy of its own (tests write into their version
+# folders: policies, logs, gates)
 _slices: dict[tuple[str, int], tuple[Path, dict[str, int]]] = {}
 _slice_lock = threading.Lock()
-_SLICE_ROOT = Path(tempfile.mkdtemp(prefix="dvabatch-test-slices-"))
-atexit.register(shutil.rmtree, _SLICE_ROOT, True)
+_slice_root: list[Path] = []
+
+
+def remove_slices() -> None:
+    with _slice_lock:
+        for root in _slice_root:
+            shutil.rmtree(root, ignore_errors=True)
+        _slice_root.clear()
+        _slices.clear()
+
+
+atexit.register(remove_slices)
 
 
 def slice_zoo_model(repository: Path, zoo_name: str, stages: int = 3) -> ServedModel:
@@ -70,7 +81,9 @@ def slice_zoo_model(repository: Path, zoo_name: str, stages: int = 3) -> ServedM
             options = SliceOptions(stages=stages, max_batch_size=8, max_length=max_length or 128, repeats=3,
                                    batch_sizes=(1, 2, 4, 8), lengths=(max_length,) if max_length else None,
                                    calibration_rounds=1)
-            report = slice_model(model, _SLICE_ROOT / f"{zoo_name}-{stages}", options)
+            if not _slice_root:
+                _slice_root.append(Path(tempfile.mkdtemp(prefix="dvabatch-test-slices-")))
+            report = slice_model(model, _slice_root[0] / f"{zoo_name}-{stages}", options)
             _slices[(zoo_name, stages)] = report.out_dir, int_bounds(model)
         sliced, int_high = _slices[(zoo_name, stages)]
     target = repository / zoo_name
