@@ -53,8 +53,8 @@ class SliceOptions:
     max_batch_size: int = 64
     max_length: int = 128  # for models with a sequence dimension
     threads: int = 1  # onnxruntime threads for node costs and stage balancing
-    # threads of the stage profile and the fast path's timing: by default every core, as the served
-    # global pool runs each stage (the policies plan with these times)
+    # threads of the stage profile and the fast path's timing: by default every core, as each stage
+    # runs served (the policies plan with these times)
     profile_threads: int | None = None
     batch_sizes: tuple[int, ...] | None = None  # stage profile; default 1, 2, 4, ... up to max_batch_size (<= 64)
     lengths: tuple[int, ...] | None = None  # stage profile length buckets
@@ -402,8 +402,7 @@ def measure_pipeline(folder: Path, manifest: Manifest, length: int, int_high: di
                      seconds: float = 0.6, concurrency: int = 8) -> float:
     """Queries per second through the runtime as the slicer's config serves it on this CPU, closed
     loop at `concurrency` queries in flight: batches as the load policy makes them, one buffer pair
-    (stages one at a time), each stage on every core (the served global pool, here as per-stage
-    sessions: a process that takes onnxruntime's global pool cannot make per-session ones after)."""
+    (stages one at a time), each stage on a pool of every core of its own, as served."""
     from dvabatch_backend.runtime import RuntimeSettings, load_pipeline
     from policies import create_policy
 

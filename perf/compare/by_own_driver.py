@@ -51,8 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("dir", type=Path, metavar="DIR",
                         help="the model repository dvabatch demo --out DIR wrote, or a sliced model folder")
     parser.add_argument("--seconds", type=float, default=SECONDS, help="time budget of the runs (default: %(default)s)")
-    # the same threads as the served dvabatch model: its stages share one onnxruntime pool of every
-    # core (thread_pool: global, the slicer's default)
+    # the same threads as the served dvabatch model: each stage, in turn, on every core (the
+    # slicer's default: thread_pool per_stage, threads_per_stage 0)
     parser.add_argument("--baseline-threads", type=int, default=available_cores(), metavar="N",
                         help="onnxruntime threads of ZeroBatch's unsliced model (default: every core, %(default)s)")
     args = parser.parse_args(argv)

@@ -10,7 +10,7 @@ report also gives, for DVABatch, the share of each figure's queries answered on 
 
 One tritonserver serves the zoo model sliced as `dvabatch slice` would (the config.pbtxt the slicer
 wrote, untouched: its policy choice and settings) beside two baselines on the unsliced model, with
-the same threads as the dvabatch stages' global pool (every core, `available_cores()`):
+the same threads as each served dvabatch stage (every core, `available_cores()`):
 ZeroBatch (Triton's dynamic batcher, no queue delay) and DelayBatch (the same with a queue delay
 of one lone query's profiled time, the sum of the stages' batch-1 times). Every perf_analyzer run
 sends the same input data: seeded queries of GLUE-like lengths (`--lengths`, default "rte"), one

@@ -31,7 +31,6 @@ from dvabatch_backend.runtime.decisions import Policy
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.runtime.pipeline import Pipeline
 from dvabatch_backend.runtime.query import Answer
-from perf.load.stats import latency_stats
 from dvabatch_backend.runtime.scheduler import Scheduler
 from dvabatch_backend.runtime.settings import RuntimeSettings
 
@@ -251,19 +250,3 @@ def overhead_breakdown(version_dir: Path, queries: Sequence[Inputs], policy: Pol
         for runner in runners.values():
             runner.stop()
     return breakdown_ms(samples[UNSLICED], samples[IN_A_ROW], samples[RUNTIME])
-
-
-# --- open loop -------------------------------------------------------------------------
-
-
-def us(x: float) -> float:
-    return x * 1e6
-
-
-def q(values: Sequence[float] | np.ndarray, p: float) -> float:
-    return float(np.percentile(np.asarray(values, dtype=float), p))
-
-
-def summary(values: Sequence[float] | np.ndarray, scale: float = 1e6) -> dict[str, float | None]:
-    """`perf.load.stats.latency_stats`, in microseconds by default."""
-    return latency_stats(values, scale)

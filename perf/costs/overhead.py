@@ -72,11 +72,9 @@ from perf.costs.inprocess import (
     ServedRunner,
     StagesRunner,
     breakdown_ms,
-    q,
     run_interleaved,
-    summary,
-    us,
 )
+from perf.load.stats import latency_stats
 from policies.pipelined import PipelinedPolicy
 from slicer import cut, toy
 
@@ -140,14 +138,14 @@ def part_handoff(tmp: Path, rounds: int, block: int, warmup: int) -> dict:
         cli = np.array([s.client for s in ss])
         overhead[n, p] = lat - eng
         result["configs"].append({
-            "stages": n, "pairs": p, "latency_us": summary(lat), "engine_us": summary(eng),
-            "overhead_us": summary(lat - eng), "client_latency_us": summary(cli),
+            "stages": n, "pairs": p, "latency_us": latency_stats(lat, 1e6), "engine_us": latency_stats(eng, 1e6),
+            "overhead_us": latency_stats(lat - eng, 1e6), "client_latency_us": latency_stats(cli, 1e6),
         })
     for p in PAIRS:
         base = float(np.median(overhead[1, p]))
         for n in STAGE_COUNTS[1:]:
             per = (overhead[n, p] - base) / (n - 1)
-            med, p90 = us(float(np.median(per))), us(q(per, 90))
+            med, p90 = float(np.median(per)) * 1e6, float(np.percentile(per, 90)) * 1e6
             result["handoff"].append({"stages": n, "pairs": p, "p50_us": med, "p90_us": p90,
                                       "target_us": HANDOFF_TARGET_US, "holds": med <= HANDOFF_TARGET_US})
     return result
@@ -197,7 +195,7 @@ def part_end_to_end(tmp: Path, rounds: int, block: int, warmup: int) -> dict:
     base_lat = np.array([s.latency for s in samples["unsliced onnxruntime"]])
     result: dict = {"model": f"token_mlp(hidden={hidden}, layers={layers}), length {length}",
                     "queries_per_config": rounds * block, "warmup": warmup, "rounds": rounds,
-                    "baseline_ms": summary(base_lat, 1e3), "configs": []}
+                    "baseline_ms": latency_stats(base_lat), "configs": []}
     for label, n, p in E2E_CONFIGS:
         ss = samples[label]
         lat = np.array([s.latency for s in ss])
@@ -209,8 +207,8 @@ def part_end_to_end(tmp: Path, rounds: int, block: int, warmup: int) -> dict:
         added_mean = float(lat.mean() - base_lat.mean()) * 1e3
         added_p50 = float(np.median(lat) - np.median(base_lat)) * 1e3
         entry = {
-            "config": label, "stages": n, "pairs": p, "latency_ms": summary(lat, 1e3), "engine_ms": summary(eng, 1e3),
-            "overhead_ms": summary(lat - eng, 1e3), "client_latency_ms": summary(cli, 1e3),
+            "config": label, "stages": n, "pairs": p, "latency_ms": latency_stats(lat), "engine_ms": latency_stats(eng),
+            "overhead_ms": latency_stats(lat - eng), "client_latency_ms": latency_stats(cli),
             "added_mean_ms": added_mean, "added_p50_ms": added_p50,
             "added_p50_per_round_median_ms": float(np.median(per_round)) * 1e3,
             "extra_engine_p50_ms": float(np.median(eng) - np.median(base_lat)) * 1e3,
@@ -318,7 +316,7 @@ def _sync_drive(model_dir: Path, pairs: int, queries: Sequence[Inputs], n_querie
     if len(got) != n_queries or any(a.error is not None for a in got):
         raise RuntimeError("synchronous drive: not every query was answered ok")
     skip = min(200, n_queries // 4)
-    med = lambda xs: us(float(np.median(xs[skip:])))  # noqa: E731
+    med = lambda xs: float(np.median(xs[skip:])) * 1e6  # noqa: E731
     nw = [med(x) for x in nw_t]
     fw = [med(x) for x in fw_t]
     return {
@@ -363,8 +361,8 @@ def _threaded_breakdown(model_dir: Path, pairs: int, queries: Sequence[Inputs], 
     in_fw = np.concatenate([fw[k, :, 1] - fw[k, :, 0] for k in mid])
     wake = np.concatenate([nw[k + 1] - fw[k, :, 1] for k in mid])
     to_eng = np.concatenate([eng[k + 1, :, 0] - nw[k + 1] for k in mid])
-    med = lambda a: us(float(np.median(a)))  # noqa: E731
-    p90 = lambda a: us(q(a, 90))  # noqa: E731
+    med = lambda a: float(np.median(a)) * 1e6  # noqa: E731
+    p90 = lambda a: float(np.percentile(a, 90)) * 1e6  # noqa: E731
     return {
         "pairs": pairs,
         "executor_wakeups_per_query": wakeups_per_query,
@@ -421,7 +419,7 @@ def _wakeup_pingpong(n: int, idle_s: float = 0.0) -> dict:
         cond_b.notify()
     thread.join()
     a = np.array(one_way[min(100, n // 4):])
-    return {"p50_us": us(float(np.median(a))), "p90_us": us(q(a, 90))}
+    return {"p50_us": float(np.median(a)) * 1e6, "p90_us": float(np.percentile(a, 90)) * 1e6}
 
 
 def _ort_call_costs(model_dir: Path, n: int) -> dict:
@@ -626,7 +624,7 @@ def _median_us(cases: dict, n: int) -> dict:
             t0 = perf()
             fn()
             ts.append(perf() - t0)
-        out[label] = us(float(np.median(ts)))
+        out[label] = float(np.median(ts)) * 1e6
     return out
 
 

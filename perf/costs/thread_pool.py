@@ -9,10 +9,10 @@ time (batch 1), blocks interleaved in shuffled order (`perf.costs.inprocess.run_
 - the unsliced model on every available core, its own pool of that many threads, no spin-waiting:
   the baselines' engine (`perf.baselines.model`), the reference;
 - its stages run one after another, 1 onnxruntime thread per stage (`thread_pool per_stage`);
-- the same with as many threads per stage as cores (per-stage pools, oversubscribed when stages
-  run together);
+- the same with as many threads per stage as cores (per-stage pools: the served default,
+  `threads_per_stage 0`, where the stages run one at a time);
 - its stages run one after another on onnxruntime's global pool of every core (`thread_pool
-  global`, the runtime's default), and the unsliced model on that pool too.
+  global`), and the unsliced model on that pool too.
 
 Printed per length: each one's median latency and the ratio to the reference. With one thread per
 stage a lone stage uses one core of several; with the global pool it uses them all, so its ratio is
