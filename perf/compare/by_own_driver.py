@@ -32,7 +32,7 @@ from dvabatch_backend.tools.demo import read_record
 from dvabatch_backend.tools.serve import TritonServer
 from perf.load.arrivals import poisson
 from perf.baselines.bench import sample_queries
-from perf.load.drivers import run_closed_loop, run_open_loop
+from perf.load.drivers import alternating, run_closed_loop, run_open_loop
 from perf.paper.experiments import DVA, ZERO, ratios
 from perf.load.stats import LoadResult
 
@@ -123,10 +123,8 @@ def side_by_side(server: TritonServer, dva_name: str, zero_name: str, manifest: 
     for k, (fraction, rate) in enumerate(zip(loads, rates)):
         offsets = poisson(rate, n, rng=seed + 100 + k)
         queries, lengths = sample_queries(manifest, int_high, n, seed + 200 + k)
-        # alternate which system goes first, so neither always meets a server warmed by the other
-        order = [(dva_name, zero_name), (zero_name, dva_name)][k % 2]
         results = {model: run_open_loop(server.grpc_url, model, queries, offsets, timeout=timeout, lengths=lengths)
-                   for model in order}
+                   for model in alternating((dva_name, zero_name), k)}
         rows.append(Row(fraction, rate, results[dva_name], results[zero_name]))
     for line in table(rows):
         print(line)
@@ -166,8 +164,8 @@ def lone_latency(url: str, models: Sequence[str], manifest: Manifest, int_high: 
     queries, _ = sample_queries(manifest, int_high, LONE_QUERIES, seed + 300)
     half = LONE_QUERIES // 2
     runs: dict[str, list[LoadResult]] = {m: [] for m in models}
-    for part, order in ((queries[:half], models), (queries[half:], list(reversed(models)))):
-        for model in order:
+    for turn, part in enumerate((queries[:half], queries[half:])):
+        for model in alternating(models, turn):
             runs[model].append(run_closed_loop(url, model, part, concurrency=1, n=len(part), timeout=timeout))
     return {m: dataclasses.replace(r[0], records=[rec for result in r for rec in result.records])
             for m, r in runs.items()}

@@ -62,6 +62,7 @@ import numpy as np
 
 from dvabatch_backend.runtime.engine import available_cores
 from perf.load.arrivals import gamma
+from perf.load.drivers import alternating
 from perf.load.perf_analyzer import PerfResult, PerfRow, run_perf_analyzer, write_input_data, write_request_intervals
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "work" / "perf"
@@ -351,7 +352,7 @@ def measure_lone(url: str, systems: Sequence[SystemResult], data: Path, plan: Pl
     else the machine does)."""
     figures: dict[str, list[tuple[float, float, float]]] = {s.label: [] for s in systems}
     for r in range(plan.load_rounds):
-        for system in (systems if r % 2 == 0 else list(reversed(systems))):
+        for system in alternating(systems, r):
             lone = _run(url, system.model, data, plan, concurrency_range=(1,))
             _note_errors(lone, system, "concurrency 1")
             if lone.rows:
@@ -371,7 +372,7 @@ def measure_closed_loop(url: str, systems: Sequence[SystemResult], data: Path, p
     seen: dict[tuple[str, str], list[float]] = {}
     for i, clients in enumerate(c for c in CONCURRENCIES if c <= bs_max):
         for r in range(plan.load_rounds):
-            for system in (systems if (i + r) % 2 == 0 else list(reversed(systems))):
+            for system in alternating(systems, i + r):
                 result = _run(url, system.model, data, plan, concurrency_range=(clients,))
                 _note_errors(result, system, f"concurrency {clients}")
                 if result.rows:
@@ -423,7 +424,7 @@ def measure_sustained(url: str, systems: Sequence[SystemResult], data: Path, pla
     for i, rate in enumerate(rates):
         rounds: dict[str, list[PerfRow]] = {s.label: [] for s in active}
         for r in range(plan.load_rounds):
-            for system in (active if (i + r) % 2 == 0 else active[::-1]):
+            for system in alternating(active, i + r):
                 progress(f"{system.label}: Poisson at {rate:g}/s, round {r + 1}")
                 result = _run(url, system.model, data, plan, async_mode=True, **arrivals(rate, None))
                 _note_errors(result, system, f"request rate {rate:g}")
@@ -532,7 +533,7 @@ def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: 
         for i, load in enumerate(FIXED_LOADS):
             key, rate = load.key, rates[load.key]
             shape = f"Gamma CV {load.cv:g}" if load.cv != 1 else "Poisson"
-            for system in (systems if (i + r) % 2 == 0 else systems[::-1]):
+            for system in alternating(systems, i + r):
                 progress(f"{system.label}: {shape} at {rate:g}/s ({key} {of}), round {r + 1}")
                 share[system.label](key, lambda: measure_fixed_load(server.grpc_url, system, data, plan, key, rate,
                                                                     server.http_url, schedules.get(key)))

@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -36,6 +36,14 @@ from perf.load.transport import make_transport
 from perf.load.wire import Query, query_length
 
 __all__ = ["run_closed_loop", "run_open_loop"]
+
+T = TypeVar("T")
+
+
+def alternating(systems: Sequence[T], turn: int) -> list[T]:
+    """`systems` in order on even turns, reversed on odd ones: rounds measured side by side alternate
+    who goes first, so neither always meets a machine warmed (or disturbed) by the other."""
+    return list(systems) if turn % 2 == 0 else list(reversed(systems))
 
 
 class _Tracker:

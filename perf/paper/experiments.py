@@ -36,6 +36,7 @@ import numpy as np
 
 from dvabatch_backend.runtime.settings import EVERY_CORE
 from perf.baselines.bench import LENGTH_PRESET, Bench, System, slug as _slug
+from perf.load.drivers import alternating
 from perf.load.stats import jsonable, latency_fields
 
 __all__ = ["DEFAULT_FRACTIONS", "DEFAULT_MODELS", "DEFAULT_POLICIES", "EXPERIMENTS", "DVA", "SYSTEMS",
@@ -383,7 +384,7 @@ def figure21(models: Sequence[str], out_dir: Path, settings: ExperimentSettings,
                 latencies: dict[str, list[float]] = {label: [] for label in labels}
                 errors = {label: 0 for label in labels}
                 for k in range(rounds):
-                    for label in (labels if k % 2 == 0 else labels[::-1]):
+                    for label in alternating(labels, k):
                         bar.set_description(f"{model}: concurrency 1, {label}")
                         run = bench.closed_loop(label, 1, settings.peak_seconds / rounds, pool=pool)
                         latencies[label] += [float(x) for x in run.latencies()]  # seconds
