@@ -8,7 +8,9 @@
 - `FORCE_CPU_ONLY_INPUT_TENSORS: yes`: the Python backend hands requests' tensors over in host
   memory, which the runtime's buffers are (the engine copies each batch to the GPU once);
 - `num_buffer_pairs: 2`: stages on their own streams overlap (the slicer writes 1 for the CPU,
-  where the stages share every core).
+  where each stage in turn runs on every core);
+- `threads_per_stage: 1`: a stage's work is the GPU's; torch's CPU threads (one process-wide
+  setting) stay at one, not every core as on the CPU.
 
 Parameters already set are replaced, the others kept. Used by docker/Dockerfile at image build.
 """
@@ -19,7 +21,8 @@ from pathlib import Path
 
 from slicer import model_config
 
-GPU_PARAMETERS = {"engine": "torch", "device": "cuda", "FORCE_CPU_ONLY_INPUT_TENSORS": "yes", "num_buffer_pairs": "2"}
+GPU_PARAMETERS = {"engine": "torch", "device": "cuda", "FORCE_CPU_ONLY_INPUT_TENSORS": "yes", "num_buffer_pairs": "2",
+                  "threads_per_stage": "1"}
 
 
 def gpu_config(text: str, gpus: int = 1) -> str:
