@@ -129,9 +129,10 @@ class Plan:
 
     @classmethod
     def for_args(cls, quick: bool, latency_target_ms: float, interval_ms: int | None = None,
-                 rounds: int | None = None, closed_loop_sweep: bool = True) -> Plan:
+                 rounds: int | None = None, closed_loop_sweep: bool = True, rate_step: float | None = None) -> Plan:
         default = QUICK_MEASUREMENT_INTERVAL_MS if quick else MEASUREMENT_INTERVAL_MS
-        return cls(interval_ms or default, QUICK_RATE_FRACTIONS if quick else RATE_FRACTIONS, latency_target_ms,
+        start, end, step = QUICK_RATE_FRACTIONS if quick else RATE_FRACTIONS
+        return cls(interval_ms or default, (start, end, rate_step or step), latency_target_ms,
                    rounds or (1 if quick else LOAD_ROUNDS), closed_loop_sweep)
 
     def rates(self, peak: float) -> list[float]:
@@ -728,6 +729,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sliced", type=Path, default=None, metavar="DIR",
                         help="the same model sliced another way (e.g. `dvabatch slice --stages 2`), served beside "
                              f"as {SLICED!r} and measured as DVABatch is")
+    parser.add_argument("--rate-step", type=float, default=None, metavar="FRACTION",
+                        help="the step of the grid of Poisson rates, a fraction of the highest closed-loop peak "
+                             f"(default {RATE_FRACTIONS[2]:g}; a coarser grid measures fewer levels)")
     parser.add_argument("--no-closed-loop-sweep", action="store_true",
                         help=f"skip the closed-loop throughput at each of {CONCURRENCIES} clients")
     parser.add_argument("--overhead", action="store_true",
@@ -743,8 +747,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         delays_us = tuple(int(d) for d in args.delays.split(",") if d.strip())
     except ValueError:
         parser.error(f"--delays takes microseconds separated by commas, got {args.delays!r}")
+    if args.rate_step is not None and args.rate_step <= 0:
+        parser.error(f"--rate-step must be > 0, got {args.rate_step}")
     plan = Plan.for_args(args.quick, args.latency_target_ms, args.measurement_interval, args.rounds,
-                         not args.no_closed_loop_sweep)
+                         not args.no_closed_loop_sweep, args.rate_step)
     began = time.perf_counter()
     systems, info = run(args.model, args.size, args.out, plan, args.lengths, args.model_dir, args.overhead, delays_us,
                         args.sliced)

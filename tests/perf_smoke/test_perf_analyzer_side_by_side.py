@@ -17,8 +17,8 @@ from perf.compare import by_perf_analyzer as sbs
 
 @pytest.mark.server
 def test_a_row_per_system_and_every_request_succeeded(zoo_out: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = sbs.main(["--size", "test", "--quick", "--measurement-interval", "500", "--out", str(zoo_out), "--overhead",
-                     "--no-closed-loop-sweep"])
+    code = sbs.main(["--size", "test", "--quick", "--measurement-interval", "250", "--out", str(zoo_out), "--overhead",
+                     "--no-closed-loop-sweep", "--rate-step", "0.35"])  # rates at 0.5x, 0.85x, 1.2x the peak
     out = capsys.readouterr().out
     results = json.loads((zoo_out / "perf_analyzer_side_by_side" / "bert" / "test" / "results.json").read_text())
     systems = {s["label"]: s for s in results["systems"]}
@@ -53,6 +53,7 @@ def test_rates_step_over_a_peak() -> None:
     plan = sbs.Plan.for_args(quick=True, latency_target_ms=500.0)
     assert plan.rates(100.0) == [50.0, 60.0, 70.0, 80.0, 90.0, 100.0, 110.0, 120.0]
     assert sbs.Plan.for_args(quick=False, latency_target_ms=500.0).rates(100.0) == [30.0 + 10 * i for i in range(10)]
+    assert sbs.Plan.for_args(quick=True, latency_target_ms=500.0, rate_step=0.35).rates(100.0) == [50.0, 85.0, 120.0]
     assert plan.rates(0.5) == [1.0]  # perf_analyzer needs a rate of at least 1/s; no level twice
 
 

@@ -1,4 +1,4 @@
-"""A 15-second soak against the real tritonserver (perf.reliability.soak): the test-size bert served as four
+"""A 10-second soak against the real tritonserver (perf.reliability.soak): the test-size bert served as four
 variants (pipelined, input, load, hybrid policies), open-loop Poisson load at 0.9 x a rough sustained
 rate (0.8 x the closed-loop mixed peak), mixed lengths over gRPC and HTTP. Every query is answered,
 once: with its result, or refused with Triton's overload codes (the load is set from a measured rate,
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from perf.reliability.soak import soak
 
-SECONDS = 15.0
+SECONDS = 10.0
 
 
 def test_soak_loses_nothing_and_answers_right(zoo_out: Path) -> None:

@@ -1,6 +1,7 @@
-"""Every zoo model at test size, sliced into 2, 3 and 4 stages: the stages run in order equal the
-original (checked here, independently of the slicer's own verification), and the profile and
-directory are complete. The balance reached is printed, not asserted: it is measured on this
+"""Every zoo model at test size, sliced into 2, 3 and 4 stages (MiniLM, the real 22M-parameter
+weights and the slowest to slice, into 4 only: its cuts are the encoder's, as BERT's at 2 and 3):
+the stages run in order equal the original (checked here, independently of the slicer's own
+verification), and the profile and directory are complete. The balance reached is printed, not asserted: it is measured on this
 machine (a benchmark's claim); the balancing itself is tested on given costs in
 tests/unit/test_partition.py."""
 from __future__ import annotations
@@ -34,8 +35,10 @@ def _run_stages(folder, manifest: Manifest, feeds: dict[str, np.ndarray]) -> dic
     return values
 
 
-@pytest.mark.parametrize("stages", [2, 3, 4])
-@pytest.mark.parametrize("name", sorted(ZOO))
+CASES = [(name, stages) for name in sorted(ZOO) for stages in (2, 3, 4) if name != "minilm" or stages == 4]
+
+
+@pytest.mark.parametrize("name, stages", CASES, ids=[f"{name}-{stages}" for name, stages in CASES])
 def test_zoo_model_slices_into_stages_equal_to_the_model(tmp_path, name: str, stages: int) -> None:
     model = _model(name)
     max_length = ZOO[name].max_length.get("test", 0)
