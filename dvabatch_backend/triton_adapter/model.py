@@ -77,8 +77,7 @@ _PARSERS: dict[str, parameters.Parser] = {
 }
 
 
-# the stub process is ours alone: its stages share one onnxruntime pool of every core
-# each stage in turn on a pool of every core of its own (runtime/settings.py says why not the global pool)
+# the stub process is ours alone: each stage in turn on a pool of every core of its own (runtime/settings.py says why not the global pool)
 SERVED_THREAD_POOL, SERVED_THREADS_PER_STAGE = "per_stage", EVERY_CORE
 
 # parameters Triton's Python backend reads itself (the GPU config sets the first)
