@@ -27,19 +27,18 @@ def make_engine(path: Path, settings: RuntimeSettings, manifest: Manifest | None
     A torch engine on CUDA, given the `manifest`, captures its CUDA graphs at load
     (`settings.cuda_graphs`): one per batch-size and length bucket, so a batch's kernels are one
     replay instead of one Python call per node."""
+    threads = settings.threads_per_stage or available_cores()  # EVERY_CORE (0): every available core
     if settings.engine == "torch":  # imported only here: the runtime runs without torch
         from .torch_engine import TorchStageEngine, graph_buckets
 
-        engine = TorchStageEngine(path, settings.device, settings.threads_per_stage or available_cores())
+        engine = TorchStageEngine(path, settings.device, threads)
         if settings.device == "cuda" and settings.cuda_graphs and manifest is not None:
             sizes, lengths = graph_buckets(settings.bs_max or manifest.max_batch_size, manifest.max_length,
                                            manifest.has_seq)
             engine.capture_buckets(sizes, lengths, pad_length=manifest.pad_safe)
         return engine
-    # per_stage: threads_per_stage threads each (EVERY_CORE: every available core); global: one pool
-    # of every available core (0)
-    threads = (settings.threads_per_stage or available_cores()) if settings.thread_pool == PER_STAGE else 0
-    return OrtStageEngine(path, threads, thread_pool=settings.thread_pool)
+    # per_stage: `threads` each; global: one pool of every available core (0)
+    return OrtStageEngine(path, threads if settings.thread_pool == PER_STAGE else 0, thread_pool=settings.thread_pool)
 
 
 def make_engines(version_dir: Path, manifest: Manifest, settings: RuntimeSettings) -> list[StageEngine]:

@@ -35,7 +35,7 @@ from perf.load.stats import Floats, LoadResult, QueryRecord
 from perf.load.transport import make_transport
 from perf.load.wire import Query, query_length
 
-__all__ = ["run_closed_loop", "run_open_loop"]
+__all__ = ["alternating", "run_closed_loop", "run_open_loop"]
 
 T = TypeVar("T")
 
