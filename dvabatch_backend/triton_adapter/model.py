@@ -118,6 +118,31 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path) -> AdapterSetti
                            values.get("engine_wrapper"))
 
 
+# The pytriton wheel's backend stub (python_backend 24.10) reads a numpy dtype's item size with a
+# pybind11 older than numpy 2, and under numpy 2 reads 0: a response's byte size is then 0 (it leaves
+# with the right shapes and no data), and `as_numpy` gives an input zero strides (every element reads
+# as the first). DLPack carries each element's width, so tensors cross by DLPack under numpy 2
+# (a model's inputs are numeric: the manifest has no string inputs; an object (string) output array
+# has no DLPack form and keeps the numpy route).
+_STUB_MISREADS_NUMPY = np.lib.NumpyVersion(np.__version__) >= "2.0.0"
+
+
+def input_array(tensor: Any) -> np.ndarray:
+    """A request tensor's data as numpy (a view of the request's memory, valid while it lives)."""
+    if _STUB_MISREADS_NUMPY:
+        return np.from_dlpack(tensor)
+    return tensor.as_numpy()
+
+
+def output_tensor(name: str, array: np.ndarray) -> Any:
+    """The response tensor `name` holding `array` (its data is copied out when the response is sent)."""
+    if not _STUB_MISREADS_NUMPY or array.dtype.hasobject:
+        return pb_utils.Tensor(name, array)
+    if not (array.flags.c_contiguous and array.flags.writeable):  # numpy exports only these by DLPack
+        array = np.array(array, order="C")
+    return pb_utils.Tensor.from_dlpack(name, array)
+
+
 RESPONDER_THREADS = 2
 
 
@@ -188,7 +213,7 @@ class _RequestAnswer:
         if errors:
             response = pb_utils.InferenceResponse(error=pb_utils.TritonError(_describe(errors), _code(errors[0])))
         else:
-            tensors = [pb_utils.Tensor(name, self._batched(name)) for name in self._names]
+            tensors = [output_tensor(name, self._batched(name)) for name in self._names]
             response = pb_utils.InferenceResponse(output_tensors=tensors)
         with self.sending:
             self.sent = True
@@ -345,7 +370,7 @@ class TritonPythonModel:
 
     def _response(self, outputs: Mapping[str, np.ndarray]) -> Any:
         return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor(name, self._served_layout(name, rows)) for name, rows in outputs.items()])
+            output_tensor(name, self._served_layout(name, rows)) for name, rows in outputs.items()])
 
     @staticmethod
     def _send(request: Any, response: Any) -> None:
@@ -378,7 +403,7 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is None:
                 return None
-            arrays[name] = tensor.as_numpy()
+            arrays[name] = input_array(tensor)
         return arrays
 
     def _served_layout(self, name: str, rows: np.ndarray) -> np.ndarray:
@@ -393,7 +418,7 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
             if tensor is None:
                 raise ValueError(f"missing input {spec.name!r}; the model expects {[t.name for t in self._manifest.inputs]}")
-            arrays[spec.name] = tensor.as_numpy()
+            arrays[spec.name] = input_array(tensor)
         counts = {name: arr.shape[0] if arr.ndim else 0 for name, arr in arrays.items()}
         if len(set(counts.values())) != 1 or 0 in counts.values():
             raise ValueError(f"inputs disagree on the number of rows: {counts}")

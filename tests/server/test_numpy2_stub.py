@@ -1,0 +1,87 @@
+"""Served by a backend stub whose numpy is 2.x (as on a GPU image with a recent torch): every answer
+carries its data, equal to the unsliced model's, on the fast path and through the pipeline.
+
+The pytriton wheel's stub reads an array's byte size with a pybind11 older than numpy 2; under numpy
+2 it read 0, and every response left with the right shapes and no data. The stub takes its numpy
+from the server's PYTHONPATH (the parent's sys.path, first entries first): a numpy 2 wheel unpacked
+and put first gives the stub numpy 2 while this process keeps its own."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dvabatch_backend.tools.serve import TritonServer, stub_processes
+
+from ..triton_support import Clients, add_variant, slice_zoo_model
+
+NUMPY_2 = "numpy==2.2.6"  # the last 2.x with a wheel for every Python this project runs on
+
+
+@pytest.fixture(scope="module")
+def numpy2_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding numpy 2, unpacked from its wheel for this Python (from PyPI, as the test
+    command installs the rest)."""
+    wheels = tmp_path_factory.mktemp("numpy2-wheel")
+    got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                          NUMPY_2, "-d", str(wheels)], capture_output=True, text=True, timeout=300)
+    found = sorted(wheels.glob("numpy-*.whl"))
+    if got.returncode or not found:
+        pytest.skip(f"no {NUMPY_2} wheel could be downloaded: {got.stderr.strip()[-300:]}")
+    site = tmp_path_factory.mktemp("numpy2-site")
+    with zipfile.ZipFile(found[0]) as wheel:
+        wheel.extractall(site)
+    return site
+
+
+def stub_numpy_dirs(model: str) -> set[str]:
+    """The folders of the numpy extension modules the model's stub processes have loaded."""
+    dirs: set[str] = set()
+    for pid in stub_processes(lambda argv: f"/{model}/" in argv[1]):
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        dirs |= {str(Path(p).parent.parent) for p in re.findall(r"(\S*/numpy/\S*_multiarray_umath\S*\.so)", maps)}
+    return dirs
+
+
+def test_a_stub_on_numpy_2_answers_with_the_data(tmp_path, numpy2_site: Path, monkeypatch) -> None:
+    repo = tmp_path / "repository"
+    base = slice_zoo_model(repo / ".sliced", "bert")
+    model = add_variant(repo, base, "bert_numpy2", policy="input")
+    monkeypatch.syspath_prepend(str(numpy2_site))  # the server's PYTHONPATH: numpy 2 first
+    server = TritonServer(repo).start()
+    monkeypatch.undo()
+    failures: list[str] = []
+    try:
+        server.wait_model_ready(model.name, timeout=180)
+        assert stub_numpy_dirs(model.name) == {str(numpy2_site / "numpy")}, "the stub did not load numpy 2"
+        clients = Clients(server.http_url, server.grpc_url)
+        modes = clients.modes()
+        rng = np.random.default_rng(11)
+        lone = [(mode, model.query(rng)) for mode in modes]  # one at a time: the fast path
+        together = [(mode, model.query(rng)) for mode in modes for _ in range(3)]  # concurrent: the pipeline too
+
+        def send(mode: str, query: dict) -> None:
+            try:
+                got = modes[mode](model.name, query)
+                for name, ref in model.reference(query).items():
+                    np.testing.assert_allclose(got[name], ref, atol=1e-4, rtol=0, err_msg=f"{mode} {name}")
+            except Exception as exc:  # collected: every query must succeed
+                failures.append(f"{mode}: {type(exc).__name__}: {exc}")
+
+        for work in lone:
+            send(*work)
+        threads = [threading.Thread(target=send, args=w) for w in together]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+    finally:
+        server.stop()
+    assert failures == []
