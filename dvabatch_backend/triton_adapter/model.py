@@ -350,21 +350,17 @@ class TritonPythonModel:
         if self._fast_path:
             tensors = [self._inputs(request) for request in requests]
             if all(t is not None for t in tensors):
-                if len(tensors) == 1:  # a lone request: answered by execute's return, the cheapest way
-                    outputs = self._scheduler.run_inline(tensors[0])  # type: ignore[arg-type]
-                    if outputs is not None:
-                        return [self._response(outputs)]
-                elif self._inline_many and not any(_request_timeout_us(r) for r in requests):
-                    # several: later batches wait for earlier ones, so deadlines stay the pipeline's to keep
-                    done: dict[int, Any] = {}
-                    left = self._scheduler.run_inline_requests(  # type: ignore[arg-type]
-                        tensors, lambda i, out: done.__setitem__(i, self._response(out)))
-                    if left == []:  # all answered: returned together, cheaper than a send each
-                        return [done[i] for i in range(len(requests))]
-                    if left is not None:  # a batch failed: the answered ones now, the others the usual way
-                        for i, response in done.items():
-                            self._send(requests[i], response)
-                        requests = [requests[i] for i in left]
+                done: dict[int, Any] = {}
+                # several only without deadlines: later batches wait for earlier ones, so deadlines
+                # stay the pipeline's to keep
+                several = self._inline_many and not any(_request_timeout_us(r) for r in requests)
+                left = self._scheduler.run_inline_group(  # type: ignore[arg-type]
+                    tensors, lambda i, out: done.__setitem__(i, self._response(out)), several)
+                if not left:  # all answered: returned by execute, cheaper than a send each
+                    return [done[i] for i in range(len(requests))]
+                for i, response in done.items():  # a batch failed: the answered ones now, the others the usual way
+                    self._send(requests[i], response)
+                requests = [requests[i] for i in left]
         self._submit(requests)
         return None
 

@@ -52,7 +52,7 @@ from perf.baselines.bench import sample_queries
 from perf.gpu.pipelines import cuda_pipeline, profile_on_device, sliced_token_mlp, sliced_zoo_model, torch_engines
 
 Inputs = Mapping[str, np.ndarray]
-Done = Callable[[], None]
+Done = Callable[[bool], None]  # called once per query: True with its result, False with an error
 Submit = Callable[[Inputs, Done], None]
 
 
@@ -71,6 +71,9 @@ class Setup:
     max_queries: int = 3000
     peak_seconds: float = 4.0
     policies: tuple[str, ...] = ("pipelined", "input")
+    # DVABatch's buffer pairs: 2 (the GPU default: stages overlap, several requests go to the
+    # pipeline) and 1 (stages in turn, and the fast path takes several requests too), each a system
+    pairs: tuple[int, ...] = (2,)
     delays_ms: tuple[float, ...] = (1.0, 4.0)  # DelayBatch's queue delays
     c1_queries: int = 90  # queries at concurrency 1, per system
     p99_target_factor: float = 5.0  # the sustained rate's p99 target: this many times ZeroBatch's c1 mean
@@ -81,9 +84,9 @@ QUICK = Setup(hidden=64, layers=4, stages=2, bs_max=4, max_length=16, fractions=
               max_queries=60, peak_seconds=0.5, policies=("pipelined",), delays_ms=(1.0,), c1_queries=6)
 SETUPS = {
     "token_mlp": Setup(),
-    "bert": Setup(model="bert", stages=4, bs_max=16, max_length=128, preset="rte", policies=("input", "load"),
+    "bert": Setup(model="bert", stages=4, bs_max=16, max_length=128, preset="rte", policies=("input", "load"), pairs=(2, 1),
                   fractions=(0.25, 0.6, 0.9, 1.1), seconds_per_load=4.0, max_queries=2500),
-    "resnet152": Setup(model="resnet152", stages=4, bs_max=16, max_length=0, preset="", policies=("load",),
+    "resnet152": Setup(model="resnet152", stages=4, bs_max=16, max_length=0, preset="", policies=("load",), pairs=(2, 1),
                        fractions=(0.25, 0.6, 0.9, 1.1), seconds_per_load=4.0, max_queries=2500),
 }
 
@@ -143,24 +146,60 @@ class DynamicBatcher:
         outputs = {s.name: np.empty(s.shape(len(batch), length), s.np_dtype) for s in self._manifest.outputs}
         self._engine.run(inputs, outputs)
         for _, done in batch:
-            done()
+            done(True)
 
 
 class DvaBatch:
-    """The runtime's pipeline, answering through the same `done` callbacks."""
+    """The runtime's pipeline behind the served adapter's entry (`TritonPythonModel.execute`): one
+    thread takes what queued while its last call ran, at most bs_max queries (what Triton's dynamic
+    batcher with no queue delay hands `execute`, one request per query), runs it on the fast path
+    where that takes it (`Pipeline.run_inline_group`, as `execute` does) and submits the rest
+    together (`submit_many`); answers through the same `done` callbacks, an error as not answered."""
 
-    def __init__(self, pipeline: Any) -> None:
+    def __init__(self, pipeline: Any, several_inline: bool = True) -> None:
         self._pipeline = pipeline
+        self._several = several_inline  # the adapter's default (no latency target, no default timeout)
+        self._queue: list[tuple[Inputs, Done]] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="dvabatch-execute", daemon=True)
 
     def start(self) -> DvaBatch:
         self._pipeline.start()
+        self._thread.start()
         return self
 
     def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(30)
         self._pipeline.stop()
 
     def submit(self, inputs: Inputs, done: Done) -> None:
-        self._pipeline.submit(inputs, lambda answer: done())
+        with self._cond:
+            self._queue.append((inputs, done))
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        bs_max = self._pipeline.bs_max
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch, self._queue = self._queue[:bs_max], self._queue[bs_max:]
+            self._execute(batch)
+
+    def _execute(self, batch: list[tuple[Inputs, Done]]) -> None:
+        """One `execute` call: each query a request of one row."""
+        dones = [done for _, done in batch]
+        requests = [{name: value[None] for name, value in query.items()} for query, _ in batch]
+        left = self._pipeline.run_inline_group(requests, lambda i, outputs: dones[i](True), self._several)
+        if left:
+            self._pipeline.submit_many([(batch[i][0], lambda answer, done=dones[i]: done(answer.error is None))
+                                        for i in left])
 
 
 def query_length(manifest: Manifest, query: Inputs) -> int:
@@ -186,7 +225,7 @@ def closed_loop_qps(submit: Submit, queries: Sequence[Inputs], clients: int, sec
         i = k
         while time.perf_counter() < deadline:
             event = threading.Event()
-            submit(queries[i % len(queries)], event.set)
+            submit(queries[i % len(queries)], lambda ok: event.set())
             event.wait(60)
             with lock:
                 answered += 1
@@ -202,14 +241,15 @@ def closed_loop_qps(submit: Submit, queries: Sequence[Inputs], clients: int, sec
 
 
 def open_loop(submit: Submit, queries: Sequence[Inputs], offsets: np.ndarray) -> list[float]:
-    """Send query i at offsets[i] (seconds); every answer's latency (s); NaN for none in 60 s."""
+    """Send query i at offsets[i] (seconds); every answer's latency (s); NaN for an error or none in 60 s."""
     sent = [0.0] * len(queries)
     latency = [float("nan")] * len(queries)
     remaining = threading.Semaphore(0)
 
     def done_for(i: int) -> Done:
-        def done() -> None:
-            latency[i] = time.perf_counter() - sent[i]
+        def done(ok: bool) -> None:
+            if ok:
+                latency[i] = time.perf_counter() - sent[i]
             remaining.release()
         return done
 
@@ -266,13 +306,14 @@ def lone_latencies(systems: Mapping[str, Any], queries: Sequence[Inputs], rounds
 
 
 def open_loop_serial(submit: Submit, queries: Sequence[Inputs]) -> list[float]:
-    """Latencies of queries sent one at a time, each when the last was answered (NaN: none in 60 s)."""
+    """Latencies of queries sent one at a time, each when the last was answered (NaN: an error or none in 60 s)."""
     out = []
     for query in queries:
         event = threading.Event()
         t0 = time.perf_counter()
-        submit(query, event.set)
-        out.append(time.perf_counter() - t0 if event.wait(60) else float("nan"))
+        answered: list[bool] = []
+        submit(query, lambda ok: (answered.append(ok), event.set()))
+        out.append(time.perf_counter() - t0 if event.wait(60) and answered[0] else float("nan"))
     return out
 
 
@@ -300,16 +341,18 @@ def run(out_dir: Path, setup: Setup, device: str) -> dict[str, Any]:
     for delay in setup.delays_ms:  # one engine for every batcher: they never run at once
         systems[f"DelayBatch-{delay:g}ms"] = DynamicBatcher(whole, manifest, setup.bs_max, delay / 1e3).start()
     for policy in setup.policies:
-        settings = RuntimeSettings(num_buffer_pairs=2, bs_max=setup.bs_max, engine="torch", device=device)
-        before = device_mib(device)
-        engines = torch_engines(model_dir, manifest, device, graphs, setup.bs_max)
-        memory[f"DVABatch-{policy}_engines_mib"] = device_mib(device) - before
-        pipeline = cuda_pipeline(manifest, engines, create_policy(policy), settings) if device == "cuda" else None
-        if pipeline is None:  # the CPU (the smoke run here): host fences, same runtime
-            from dvabatch_backend.runtime.pipeline import Pipeline
+        for pairs in setup.pairs:
+            name = f"DVABatch-{policy}" + ("" if pairs == 2 else f"-{pairs}pair")
+            settings = RuntimeSettings(num_buffer_pairs=pairs, bs_max=setup.bs_max, engine="torch", device=device)
+            before = device_mib(device)
+            engines = torch_engines(model_dir, manifest, device, graphs, setup.bs_max)
+            memory[f"{name}_engines_mib"] = device_mib(device) - before
+            pipeline = cuda_pipeline(manifest, engines, create_policy(policy), settings) if device == "cuda" else None
+            if pipeline is None:  # the CPU (the smoke run here): host fences, same runtime
+                from dvabatch_backend.runtime.pipeline import Pipeline
 
-            pipeline = Pipeline.create(manifest, engines, create_policy(policy), settings)
-        systems[f"DVABatch-{policy}"] = DvaBatch(pipeline).start()
+                pipeline = Pipeline.create(manifest, engines, create_policy(policy), settings)
+            systems[name] = DvaBatch(pipeline).start()
     peaks: dict[str, float] = {name: 0.0 for name in systems}
     try:
         warm = make_queries(setup, manifest, int_high, 4 * setup.bs_max, seed=99)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import onnxruntime as ort
 
 from perf.gpu.pipelines import sliced_token_mlp
@@ -56,6 +57,14 @@ class _GatedEngine:
         self.batches.append(len(next(iter(inputs.values()))))
 
 
+def _on(event):
+    """A side-by-side `done` callback that sets `event` (and keeps whether the answer was a result)."""
+    def done(ok: bool) -> None:
+        event.ok = ok
+        event.set()
+    return done
+
+
 def _batcher_queries(tmp_path: Path, n: int):
     from perf.gpu.side_by_side import QUICK, make_queries, prepare
 
@@ -72,10 +81,10 @@ def test_zerobatch_runs_what_queued_behind_the_running_batch(tmp_path: Path) -> 
     engine = _GatedEngine()
     batcher = DynamicBatcher(engine, manifest, bs_max=4).start()
     done = [threading.Event() for _ in queries]
-    batcher.submit(queries[0], done[0].set)
+    batcher.submit(queries[0], _on(done[0]))
     assert engine.entered.wait(30)  # the first query runs alone, at once (no delay)
     for q, d in zip(queries[1:], done[1:]):
-        batcher.submit(q, d.set)
+        batcher.submit(q, _on(d))
     engine.gate.set()
     assert all(d.wait(30) for d in done)
     batcher.stop()
@@ -94,7 +103,7 @@ def test_delaybatch_waits_for_a_full_batch_within_its_delay(tmp_path: Path) -> N
     done = [threading.Event() for _ in queries]
     for q, d in zip(queries, done):
         assert not engine.entered.is_set()
-        batcher.submit(q, d.set)
+        batcher.submit(q, _on(d))
     assert all(d.wait(30) for d in done)
     batcher.stop()
     assert engine.batches == [3]
@@ -115,3 +124,52 @@ def test_gpu_side_by_side_on_a_zoo_model_answers_every_query(tmp_path: Path) -> 
     assert set(result["lone"]) == {"ZeroBatch", "DelayBatch-1ms", "DVABatch-load"}
     for load in result["loads"]:
         assert all(s["answered"] == s["sent"] == load["queries"] for s in load["systems"].values())
+
+
+class _ThreadRecordingEngine(_GatedEngine):
+    """A stage engine that also records the thread each batch ran on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[str] = []
+
+    def run(self, inputs, outputs) -> None:
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        super().run(inputs, outputs)
+
+
+@pytest.mark.parametrize("pairs", [2, 1])
+def test_dvabatch_takes_what_queued_as_the_adapter_execute_does(tmp_path: Path, pairs: int) -> None:
+    """The side by side's DVABatch front hands the runtime what queued while its last call ran, as
+    Triton hands `execute`: a lone query on the fast path (on the front's thread), the three that
+    queued behind it together, as one batch: through the pipeline's stage threads with two buffer
+    pairs, on the fast path with one."""
+    import threading
+
+    from dvabatch_backend.runtime.pipeline import Pipeline
+    from dvabatch_backend.runtime.settings import RuntimeSettings
+    from perf.gpu.side_by_side import DvaBatch
+    from policies import create_policy
+
+    manifest, queries = _batcher_queries(tmp_path, 4)
+    engines = [_ThreadRecordingEngine() for _ in manifest.stages]
+    for engine in engines[1:]:
+        engine.gate.set()
+    settings = RuntimeSettings(num_buffer_pairs=pairs, bs_max=4)
+    front = DvaBatch(Pipeline.create(manifest, engines, create_policy("load"), settings)).start()
+    done = [threading.Event() for _ in queries]
+    try:
+        front.submit(queries[0], _on(done[0]))
+        assert engines[0].entered.wait(30)  # the lone query runs at once
+        for q, d in zip(queries[1:], done[1:]):
+            front.submit(q, _on(d))
+        engines[0].gate.set()
+        assert all(d.wait(30) for d in done)
+    finally:
+        front.stop()
+    assert all(d.ok for d in done)
+    assert engines[0].batches == [1, 3]
+    second = "dvabatch-stage-0" if pairs > 1 else "dvabatch-execute"
+    assert engines[0].threads == ["dvabatch-execute", second]
