@@ -121,6 +121,7 @@ class FastPath:
                   length: int) -> dict[str, np.ndarray]:
         """One batch of rows (request, row, its length), zero-padded to `length`: the last boundary's
         views (valid until the next run)."""
+        length = self._scheduler.padded_length(length)  # a graph bucket's, where the stages replay graphs
         views = [b.rows(length, range(len(members))) for b in self._buffers]
         sources = [{name: requests[i][name][r] for name in self._input_names} for i, r, _ in members]
         gather_rows(sources, views[0], self._manifest.inputs)
@@ -147,12 +148,19 @@ class FastPath:
 
     def _run(self, inputs: Mapping[str, np.ndarray], rows: int, length: int) -> dict[str, np.ndarray]:
         used = range(rows)
-        views = [b.rows(length, used) for b in self._buffers]
-        for name in self._input_names:
-            np.copyto(views[0][name], inputs[name])
+        padded = self._scheduler.padded_length(length)  # a graph bucket's, where the stages replay graphs
+        views = [b.rows(padded, used) for b in self._buffers]
+        if padded == length:
+            for name in self._input_names:
+                np.copyto(views[0][name], inputs[name])
+        else:
+            gather_rows([{name: inputs[name][r] for name in self._input_names} for r in used], views[0],
+                        self._manifest.inputs)
         last = self._through_engines(views)
-        # owned copies: the scratch buffers serve the next run
-        return {spec.name: np.array(last[spec.name]) for spec in self._manifest.outputs}
+        if padded == length:  # owned copies: the scratch buffers serve the next run
+            return {spec.name: np.array(last[spec.name]) for spec in self._manifest.outputs}
+        return {spec.name: np.stack([cut_row(last[spec.name][r], spec, length) for r in used])
+                for spec in self._manifest.outputs}
 
     def _through_engines(self, views: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """Run the engines in a row over the boundaries' views; the last boundary's views."""

@@ -8,7 +8,7 @@ from .decisions import Policy
 from .engine import PER_STAGE, OrtStageEngine, StageEngine, available_cores
 from .manifest import Manifest
 from .pipeline import Pipeline
-from .settings import RuntimeSettings
+from .settings import RuntimeSettings, graph_buckets
 
 
 def find_version_dir(model_dir: str | Path, manifest_file: str = "manifest.json") -> Path:
@@ -29,16 +29,24 @@ def make_engine(path: Path, settings: RuntimeSettings, manifest: Manifest | None
     replay instead of one Python call per node."""
     threads = settings.threads_per_stage or available_cores()  # EVERY_CORE (0): every available core
     if settings.engine == "torch":  # imported only here: the runtime runs without torch
-        from .torch_engine import TorchStageEngine, graph_buckets
+        from .torch_engine import TorchStageEngine
 
         engine = TorchStageEngine(path, settings.device, threads)
         if settings.device == "cuda" and settings.cuda_graphs and manifest is not None:
             sizes, lengths = graph_buckets(settings.bs_max or manifest.max_batch_size, manifest.max_length,
                                            manifest.has_seq)
-            engine.capture_buckets(sizes, lengths, pad_length=manifest.pad_safe)
+            # zero-padding the length is safe only on the model's own inputs (a mask of zeros hides
+            # it); a later stage's (an additive mask) is not: the scheduler pads a batch to a bucket
+            # before stage 0 instead (`graph_length`), so that later stages meet their lengths exactly
+            engine.capture_buckets(sizes, lengths, pad_length=manifest.pad_safe and reads_model_inputs(path, manifest))
         return engine
     # per_stage: `threads` each; global: one pool of every available core (0)
     return OrtStageEngine(path, threads if settings.thread_pool == PER_STAGE else 0, thread_pool=settings.thread_pool)
+
+
+def reads_model_inputs(path: Path, manifest: Manifest) -> bool:
+    """Whether the ONNX file at `path` takes the model's own inputs: the first stage, or the whole model."""
+    return path.name in (manifest.stages[0].file, manifest.full_model)
 
 
 def make_engines(version_dir: Path, manifest: Manifest, settings: RuntimeSettings) -> list[StageEngine]:

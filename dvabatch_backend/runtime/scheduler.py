@@ -48,7 +48,7 @@ from .manifest import Manifest
 from .plan_checks import arrival_refusal, by_length, check_plan, pad_unsafe_stretch
 from .query import Answer, Query, QueryState, Reply, read_query
 from .query_table import Delivery, QueryTable
-from .settings import MIN_WAKE_DELAY, RuntimeSettings
+from .settings import MIN_WAKE_DELAY, RuntimeSettings, graph_length, replays_graphs
 from .split_step import SplitStep
 from .stage_board import StageBoard
 from .stats import RuntimeStats, StageStats, Trace
@@ -91,7 +91,15 @@ class Scheduler:
         self.inline = InlineHold(self, policy, self._view, self._ids)
         self._wake_at: float | None = None
         self._stopping = False
+        # where the stages replay CUDA graphs of bucket lengths, a batch of a pad-safe model is
+        # padded to a bucket before stage 0 (`graph_length`): every stage's inputs then match a graph
+        self._pads_to_graphs = replays_graphs(settings) and manifest.pad_safe and manifest.has_seq
         policy.bind(context or PolicyContext.for_model(manifest, bs_max, settings.num_buffer_pairs))
+
+    def padded_length(self, length: int) -> int:
+        """The length a batch whose longest query (or the policy's padding) is `length` runs at: a
+        CUDA-graph bucket's where the stages replay graphs (`graph_length`), else `length`."""
+        return graph_length(length, self.manifest.max_length) if self._pads_to_graphs else length
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -249,7 +257,7 @@ class Scheduler:
             self.stats.pad_unsafe_splits += 1
             log.debug("model not pad-safe: %s carried out as batches of lengths %s", decision, [g[0].length for g in groups])
         for group in groups:
-            pad = group[0].length if not pad_safe else (
+            pad = group[0].length if not pad_safe else self.padded_length(
                 max(q.length for q in group) if decision.pad_length is None else decision.pad_length)
             item = self._table.new(group, pad, pair=-1, now=now, no_stretch=decision.no_stretch)
             self.stats.new += 1

@@ -80,3 +80,27 @@ def default_buffer_pairs(device: str, thread_pool: str, threads_per_stage: int =
     device stream of their own (per-stage threads of a few cores each, a GPU) overlap: 2 pairs."""
     return 1 if device == "cpu" and stages_share_cores(thread_pool, threads_per_stage) else 2
 
+
+
+def replays_graphs(settings: RuntimeSettings) -> bool:
+    """Whether the stages replay CUDA graphs captured per batch-size and length bucket."""
+    return settings.engine == "torch" and settings.device == "cuda" and settings.cuda_graphs
+
+
+def graph_buckets(bs_max: int, max_length: int, has_seq: bool) -> tuple[list[int], list[int]]:
+    """The (batch sizes, lengths) a stage's CUDA graphs are captured at: powers of two up to
+    bs_max and bs_max itself; lengths the same from 16 up to max_length ([0] without a length)."""
+    sizes = sorted({*(1 << k for k in range(bs_max.bit_length()) if 1 << k < bs_max), bs_max})
+    if not has_seq:
+        return sizes, [0]
+    lengths = sorted({*(1 << k for k in range(4, max_length.bit_length()) if 1 << k < max_length), max_length})
+    return sizes, lengths
+
+
+def graph_length(length: int, max_length: int) -> int:
+    """The smallest length bucket (`graph_buckets`) that holds `length`: what a batch is padded to
+    where the stages replay graphs, so that every stage's inputs have a bucket's length exactly.
+    Only the model's own inputs can be zero-padded safely (a mask of zeros hides the padding); a
+    later stage's inputs cannot (an additive mask of zeros attends to the padding), so the runtime
+    pads the batch before stage 0 and every boundary after it has the bucket's length."""
+    return next(n for n in graph_buckets(1, max_length, True)[1] if n >= min(length, max_length))

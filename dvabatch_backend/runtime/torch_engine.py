@@ -887,16 +887,6 @@ class TorchStageEngine:
         self._buckets = []
 
 
-def graph_buckets(bs_max: int, max_length: int, has_seq: bool) -> tuple[list[int], list[int]]:
-    """The (batch sizes, lengths) a stage's CUDA graphs are captured at: powers of two up to
-    bs_max and bs_max itself; lengths the same from 16 up to max_length ([0] without a length)."""
-    sizes = sorted({*(1 << k for k in range(bs_max.bit_length()) if 1 << k < bs_max), bs_max})
-    if not has_seq:
-        return sizes, [0]
-    lengths = sorted({*(1 << k for k in range(4, max_length.bit_length()) if 1 << k < max_length), max_length})
-    return sizes, lengths
-
-
 def _leading(shape: Sequence[int]) -> tuple[slice, ...]:
     return tuple(slice(0, n) for n in shape)
 

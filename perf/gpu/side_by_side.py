@@ -343,7 +343,8 @@ def run(out_dir: Path, setup: Setup, device: str) -> dict[str, Any]:
     for policy in setup.policies:
         for pairs in setup.pairs:
             name = f"DVABatch-{policy}" + ("" if pairs == 2 else f"-{pairs}pair")
-            settings = RuntimeSettings(num_buffer_pairs=pairs, bs_max=setup.bs_max, engine="torch", device=device)
+            settings = RuntimeSettings(num_buffer_pairs=pairs, bs_max=setup.bs_max, engine="torch", device=device,
+                                       cuda_graphs=graphs)
             before = device_mib(device)
             engines = torch_engines(model_dir, manifest, device, graphs, setup.bs_max)
             memory[f"{name}_engines_mib"] = device_mib(device) - before

@@ -216,3 +216,47 @@ def test_one_pair_never_overlaps_two_pairs_do(tmp_path: Path) -> None:
     assert overlapping_pairs(serial) == [], "with one buffer pair two stages ran at once on the GPU"
     overlapped = stage_timeline(tmp_path, pairs=2)
     assert overlapping_pairs(overlapped), "with two buffer pairs no two stages ever ran at once on the GPU"
+
+
+# -- a transformer's stages on graphs ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pairs", [1, 2])
+def test_a_transformers_stages_on_graphs_answer_mixed_lengths_as_the_unsliced_model(tmp_path: Path, pairs: int) -> None:
+    """The zoo BERT (test size, 2 layers) in 2 stages, each on CUDA graphs of bucket lengths, queries of every
+    length at once through the pipeline and one at a time on the fast path. A later stage's inputs
+    hold an additive attention mask, which zero-padding to a bucket's length would unmask: the
+    scheduler pads each batch before stage 0 instead (`settings.graph_length`)."""
+    import onnxruntime as ort
+
+    from perf.gpu.pipelines import sliced_zoo_model, torch_engines
+    from perf.baselines.bench import query_maker
+    from policies import create_policy
+
+    model_dir, manifest, int_high = sliced_zoo_model("bert", tmp_path / "bert", stages=2, bs_max=8, max_length=40,
+                                                     size="test")
+    engines = torch_engines(model_dir, manifest, "cuda", cuda_graphs=True, bs_max=8)
+    pipeline = cuda_pipeline(manifest, engines, create_policy("input"),
+                             RuntimeSettings(num_buffer_pairs=pairs, bs_max=8, engine="torch", device="cuda"))
+    rng = np.random.default_rng(pairs)
+    query = query_maker(manifest, int_high)
+    queries = [query(rng, n) for n in (1, 3, 7, 16, 17, 21, 32, 33, 40, 5, 12, 29)]
+    full = ort.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    names = [o.name for o in full.get_outputs()]
+
+    def check(q: dict, got: dict) -> None:
+        for name, ref in zip(names, full.run(names, {k: v[None] for k, v in q.items()})):
+            np.testing.assert_allclose(got[name], ref[0], atol=1e-4, rtol=0, err_msg=name)
+
+    collector = Collector()
+    with pipeline:
+        for q in queries[:3]:  # alone: the fast path (the stages in a row)
+            out = pipeline.run_inline({k: v[None] for k, v in q.items()})
+            assert out is not None
+            check(q, {k: v[0] for k, v in out.items()})
+        sent = dict(zip(pipeline.submit_many([(q, collector) for q in queries]), queries))
+        assert collector.wait_for(set(sent), timeout=60)
+    for qid, q in sent.items():
+        answer = collector.one(qid)
+        assert answer.error is None, answer.error
+        check(q, answer.outputs)

@@ -24,7 +24,8 @@ from slicer.zoo import ZOO, build
 from ..slicer.corpus import build_corpus
 
 torch = pytest.importorskip("torch")
-from dvabatch_backend.runtime.torch_engine import OPS, TorchStageEngine, UnsupportedOpError, graph_buckets  # noqa: E402
+from dvabatch_backend.runtime.settings import graph_buckets  # noqa: E402
+from dvabatch_backend.runtime.torch_engine import OPS, TorchStageEngine, UnsupportedOpError  # noqa: E402
 
 CORPUS = ("bert", "gpt2", "vit", "resnet18", "crnn", "yolo", "conv_mean")
 MODELS = tuple(f"zoo_{name}" for name in sorted(ZOO)) + CORPUS
