@@ -181,6 +181,11 @@ class DvaBatch:
             self._queue.append((inputs, done))
             self._cond.notify()
 
+    def counts(self) -> tuple[int, int, int, int]:
+        """(pipeline batches, their queries, fast-path batches, their queries) so far (stage 0's)."""
+        stats = self._pipeline.stats
+        return stats.stages[0].batches, stats.stages[0].rows, stats.inline_runs, stats.inline_queries
+
     def _loop(self) -> None:
         bs_max = self._pipeline.bs_max
         while True:
@@ -200,6 +205,15 @@ class DvaBatch:
         if left:
             self._pipeline.submit_many([(batch[i][0], lambda answer, done=dones[i]: done(answer.error is None))
                                         for i in left])
+
+
+def batch_summary(before: Sequence[int], after: Sequence[int]) -> dict[str, float | int]:
+    """A load's batches from two `DvaBatch.counts`: how many ran through the pipeline and on the
+    fast path, their mean sizes, and the share of queries the fast path answered."""
+    batches, rows, inline_runs, inline_queries = (b - a for a, b in zip(before, after))
+    return {"pipeline_batches": batches, "pipeline_mean_bs": rows / batches if batches else 0.0,
+            "fast_path_batches": inline_runs, "fast_path_mean_bs": inline_queries / inline_runs if inline_runs else 0.0,
+            "fast_path_share": inline_queries / (rows + inline_queries) if rows + inline_queries else 0.0}
 
 
 def query_length(manifest: Manifest, query: Inputs) -> int:
@@ -379,7 +393,10 @@ def run(out_dir: Path, setup: Setup, device: str) -> dict[str, Any]:
                     import torch
 
                     torch.cuda.reset_peak_memory_stats()
+                before_counts = systems[name].counts() if isinstance(systems[name], DvaBatch) else None
                 results[name] = summary_ms(open_loop(systems[name].submit, queries, offsets))
+                if before_counts is not None:
+                    results[name]["batches"] = batch_summary(before_counts, systems[name].counts())
                 if device == "cuda":
                     peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() / 2**20 - base)
             loads.append({"fraction": fraction, "rate_qps": rate, "queries": n, "systems": results})
@@ -428,6 +445,13 @@ def plot(result: Mapping[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _batches_cell(batches: Mapping[str, Any] | None) -> str:
+    if not batches:
+        return ""
+    return (f"; batches of {batches['pipeline_mean_bs']:.1f} in the pipeline, {batches['fast_path_mean_bs']:.1f} on the "
+            f"fast path, {100 * batches['fast_path_share']:.0f} % of queries there")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -451,7 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  device memory (MiB): {json.dumps(result['device_memory'])}")
     for load in result["loads"]:
         cells = ", ".join(f"{name}: mean {s.get('mean', float('nan')):.2f} ms p99 {s.get('p99', float('nan')):.2f} ms "
-                          f"({s['answered']}/{s['sent']})" for name, s in load["systems"].items())
+                          f"({s['answered']}/{s['sent']}{_batches_cell(s.get('batches'))})"
+                          for name, s in load["systems"].items())
         print(f"{load['fraction']:.2f} of peak ({load['rate_qps']:.0f} qps): {cells}")
     failed = sum(s["sent"] - s["answered"] for load in result["loads"] for s in load["systems"].values())
     return 1 if failed else 0

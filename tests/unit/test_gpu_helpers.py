@@ -124,6 +124,9 @@ def test_gpu_side_by_side_on_a_zoo_model_answers_every_query(tmp_path: Path) -> 
     assert set(result["lone"]) == {"ZeroBatch", "DelayBatch-1ms", "DVABatch-load"}
     for load in result["loads"]:
         assert all(s["answered"] == s["sent"] == load["queries"] for s in load["systems"].values())
+        batches = load["systems"]["DVABatch-load"]["batches"]
+        ran = batches["pipeline_mean_bs"] * batches["pipeline_batches"] + batches["fast_path_mean_bs"] * batches["fast_path_batches"]
+        assert 0 < ran <= load["queries"] and 0 <= batches["fast_path_share"] <= 1
 
 
 class _ThreadRecordingEngine(_GatedEngine):
