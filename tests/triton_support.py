@@ -150,6 +150,33 @@ class Clients:
                 "grpc": self.grpc_sync, "grpc-async": self.grpc_async}
 
 
+def unequal_answers(modes: Mapping[str, Call], model: ServedModel, work: list[tuple[str, dict[str, np.ndarray]]],
+                    concurrent: bool = True, rtol: float = 0.0) -> list[str]:
+    """Each (mode, query) of `work` sent by its mode, each on a thread of its own (`concurrent`) or
+    one after another; what went wrong: an error, or an answer unequal to the unsliced model's."""
+    failures: list[str] = []
+
+    def send(mode: str, query: dict[str, np.ndarray]) -> None:
+        try:
+            got = modes[mode](model.name, query)
+            for name, ref in model.reference(query).items():
+                np.testing.assert_allclose(got[name], ref, atol=1e-4, rtol=rtol, err_msg=f"{mode} {name}")
+        except Exception as exc:  # collected: every query must succeed
+            failures.append(f"{mode}: {type(exc).__name__}: {exc}")
+
+    if not concurrent:
+        for item in work:
+            send(*item)
+        return failures
+    threads = [threading.Thread(target=send, args=item) for item in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    hung = sum(t.is_alive() for t in threads)
+    return failures + ([f"{hung} queries hung"] if hung else [])
+
+
 def _outputs(result) -> dict[str, np.ndarray]:
     names = [o["name"] for o in result.get_response()["outputs"]] if isinstance(result.get_response(), dict) \
         else [o.name for o in result.get_response().outputs]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import threading
 import zipfile
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 
 from dvabatch_backend.tools.serve import TritonServer, stub_processes
 
-from ..triton_support import Clients, add_variant, slice_zoo_model
+from ..triton_support import Clients, add_variant, slice_zoo_model, unequal_answers
 
 NUMPY_2 = "numpy==2.2.6"  # the last 2.x with a wheel for every Python this project runs on
 
@@ -56,32 +55,14 @@ def test_a_stub_on_numpy_2_answers_with_the_data(tmp_path, numpy2_site: Path, mo
     monkeypatch.syspath_prepend(str(numpy2_site))  # the server's PYTHONPATH: numpy 2 first
     server = TritonServer(repo).start()
     monkeypatch.undo()
-    failures: list[str] = []
     try:
         server.wait_model_ready(model.name, timeout=180)
         assert stub_numpy_dirs(model.name) == {str(numpy2_site / "numpy")}, "the stub did not load numpy 2"
-        clients = Clients(server.http_url, server.grpc_url)
-        modes = clients.modes()
+        modes = Clients(server.http_url, server.grpc_url).modes()
         rng = np.random.default_rng(11)
         lone = [(mode, model.query(rng)) for mode in modes]  # one at a time: the fast path
         together = [(mode, model.query(rng)) for mode in modes for _ in range(3)]  # concurrent: the pipeline too
-
-        def send(mode: str, query: dict) -> None:
-            try:
-                got = modes[mode](model.name, query)
-                for name, ref in model.reference(query).items():
-                    np.testing.assert_allclose(got[name], ref, atol=1e-4, rtol=0, err_msg=f"{mode} {name}")
-            except Exception as exc:  # collected: every query must succeed
-                failures.append(f"{mode}: {type(exc).__name__}: {exc}")
-
-        for work in lone:
-            send(*work)
-        threads = [threading.Thread(target=send, args=w) for w in together]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads)
+        failures = unequal_answers(modes, model, lone, concurrent=False) + unequal_answers(modes, model, together)
     finally:
         server.stop()
     assert failures == []

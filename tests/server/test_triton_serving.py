@@ -3,7 +3,6 @@ policy, answers over HTTP and gRPC, sync and async, equal to the unsliced model 
 query alone, with concurrent clients and varying input lengths."""
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from dvabatch_backend.tools.serve import TritonServer
 from slicer.zoo import ZOO
 
-from ..triton_support import POLICIES, Clients, ServedModel, add_variant, slice_zoo_model
+from ..triton_support import POLICIES, Clients, ServedModel, add_variant, slice_zoo_model, unequal_answers
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +39,4 @@ def test_answers_equal_the_unsliced_model(served, zoo_name: str, policy: str) ->
     rng = np.random.default_rng([sorted(ZOO).index(zoo_name), POLICIES.index(policy)])  # the same every run
     modes = clients.modes()
     work = [(mode, model.query(rng)) for mode in modes for _ in range(3)]  # 12 queries, mixed lengths
-    failures: list[str] = []
-
-    def send(mode: str, query: dict) -> None:
-        try:
-            got = modes[mode](model.name, query)
-            for name, ref in model.reference(query).items():
-                np.testing.assert_allclose(got[name], ref, atol=1e-4, rtol=0, err_msg=f"{mode} {name}")
-        except Exception as exc:  # collected: every query must succeed
-            failures.append(f"{mode}: {type(exc).__name__}: {exc}")
-
-    threads = [threading.Thread(target=send, args=w) for w in work]  # concurrent clients
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads)
-    assert failures == []
+    assert unequal_answers(modes, model, work) == []

@@ -5,7 +5,6 @@ An engine wrapper refuses (fails the model's load) any stage engine that is not 
 parameter reached the runtime."""
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from dvabatch_backend.tools.serve import TritonServer
 from slicer.model_config import parameters
 
-from ..triton_support import Clients, add_variant, slice_zoo_model
+from ..triton_support import Clients, add_variant, slice_zoo_model, unequal_answers
 
 pytest.importorskip("torch")
 
@@ -34,26 +33,11 @@ def test_a_sliced_model_served_on_the_torch_engine_answers_as_the_unsliced_model
     model = add_variant(repo, base, f"{ZOO_MODEL}_torch", policy="input",
                         extra={"engine": "torch", "device": "cpu", "engine_wrapper": "torch_only.py:torch_only"})
     assert parameters((repo / model.name / "config.pbtxt").read_text())["engine"] == "torch"
-    failures: list[str] = []
     with TritonServer(repo) as server:
         server.wait_model_ready(model.name, timeout=180)
         clients = Clients(server.http_url, server.grpc_url)
         modes = clients.modes()
         rng = np.random.default_rng(5)
         work = [(mode, model.query(rng)) for mode in modes for _ in range(3)]  # 12 queries, mixed lengths
-
-        def send(mode: str, query: dict) -> None:
-            try:
-                got = modes[mode](model.name, query)
-                for name, ref in model.reference(query).items():
-                    np.testing.assert_allclose(got[name], ref, atol=1e-4, rtol=1e-3, err_msg=f"{mode} {name}")
-            except Exception as exc:  # collected: every query must succeed
-                failures.append(f"{mode}: {type(exc).__name__}: {exc}")
-
-        threads = [threading.Thread(target=send, args=w) for w in work]  # concurrent clients
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads)
+        failures = unequal_answers(modes, model, work, rtol=1e-3)  # concurrent clients
     assert failures == []
