@@ -103,9 +103,17 @@ def check(full_model: Path, queries: Sequence[dict[str, np.ndarray]], answers: S
     return rows
 
 
-def metrics(url: str) -> list[str]:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return [line for line in text.splitlines() if line.startswith("dvabatch_") and f'model="{NAME}"' in line]
+def metrics(url: str, answered: int = 0, timeout: float = 5.0) -> list[str]:
+    """The model's dvabatch_* lines, once the goodput counter shows `answered` queries (the sampler
+    publishes every 0.25 s, and the queries may all be answered in less) or `timeout` has passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        lines = [line for line in text.splitlines() if line.startswith("dvabatch_") and f'model="{NAME}"' in line]
+        goodput = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("dvabatch_goodput_queries_total")]
+        if (goodput and goodput[0] >= answered) or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.1)
 
 
 def run(out: Path, instance: str = "gpu") -> dict[str, Any]:
@@ -124,7 +132,8 @@ def run(out: Path, instance: str = "gpu") -> dict[str, Any]:
             client = grpcclient.InferenceServerClient(server.grpc_url)
             result["burst"] = check(full_model, queries, ask(client, grpcclient, queries, burst=True))
             result["one_by_one"] = check(full_model, queries, ask(client, grpcclient, queries, burst=False))
-            result["metrics"] = metrics(server.metrics_url)
+            answered = sum("error" not in r for r in result["burst"] + result["one_by_one"])
+            result["metrics"] = metrics(server.metrics_url, answered)
     except Exception as exc:  # the exact error is the finding: kept with the log's tail
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["log_tail"] = server.log_tail(60)
