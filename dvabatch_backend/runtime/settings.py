@@ -81,7 +81,6 @@ def default_buffer_pairs(device: str, thread_pool: str, threads_per_stage: int =
     return 1 if device == "cpu" and stages_share_cores(thread_pool, threads_per_stage) else 2
 
 
-
 def replays_graphs(settings: RuntimeSettings) -> bool:
     """Whether the stages replay CUDA graphs captured per batch-size and length bucket."""
     return settings.engine == "torch" and settings.device == "cuda" and settings.cuda_graphs

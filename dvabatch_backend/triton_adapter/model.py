@@ -121,9 +121,8 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path) -> AdapterSetti
 # The pytriton wheel's backend stub (python_backend 24.10) reads a numpy dtype's item size with a
 # pybind11 older than numpy 2, and under numpy 2 reads 0: a response's byte size is then 0 (it leaves
 # with the right shapes and no data), and `as_numpy` gives an input zero strides (every element reads
-# as the first). DLPack carries each element's width, so tensors cross by DLPack under numpy 2
-# (a model's inputs are numeric: the manifest has no string inputs; an object (string) output array
-# has no DLPack form and keeps the numpy route).
+# as the first). DLPack carries each element's width, so tensors cross by DLPack under numpy 2. It has
+# no strings: an object (string) output keeps the numpy route; the runtime batches numeric inputs only.
 _STUB_MISREADS_NUMPY = np.lib.NumpyVersion(np.__version__) >= "2.0.0"
 
 
