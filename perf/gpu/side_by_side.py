@@ -96,12 +96,13 @@ class DynamicBatcher:
     queued, at most bs_max queries; with `delay_s` > 0 (DelayBatch) a batch starts only once bs_max
     queries wait or the oldest has waited `delay_s`; with 0 (ZeroBatch) at once."""
 
-    def __init__(self, engine: Any, manifest: Manifest, bs_max: int, delay_s: float = 0.0) -> None:
+    def __init__(self, engine: Any, manifest: Manifest, bs_max: int, delay_s: float = 0.0,
+                 thread_name: str = "zerobatch") -> None:
         self._engine, self._manifest, self._bs_max, self._delay_s = engine, manifest, bs_max, delay_s
         self._queue: list[tuple[Inputs, Done, float]] = []
         self._cond = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="zerobatch", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
 
     def start(self) -> DynamicBatcher:
         self._thread.start()
@@ -149,55 +150,34 @@ class DynamicBatcher:
             done(True)
 
 
-class DvaBatch:
-    """The runtime's pipeline behind the served adapter's entry (`TritonPythonModel.execute`): one
-    thread takes what queued while its last call ran, at most bs_max queries (what Triton's dynamic
-    batcher with no queue delay hands `execute`, one request per query), runs it on the fast path
-    where that takes it (`Pipeline.run_inline_group`, as `execute` does) and submits the rest
-    together (`submit_many`); answers through the same `done` callbacks, an error as not answered."""
+class DvaBatch(DynamicBatcher):
+    """The runtime's pipeline behind the served adapter's entry (`TritonPythonModel.execute`): the
+    batcher's thread with no delay takes what queued while its last call ran, at most bs_max
+    queries (what Triton's dynamic batcher with no queue delay hands `execute`, one request per
+    query); instead of running the unsliced model it runs them on the fast path where that takes
+    them (`Pipeline.run_inline_group`, as `execute` does) and submits the rest together
+    (`submit_many`); answers through the same `done` callbacks, an error as not answered."""
 
     def __init__(self, pipeline: Any, several_inline: bool = True) -> None:
+        super().__init__(None, pipeline.manifest, pipeline.bs_max, thread_name="dvabatch-execute")
         self._pipeline = pipeline
         self._several = several_inline  # the adapter's default (no latency target, no default timeout)
-        self._queue: list[tuple[Inputs, Done]] = []
-        self._cond = threading.Condition()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="dvabatch-execute", daemon=True)
 
     def start(self) -> DvaBatch:
         self._pipeline.start()
-        self._thread.start()
+        super().start()
         return self
 
     def stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self._thread.join(30)
+        super().stop()
         self._pipeline.stop()
-
-    def submit(self, inputs: Inputs, done: Done) -> None:
-        with self._cond:
-            self._queue.append((inputs, done))
-            self._cond.notify()
 
     def counts(self) -> tuple[int, int, int, int]:
         """(pipeline batches, their queries, fast-path batches, their queries) so far (stage 0's)."""
         stats = self._pipeline.stats
         return stats.stages[0].batches, stats.stages[0].rows, stats.inline_runs, stats.inline_queries
 
-    def _loop(self) -> None:
-        bs_max = self._pipeline.bs_max
-        while True:
-            with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                batch, self._queue = self._queue[:bs_max], self._queue[bs_max:]
-            self._execute(batch)
-
-    def _execute(self, batch: list[tuple[Inputs, Done]]) -> None:
+    def _run(self, batch: list[tuple[Inputs, Done]]) -> None:
         """One `execute` call: each query a request of one row."""
         dones = [done for _, done in batch]
         requests = [{name: value[None] for name, value in query.items()} for query, _ in batch]
