@@ -90,10 +90,11 @@ def graph_buckets(bs_max: int, max_length: int, has_seq: bool) -> tuple[list[int
     """The (batch sizes, lengths) a stage's CUDA graphs are captured at: powers of two up to
     bs_max and bs_max itself; lengths the same from 16 up to max_length ([0] without a length)."""
     sizes = sorted({*(1 << k for k in range(bs_max.bit_length()) if 1 << k < bs_max), bs_max})
-    if not has_seq:
-        return sizes, [0]
-    lengths = sorted({*(1 << k for k in range(4, max_length.bit_length()) if 1 << k < max_length), max_length})
-    return sizes, lengths
+    return sizes, _length_buckets(max_length) if has_seq else [0]
+
+
+def _length_buckets(max_length: int) -> list[int]:
+    return sorted({*(1 << k for k in range(4, max_length.bit_length()) if 1 << k < max_length), max_length})
 
 
 def graph_length(length: int, max_length: int) -> int:
@@ -102,4 +103,4 @@ def graph_length(length: int, max_length: int) -> int:
     Only the model's own inputs can be zero-padded safely (a mask of zeros hides the padding); a
     later stage's inputs cannot (an additive mask of zeros attends to the padding), so the runtime
     pads the batch before stage 0 and every boundary after it has the bucket's length."""
-    return next(n for n in graph_buckets(1, max_length, True)[1] if n >= min(length, max_length))
+    return next(n for n in _length_buckets(max_length) if n >= min(length, max_length))

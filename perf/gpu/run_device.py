@@ -33,7 +33,6 @@ import os
 import shlex
 import shutil
 import subprocess
-import sys
 import tarfile
 import time
 from dataclasses import dataclass, field
@@ -84,9 +83,6 @@ def capped(seconds: int, *argv: str) -> tuple[str, ...]:
     return ("timeout", "-k", "5", str(seconds), *argv)
 
 
-# One call: the device time of a session (15 minutes) holds one machine start and one full call.
-# Commands in the order the issue ranks them, each capped: the GPU tests (answers, graphs, fence,
-# overlap), the overlap figures, the two experiments, the real server, then the CPU property tests.
 PY_SPY = "/tmp/site/bin/py-spy"  # the carried py-spy wheel's program, once installed there
 
 
@@ -98,6 +94,10 @@ def profiled(out: str, *argv: str) -> tuple[str, ...]:
             f"-f raw -o {out} -- {plain}; else exec {plain}; fi")
 
 
+# One call: the device time of a session (15 minutes) holds one machine start and one full call.
+# Commands in the order the issue ranks them, each capped: the GPU tests (answers, graphs, fence,
+# overlap) with the CPU property tests beside them, the overlap figures, the real server, then the
+# two experiments (BERT under py-spy).
 STEPS: tuple[Step, ...] = (
     Step("gpu", 585, (
         capped(20, "nvidia-smi"),

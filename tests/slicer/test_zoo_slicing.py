@@ -1,9 +1,9 @@
 """Every zoo model at test size, sliced into 2, 3 and 4 stages (MiniLM, the real 22M-parameter
 weights and the slowest to slice, into 4 only: its cuts are the encoder's, as BERT's at 2 and 3):
 the stages run in order equal the original (checked here, independently of the slicer's own
-verification), and the profile and directory are complete. The balance reached is printed, not asserted: it is measured on this
-machine (a benchmark's claim); the balancing itself is tested on given costs in
-tests/unit/test_partition.py."""
+verification), and the profile and directory are complete. The balance reached is printed, not
+asserted: it is measured on this machine (a benchmark's claim); the balancing itself is tested on
+given costs in tests/unit/test_partition.py."""
 from __future__ import annotations
 
 import json
