@@ -4,13 +4,16 @@
 - load diversity: a query arriving while a batch is in flight joins it (stretch counter moves; the
   batch is held in stage 0 by an engine wrapper, tests/server/gate_engine.py, until the test lets it go);
 - the custom early-exit example: confident queries come back with the exit head's result, and the
-  early-exit counter counts exactly them.
+  early-exit counter counts exactly them;
+- load diversity's split at arrival: requests handed to one `execute` run as the profile's smaller
+  batches on the fast path, the first answers sent while later batches run, every answer right.
 
 No assertion rests on how long anything took: a gate policy (tests/server/gate_policy.py) holds
 a burst until every request has reached the model, and the counters are read once they settle.
 That confident queries are also faster is a speed claim, for a benchmark, not asserted here."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import threading
@@ -22,6 +25,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.tools.serve import TritonServer
 from policies.examples.early_exit import confidence
 from slicer import toy
@@ -33,6 +37,9 @@ from ..triton_support import Clients, ServedModel, add_variant, admitted_request
 HIDDEN, LONG, SHORT = 256, 256, 8
 GATE_POLICY = Path(__file__).with_name("gate_policy.py")
 GATE_ENGINE = Path(__file__).with_name("gate_engine.py")
+# a profile saying a batch of 2 costs what 1 does and per query it is flat from there: the load
+# policy runs 8 arrivals as 4 batches of 2, each predicted 4 ms (worth sending answers early)
+SATURATING_AT_2 = {1: 4e-3, 2: 4e-3, 4: 8e-3, 8: 16e-3}
 SETTLE = 30.0  # seconds to wait for a counter to reach its value (sampled every 0.25 s); only a failure bound
 
 
@@ -68,6 +75,17 @@ def server(tmp_path_factory):
     early = ServedModel("cascade", report.out_dir / "1", report.manifest, {}, 0)
     models["early"] = add_variant(repo, early, "cascade_early", policy="policies.examples.early_exit:EarlyExitPolicy",
                                   policy_params={"threshold": 0.6, "exit_stage": 0, "head": "early_logits"})
+    dense = toy.dense_mlp(64, 6)
+    report = slice_model(dense, sliced / "dense", SliceOptions(stages=1, max_batch_size=8, repeats=3,
+                                                               batch_sizes=(1, 8), calibration_rounds=1))
+    version = report.out_dir / "1"
+    manifest = json.loads((version / "manifest.json").read_text())
+    manifest["stage_times"] = [{str(bs): t for bs, t in SATURATING_AT_2.items()}]
+    (version / "manifest.json").write_text(json.dumps(manifest))
+    shutil.copy(GATE_ENGINE, version / GATE_ENGINE.name)
+    split = ServedModel("dense", version, Manifest.load(version / "manifest.json"), {}, 0)
+    models["split"] = add_variant(repo, split, "dense_split", policy="load",
+                                  extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_first"})
     with TritonServer(repo) as triton:
         for model in models.values():
             triton.wait_model_ready(model.name, timeout=120)
@@ -221,3 +239,64 @@ def test_early_exit_policy_answers_confident_queries_early(server) -> None:
     # each confident query, and no other, left early
     exits = _settle(lambda: _metric(triton, "cascade_early", "early_exits"), lambda v: v >= before + len(sure))
     assert exits == before + len(sure), (before, exits)
+
+
+def _pending(server: TritonServer, model: str) -> float:
+    """Requests waiting in Triton's queue for the model (nv_inference_pending_request_count)."""
+    for m in re.finditer(r"nv_inference_pending_request_count{([^}]*)} ([0-9.e+]+)", _metrics_text(server)):
+        if f'model="{model}"' in m.group(1):
+            return float(m.group(2))
+    raise AssertionError(f"no nv_inference_pending_request_count for model {model!r}")
+
+
+def _fast_path(server: TritonServer, model: str) -> tuple[float, float]:
+    """(batches, queries) the model ran on the fast path."""
+    text = _metrics_text(server)
+    values = []
+    for family in ("dvabatch_fast_path_batches_total", "dvabatch_fast_path_queries_total"):
+        found = re.search(rf'{family}{{model="{model}"}} ([0-9.e+]+)', text)
+        values.append(float(found.group(1)) if found else 0.0)  # 0 until the first sample
+    return values[0], values[1]
+
+
+def test_requests_handed_over_together_split_as_the_profile_says_and_all_answer_right(server) -> None:
+    """A lone request holds the model's stage (gate_engine.py) on the fast path, inside `execute`;
+    8 requests sent meanwhile wait in Triton's queue, so the next `execute` gets all 8. The load
+    policy runs them as 4 batches of 2 (the manifest's profile), sending the first answers while
+    later batches run: 5 fast-path batches in all, every answer the unsliced model's."""
+    triton, models, _ = server
+    model = models["split"]
+    held, gate = model.version_dir / "held", model.version_dir / "open"
+    rng = np.random.default_rng(4)
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    before = _fast_path(triton, "dense_split")
+    queries = [model.query(rng) for _ in range(9)]
+    answers: dict[int, tuple] = {}
+    lock = threading.Lock()
+    done = threading.Semaphore(0)
+
+    def keep(i: int) -> Callable[[object, object], None]:
+        def on_answer(result, error) -> None:
+            with lock:
+                answers[i] = (result, error)
+            done.release()
+        return on_answer
+
+    try:
+        client.async_infer("dense_split", Clients.inputs(grpcclient, queries[0]), keep(0), client_timeout=120)
+        assert _settle(held.exists, bool), "the stage never took the first request"
+        for i in range(1, 9):
+            client.async_infer("dense_split", Clients.inputs(grpcclient, queries[i]), keep(i), client_timeout=120)
+        assert _settle(lambda: _pending(triton, "dense_split"), lambda n: n >= 8) == 8
+    finally:
+        gate.touch()
+    for _ in queries:
+        assert done.acquire(timeout=120), "an answer did not come"
+    client.close()
+    for i, query in enumerate(queries):
+        result, error = answers[i]
+        assert error is None, error
+        for out, ref in model.reference(query).items():
+            np.testing.assert_allclose(result.as_numpy(out)[0], ref, atol=1e-4, err_msg=f"query {i} {out}")
+    assert _settle(lambda: _fast_path(triton, "dense_split"),
+                   lambda v: v[1] >= before[1] + 9) == (before[0] + 5, before[1] + 9)
