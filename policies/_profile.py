@@ -38,7 +38,7 @@ class StageProfile(StageCost):
         (each chunk's queries answered at the running total of the chunks' times); among the c whose
         chunks take at most (1 + slack) x the time of one batch of n (a split never gives up
         throughput beyond `slack`, by the profile), the one answering soonest wins. (n,) without a
-        profile, for n < 2, or with a negative `slack`.
+        profile, for n < 2, past the largest profiled size, or with a negative `slack`.
 
         E.g. a CNN at 12.7 ms for 8 queries and 112 ms for 64 runs 64 arrivals as 8 batches of 8
         (101 ms in all; the first eight answered after 12.7 ms, not 112); a model whose time per
@@ -56,6 +56,8 @@ class StageProfile(StageCost):
         best: tuple[int, ...] = (n,)
         best_wait = t(n) * n
         profiled = set().union(*(self.profiled(stage) for stage in range(self.num_stages)))
+        if n > max(profiled):
+            return (n,)  # past the profile times are extrapolated in proportion: a split would look free
         for c in sorted(size for size in profiled if size < n):
             full, rest = divmod(n, c)
             sizes = (c,) * full + ((rest,) if rest else ())

@@ -351,6 +351,7 @@ def test_arrival_sizes_split_where_the_profile_says_smaller_batches_answer_soone
     falling = StageProfile([NO_SPLIT] * 2, 2)
     assert all(falling.arrival_sizes(n, 0.02) == (n,) for n in range(1, 9))
     assert StageProfile([], 2).arrival_sizes(8, 0.02) == (8,)  # no profile
+    assert saturating.arrival_sizes(16, 0.02) == (16,)  # past the profile: a split is a guess
     # one batch of 8 slightly cheaper than 4 of 2: within the slack it splits, beyond it not
     cheaper = {1: 1 * MS, 2: 1 * MS, 4: 2 * MS, 8: 3.9 * MS}
     assert StageProfile([cheaper], 1).arrival_sizes(8, 0.03) == (2, 2, 2, 2)
