@@ -33,11 +33,12 @@ class StageProfile(StageCost):
         hardware is already busy at a smaller size).
 
         Candidates are chunks of one profiled batch size c (a size the slicer measured: between
-        two, the times are interpolated and say nothing new) in arrival order, the remainder last. Each query waits
-        until its chunk is done, so the chunks are judged by the summed time to answer all n queries
-        (each chunk's queries answered at the running total of the chunks' times); among the c whose
-        chunks take at most (1 + slack) x the time of one batch of n (a split never gives up
-        throughput beyond `slack`, by the profile), the one answering soonest wins. (n,) without a
+        two, the times are interpolated and say nothing new) in arrival order, the remainder last.
+        Each query waits until its chunk is done, so the chunks are judged by the summed time to
+        answer all n queries (each chunk's queries answered at the running total of the chunks'
+        times); among the c whose chunks take at most (1 + slack) x the time of one batch of n (a
+        split never gives up throughput beyond `slack`, by the profile), the one answering soonest
+        wins. (n,) without a
         profile, for n < 2, past the largest profiled size, or with a negative `slack`.
 
         E.g. a CNN at 12.7 ms for 8 queries and 112 ms for 64 runs 64 arrivals as 8 batches of 8
@@ -45,6 +46,9 @@ class StageProfile(StageCost):
         query keeps falling up to 64 runs them as one."""
         if n < 2 or slack < 0 or not self.available:
             return (n,)
+        profiled = set().union(*(self.profiled(stage) for stage in range(self.num_stages)))
+        if n > max(profiled):
+            return (n,)  # past the profile times are extrapolated in proportion: a split would look free
         times: dict[int, float] = {}
 
         def t(bs: int) -> float:
@@ -55,9 +59,6 @@ class StageProfile(StageCost):
         budget = t(n) * (1 + slack)
         best: tuple[int, ...] = (n,)
         best_wait = t(n) * n
-        profiled = set().union(*(self.profiled(stage) for stage in range(self.num_stages)))
-        if n > max(profiled):
-            return (n,)  # past the profile times are extrapolated in proportion: a split would look free
         for c in sorted(size for size in profiled if size < n):
             full, rest = divmod(n, c)
             sizes = (c,) * full + ((rest,) if rest else ())
