@@ -14,9 +14,7 @@ stretched; and a batch that a stretch has grown to a size that foresees a split 
 stretched again (the policy cannot set the flag on an existing batch, so it checks the size).
 
 Params: `t_comp_wait` (seconds; default the profiled time of stage 0 at bs 1, or 0.002 s),
-`factor` (the 2 of the split rule), `pad_tolerance` (Policy III's padding rule) and `split_slack`
-(Policy III's split at arrival for the whole model; off by default, -1: here batches split where
-the operator rule says, after a stage, so a stage that prefers big batches keeps them).
+`factor` (the 2 of the split rule) and `pad_tolerance` (Policy III's padding rule).
 """
 from __future__ import annotations
 
@@ -30,9 +28,8 @@ class HybridPolicy(LoadDiversityPolicy):
     name = "hybrid"
     runs_inline = True  # its splits change how a batch runs, never an answer
 
-    def __init__(self, t_comp_wait: float | None = None, factor: float = 2.0, pad_tolerance: float = 0.25,
-                 split_slack: float = -1.0) -> None:
-        super().__init__(t_comp_wait, pad_tolerance, split_slack)
+    def __init__(self, t_comp_wait: float | None = None, factor: float = 2.0, pad_tolerance: float = 0.25) -> None:
+        super().__init__(t_comp_wait, pad_tolerance)
         self.splitter = OperatorDiversityPolicy(factor)
 
     def bind(self, context: PolicyContext) -> None:

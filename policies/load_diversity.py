@@ -21,17 +21,8 @@ as fit when it
 
 The waiting queries that do not join start new batches at once: with a per-length profile,
 clustered by length as the input policy clusters them (`policies.clusters`: within pad_tolerance,
-merged while one batch costs less than two, at most bs_max each), shortest first; without one (a
-fixed-shape model), in arrival order, up to bs_max each, each of those split before stage 0 where
-the per-batch-size profile says smaller batches answer sooner at no more than `split_slack` of
-throughput (`StageProfile.arrival_sizes`: the paper's split, for the whole model). A batch that
-stretches grows only to that size, the largest in which bs_max arrivals would run.
-
-Why the split at arrival (fixed-shape models on a CPU): batches grow with the load, but past the
-size where every core is busy a bigger batch costs as much per query and every query in it waits
-for all of it. On the zoo's VGG-19, 8 queries take 12.7 ms and 64 take 112; 64 arrivals run as
-eight batches of 8 answer their first eight after 12.7 ms and their last after 101. A model whose
-time per query keeps falling up to bs_max (a residual MLP) is never split.
+merged while one batch costs less than two, at most bs_max each), shortest first; without one, up
+to bs_max each in arrival order.
 
 Why the padding rule (the overload collapse): under load stage 0 is busy, so the latest batch has
 not started and every arrival may join it. With lengths like GLUE's (most short, a tail past 100
@@ -41,8 +32,7 @@ is nearly proportional to its rows x padded length, throughput fell below that o
 and the queue grew without bound (simulated in process on a 3-stage transformer at 300 qps).
 
 `t_comp_wait` (seconds) defaults to the profiled time of stage 0 at batch size 1, or 0.002 s
-without a profile; `split_slack` (default 0.02) is the share of throughput, by the profile, a
-split at arrival may give up, and a negative value turns the split at arrival off.
+without a profile.
 """
 from __future__ import annotations
 
@@ -54,21 +44,18 @@ from ._profile import BatchCost, StageProfile
 from .clusters import length_clusters
 
 DEFAULT_T_COMP_WAIT = 0.002  # seconds, without a profile
-DEFAULT_SPLIT_SLACK = 0.02  # a split at arrival may cost 2 % of throughput by the profile: its noise
 
 
 class LoadDiversityPolicy(Policy):
     name = "load"
 
-    def __init__(self, t_comp_wait: float | None = None, pad_tolerance: float = 0.25,
-                 split_slack: float = DEFAULT_SPLIT_SLACK) -> None:
+    def __init__(self, t_comp_wait: float | None = None, pad_tolerance: float = 0.25) -> None:
         if t_comp_wait is not None and t_comp_wait < 0:
             raise ValueError(f"t_comp_wait must be >= 0 seconds, got {t_comp_wait}")
         if pad_tolerance < 0:
             raise ValueError(f"pad_tolerance must be >= 0, got {pad_tolerance}")
         self._t_comp_wait_param = t_comp_wait
         self.pad_tolerance = float(pad_tolerance)
-        self.split_slack = float(split_slack)
 
     def bind(self, context: PolicyContext) -> None:
         super().bind(context)
@@ -80,8 +67,6 @@ class LoadDiversityPolicy(Policy):
             self.t_comp_wait = self.profile.time(0, 1)
         else:
             self.t_comp_wait = DEFAULT_T_COMP_WAIT
-        self._sizes: dict[int, tuple[int, ...]] = {}
-        self.batch_cap = max(self.arrival_sizes(context.bs_max))
 
     def can_stretch(self, batch: BatchInfo, now: float) -> bool:
         """Whether `batch` may take more queries at all (room and lengths are checked apart): a
@@ -91,13 +76,6 @@ class LoadDiversityPolicy(Policy):
             return False
         return not batch.started or now - batch.created < self.t_comp_wait
 
-    def arrival_sizes(self, n: int) -> tuple[int, ...]:
-        """The sizes in which n queries that start new batches together run (module docstring); a
-        model with a per-length profile is batched by length instead, and never split here."""
-        if n not in self._sizes:
-            self._sizes[n] = (n,) if self.cost.available else self.profile.arrival_sizes(n, self.split_slack)
-        return self._sizes[n]
-
     def new_batch(self, query_ids: tuple[int, ...]) -> New:
         """The `New` for queries that do not join the latest batch."""
         return New(query_ids)
@@ -105,7 +83,7 @@ class LoadDiversityPolicy(Policy):
     def joining(self, batch: BatchInfo, waiting: Sequence[QueryInfo]) -> list[QueryInfo]:
         """The waiting queries that join `batch`: they fit its padding and its room, and padding
         them pays (module docstring)."""
-        room = self.batch_cap - batch.bs
+        room = self.context.bs_max - batch.bs
         pad = batch.pad_length
         fitting = sorted((q for q in waiting if q.length <= pad), key=lambda q: (-q.length, q.arrival, q.id))
         fitting = fitting[:max(room, 0)]
@@ -127,17 +105,10 @@ class LoadDiversityPolicy(Policy):
 
     def new_batches(self, rest: Sequence[QueryInfo]) -> list[tuple[int, ...]]:
         """The queries that join no batch, as new batches: length clusters (shortest first) with a
-        per-length profile, else up to bs_max each in arrival order (the paper's), split where the
-        profile says smaller batches answer sooner (`arrival_sizes`)."""
+        per-length profile, else up to bs_max each in arrival order (the paper's)."""
         bs_max = self.context.bs_max
         if not self.cost.available:
-            batches = []
-            for i in range(0, len(rest), bs_max):
-                group = [q.id for q in rest[i:i + bs_max]]
-                for size in self.arrival_sizes(len(group)):
-                    batches.append(tuple(group[:size]))
-                    group = group[size:]
-            return batches
+            return [tuple(q.id for q in rest[i:i + bs_max]) for i in range(0, len(rest), bs_max)]
         clusters = length_clusters(rest, bs_max, self.pad_tolerance, self.cost, self.context.pad_safe)
         return [tuple(q.id for q in c) for c in sorted(clusters, key=lambda c: max(q.length for q in c))]
 

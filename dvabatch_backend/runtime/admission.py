@@ -57,10 +57,6 @@ class ServiceModel:
     def stage_time(self, stage: int, bs: int) -> float:
         return self.profiled(stage, bs) * self.correction
 
-    def batch_time(self, bs: int, length: int | None = None) -> float:
-        """Predicted seconds for every stage to run a batch of `bs` rows padded to `length`."""
-        return sum(self.profiled(k, bs, length) for k in range(self.num_stages)) * self.correction
-
     def pipeline_time(self, bs: int, from_stage: int = 0) -> float:
         return sum(self.stage_time(k, bs) for k in range(from_stage, self.num_stages))
 

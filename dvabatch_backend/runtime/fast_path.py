@@ -10,13 +10,9 @@ nothing: no query unanswered, no batch, no stage working); then
   batch, the stages in a row (or the unsliced model) into scratch buffers of this path's own;
 - several requests (`run_requests`): the policy batches their rows as it would at an empty
   pipeline (`InlineHold.plan`: the input policy's length clusters, shortest first; the load
-  policy's batches in arrival order, split where its profile says smaller ones answer sooner), the
-  batches run one after another, and each request's outputs are handed to the caller as soon as
-  its last row is done. The Triton adapter returns them all from `execute`, one message for all,
-  unless the batches still to run are predicted to take EARLY_SEND_S or more: then it sends the
-  answers done so far at once. Only with one buffer pair, where the pipeline runs batches one at a
-  time as well; with two or more its stages overlap (per-stage threads, a GPU), and the batches go
-  there.
+  policy's one batch), the batches run one after another, and each request's outputs are handed
+  to the caller as soon as its last row is done (the Triton adapter returns them all from `execute`). Only with one buffer pair, where the pipeline runs batches one at a time
+  as well; with two or more its stages overlap (per-stage threads, a GPU), and the batches go there.
 
 The switch, and why it never reorders or loses an answer: the reservation is taken and given back
 under the scheduler's lock. While it is held, queries submitted by other callers are admitted and
@@ -51,11 +47,6 @@ from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-# Answers are sent before the later batches of one call run only when those take at least this
-# long: a send costs the stub about 40 us a request more than answers returned from `execute`, and
-# the server a round trip besides; 2 ms ahead is worth 20 of them.
-EARLY_SEND_S = 2e-3
-
 
 class FastPath:
     """Runs a batch that meets nobody through every stage on the caller's thread (module docstring).
@@ -79,15 +70,12 @@ class FastPath:
         self.engine = "stages" if whole_model is None else "model"
 
     def run_requests(self, requests: Sequence[Mapping[str, np.ndarray]],
-                     answer: Callable[[int, dict[str, np.ndarray]], None],
-                     early: Callable[[int, dict[str, np.ndarray]], None] | None = None) -> list[int] | None:
+                     answer: Callable[[int, dict[str, np.ndarray]], None]) -> list[int] | None:
         """Several requests' rows (each input [rows, ...]) batched as the policy batches them at an
-        empty pipeline (`InlineHold.plan`: the input policy's length clusters, the load policy's
-        batches in arrival order), the batches run one after another on this thread; request i is
-        answered as soon as its last row is done (outputs cut back to its length), exactly once for
-        each request not left to the caller: by `early(i, outputs)` where given and the batches
-        still to run take long enough to be worth a send (`_worth_sending`: the caller sends it now
-        rather than after the last batch), else by `answer(i, outputs)`.
+        empty pipeline (`InlineHold.plan`: the input policy's length clusters, the load
+        policy's one batch), the batches run one after another on this thread; `answer(i, outputs)`
+        is called for request i as soon as its last row is done (outputs cut back to its length),
+        exactly once for each request not left to the caller.
 
         None: the fast path was not taken (a request not well-formed or over bs_max rows, the
         pipeline not empty) and nothing was answered. Otherwise the requests not answered (a batch
@@ -105,10 +93,8 @@ class FastPath:
         outputs: list[dict[str, np.ndarray] | None] = [None] * len(requests)
         runs = answered = 0
         try:
-            plan = self._scheduler.inline.plan([length for _, _, length in rows], self._scheduler.clock())
-            for b, (group, pad) in enumerate(plan):
+            for group, pad in self._scheduler.inline.plan([length for _, _, length in rows], self._scheduler.clock()):
                 members = [rows[j] for j in group]
-                done_now = early if early is not None and self._worth_sending(plan[b + 1:]) else answer
                 done = self._run_rows(requests, members, pad)
                 runs += 1
                 for pos, (i, r, length) in enumerate(members):
@@ -120,7 +106,7 @@ class FastPath:
                     for spec in self._manifest.outputs:
                         out[spec.name][r] = cut_row(done[spec.name][pos], spec, length)
                     if missing[i] == 1:
-                        done_now(i, out)  # if it raises, this request goes the usual way with the ones not run
+                        answer(i, out)  # if it raises, this request goes the usual way with the ones not run
                         answered += shapes[i][0]  # type: ignore[index]
                     missing[i] -= 1
         except Exception as exc:  # noqa: BLE001 - the requests not answered go the usual way
@@ -130,13 +116,6 @@ class FastPath:
             self._scheduler.inline.release(answered, time.perf_counter() - began if answered else None, runs,
                                            fell_back=bool(left))
         return left
-
-    def _worth_sending(self, later: Sequence[tuple[list[int], int]]) -> bool:
-        """Whether answers are worth sending before `later` batches run: they are predicted (the
-        profile, corrected by what stages took) to take at least EARLY_SEND_S. A send costs a round
-        trip to the server per request, where answers returned from `execute` share one."""
-        service = self._scheduler.admission.service
-        return sum(service.batch_time(len(group), pad) for group, pad in later) >= EARLY_SEND_S
 
     def _run_rows(self, requests: Sequence[Mapping[str, np.ndarray]], members: list[tuple[int, int, int]],
                   length: int) -> dict[str, np.ndarray]:

@@ -350,21 +350,14 @@ class TritonPythonModel:
             tensors = [self._inputs(request) for request in requests]
             if all(t is not None for t in tensors):
                 done: dict[int, Any] = {}
-                sent: list[int] = []
-
-                def early(i: int, out: Mapping[str, np.ndarray]) -> None:
-                    # answered while later batches of this call run: sent now, not when they end
-                    self._send(requests[i], self._response(out))
-                    sent.append(i)
-
                 # several only without deadlines: later batches wait for earlier ones, so deadlines
                 # stay the pipeline's to keep
                 several = self._inline_many and not any(_request_timeout_us(r) for r in requests)
                 left = self._scheduler.run_inline_group(  # type: ignore[arg-type]
-                    tensors, lambda i, out: done.__setitem__(i, self._response(out)), several, early)
-                if not left and not sent:  # all answered at the end: returned by execute, cheaper than a send each
+                    tensors, lambda i, out: done.__setitem__(i, self._response(out)), several)
+                if not left:  # all answered: returned by execute, cheaper than a send each
                     return [done[i] for i in range(len(requests))]
-                for i, response in done.items():  # some sent already, or a batch failed: the others the usual way
+                for i, response in done.items():  # a batch failed: the answered ones now, the others the usual way
                     self._send(requests[i], response)
                 requests = [requests[i] for i in left]
         self._submit(requests)
@@ -376,8 +369,7 @@ class TritonPythonModel:
 
     @staticmethod
     def _send(request: Any, response: Any) -> None:
-        """Send a response the fast path made, while later batches of its `execute` call run or when
-        others of the call go the usual way."""
+        """Send a response the fast path made, when others of its `execute` call go the usual way."""
         try:
             request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as exc:  # noqa: BLE001 - a client gone: its answer was given, and is lost alone

@@ -20,7 +20,6 @@ from policies import RandomLegalPolicy, create_policy
 from policies.examples.early_exit import EarlyExitPolicy
 
 from ..conftest import Collector, GatedEngine, SlicedModel, assert_matches_reference, make_scheduler
-from .test_policies_e2e import with_profile
 
 
 def batch_of(queries: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -395,41 +394,6 @@ def test_more_rows_than_a_batch_run_inline_as_several_batches(zoo) -> None:
         for i, outputs in answered.items():
             assert_rows_match(model, requests[i], outputs)
         assert len(answered) == 4 and pipeline.stats.inline_runs >= 3
-
-
-# per stage: a batch of 2 costs what a batch of 1 does, and per query it is flat from there, so the
-# load policy runs 8 arrivals as 4 batches of 2 (StageProfile.arrival_sizes)
-SATURATING_AT_2 = {1: 1e-3, 2: 1e-3, 4: 2e-3, 8: 4e-3}
-
-
-@pytest.mark.parametrize("scale, early_batches", [(1.0, 3), (0.05, 0)])
-def test_answers_are_handed_early_while_later_batches_take_long_enough_to_be_worth_a_send(
-        zoo, scale: float, early_batches: int) -> None:
-    """8 requests at an empty pipeline run as 4 batches of 2 (the load policy's split at arrival);
-    each request is answered right after its batch, before the next batch runs: through `early`
-    while the batches left are predicted to take EARLY_SEND_S or more (2, 4, 6 ms left), through
-    `answer` where they are short (0.1-0.3 ms: returned together, one message) and for the last."""
-    profile = [{bs: scale * t for bs, t in SATURATING_AT_2.items()}] * 2
-    model = with_profile(zoo.stages("dense", 2), profile)
-    recorder = Recorder()
-    engines = [recorder.wrap(k, e) for k, e in enumerate(model.engines())]
-    rng = np.random.default_rng(12)
-    answered: dict[int, dict[str, np.ndarray]] = {}
-
-    def by(kind: str):
-        return lambda i, out: (recorder.note(kind, i), answered.__setitem__(i, out))
-
-    with make_scheduler(model, create_policy("load"), engines, bs_max=8, num_buffer_pairs=1) as pipeline:
-        requests = [[model.query(rng)] for _ in range(8)]
-        assert pipeline.run_inline_requests([batch_of(r) for r in requests], by("answer"), by("early")) == []
-        assert pipeline.stats.inline_runs == 4
-    expected: list[tuple[str, Any]] = []
-    for b in range(4):
-        expected += [("run", 0), ("run", 1)]
-        expected += [("early" if b < early_batches else "answer", i) for i in (2 * b, 2 * b + 1)]
-    assert [(kind, what[1] if kind == "run" else what) for kind, what in recorder.events] == expected
-    for i, outputs in answered.items():
-        assert_rows_match(model, requests[i], outputs)
 
 
 def test_a_batch_failing_midway_leaves_the_requests_it_did_not_answer_to_the_pipeline(zoo) -> None:

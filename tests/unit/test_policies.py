@@ -340,48 +340,6 @@ def test_load_t_comp_wait_defaults() -> None:
     assert bound(LoadDiversityPolicy(t_comp_wait=0.5), stage_times=[SPLITS] * 4).t_comp_wait == 0.5  # type: ignore[attr-defined]
 
 
-def test_arrival_sizes_split_where_the_profile_says_smaller_batches_answer_sooner() -> None:
-    """Chunks of a profiled size in arrival order (the remainder last), the one answering soonest
-    among those costing at most (1 + slack) x one batch; never where time per query keeps falling."""
-    saturating = StageProfile([SPLITS] * 2, 2)  # per query flat from bs 2
-    assert saturating.arrival_sizes(8, 0.02) == (2, 2, 2, 2)
-    assert saturating.arrival_sizes(7, 0.02) == (4, 3)  # 2+2+2+1 costs 8/7 of one batch: T(1) = T(2)
-    assert saturating.arrival_sizes(2, 0.02) == (2,)  # 1 + 1 costs twice a batch of 2
-    assert saturating.arrival_sizes(8, -1) == (8,)  # a negative slack: off
-    falling = StageProfile([NO_SPLIT] * 2, 2)
-    assert all(falling.arrival_sizes(n, 0.02) == (n,) for n in range(1, 9))
-    assert StageProfile([], 2).arrival_sizes(8, 0.02) == (8,)  # no profile
-    assert saturating.arrival_sizes(16, 0.02) == (16,)  # past the profile: a split is a guess
-    # one batch of 8 slightly cheaper than 4 of 2: within the slack it splits, beyond it not
-    cheaper = {1: 1 * MS, 2: 1 * MS, 4: 2 * MS, 8: 3.9 * MS}
-    assert StageProfile([cheaper], 1).arrival_sizes(8, 0.03) == (2, 2, 2, 2)
-    assert StageProfile([cheaper], 1).arrival_sizes(8, 0.02) == (8,)
-
-
-def test_load_splits_new_batches_and_caps_stretch_at_the_profiles_size() -> None:
-    policy = bound(LoadDiversityPolicy(), stage_times=[SPLITS] * 4)
-    plan = policy.on_arrival(queries([3] * 8), Table().view, now=0.0)
-    assert [d.query_ids for d in news(plan)] == [(100, 101), (102, 103), (104, 105), (106, 107)]  # arrival order
-    assert policy.batch_cap == 2  # type: ignore[attr-defined]
-    table = Table()
-    bid = table.new(1, started=False)
-    plan = policy.on_arrival(queries([3] * 3), table.view, now=0.0)
-    assert stretches(plan) == [Stretch(bid, (100,))]  # grows to 2, no further
-    assert [d.query_ids for d in news(plan)] == [(101, 102)]
-    unsplit = bound(LoadDiversityPolicy(split_slack=-1), stage_times=[SPLITS] * 4)
-    assert [len(d.query_ids) for d in news(unsplit.on_arrival(queries([3] * 8), Table().view, 0.0))] == [8]
-    hybrid = bound(HybridPolicy(), stage_times=[SPLITS] * 4)  # the operator rule splits it, after stage 0
-    assert [len(d.query_ids) for d in news(hybrid.on_arrival(queries([3] * 8), Table().view, 0.0))] == [8]
-
-
-def test_load_with_a_per_length_profile_batches_by_length_and_never_splits_at_arrival() -> None:
-    by_length = {4: [SPLITS] * 4, 12: [{bs: 3 * t for bs, t in SPLITS.items()}] * 4}
-    policy = bound(LoadDiversityPolicy(), stage_times=[SPLITS] * 4, stage_times_by_length=by_length)
-    assert policy.batch_cap == 8  # type: ignore[attr-defined]
-    plan = policy.on_arrival(queries([4] * 8), Table().view, now=0.0)
-    assert [len(d.query_ids) for d in news(plan)] == [8]
-
-
 # -- hybrid ---------------------------------------------------------------------------------
 
 def test_hybrid_stretches_and_splits() -> None:
