@@ -245,8 +245,9 @@ def _pending(server: TritonServer, model: str) -> float:
 def _fast_path(server: TritonServer, model: str) -> tuple[float, float]:
     """(batches, queries) the model ran on the fast path (0 until the first sample)."""
     text = _metrics_text(server)
-    return tuple(_sample(family, {"model": model}, text) or 0.0  # type: ignore[return-value]
-                 for family in ("dvabatch_fast_path_batches_total", "dvabatch_fast_path_queries_total"))
+    batches, queries = (_sample(family, {"model": model}, text) or 0.0
+                        for family in ("dvabatch_fast_path_batches_total", "dvabatch_fast_path_queries_total"))
+    return batches, queries
 
 
 def test_requests_that_queued_during_a_fast_path_run_are_handed_over_together_and_run_as_one_batch(server) -> None:
