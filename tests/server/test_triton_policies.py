@@ -118,37 +118,45 @@ def _settle(read: Callable[[], object], done: Callable[[object], bool], timeout:
     return settle(read, done, timeout)
 
 
+class _Answers:
+    """Async gRPC answers by query index (result, error), and the order they came in."""
+
+    def __init__(self) -> None:
+        self.got: dict[int, tuple] = {}
+        self.order: list[int] = []
+        self._lock = threading.Lock()
+        self._done = threading.Semaphore(0)
+
+    def callback(self, i: int) -> Callable[[object, object], None]:
+        def on_answer(result, error) -> None:
+            with self._lock:
+                self.got[i] = (result, error)
+                self.order.append(i)
+            self._done.release()
+        return on_answer
+
+    def wait(self, n: int) -> None:
+        for _ in range(n):
+            assert self._done.acquire(timeout=120), "an answer did not come"
+
+
 def _gated_burst(triton: TritonServer, gate: Path, model: str, queries: list[dict]) -> list[int]:
     """Send every query (async gRPC, one request each) while the model's gate is shut; open it once
     all have reached the model. Returns the query indices in the order their answers came."""
     client = grpcclient.InferenceServerClient(triton.grpc_url)
-    order: list[int] = []
-    errors: list = []
-    lock = threading.Lock()
-    done = threading.Semaphore(0)
-
-    def callback(i: int):
-        def on_answer(result, error) -> None:
-            with lock:
-                order.append(i)
-                if error is not None:
-                    errors.append(error)
-            done.release()
-        return on_answer
-
+    answers = _Answers()
     gate.unlink(missing_ok=True)
     before = admitted_requests(triton, model)
     for i, query in enumerate(queries):
-        client.async_infer(model, Clients.inputs(grpcclient, query), callback(i), client_timeout=120)
+        client.async_infer(model, Clients.inputs(grpcclient, query), answers.callback(i), client_timeout=120)
     admitted = _settle(lambda: admitted_requests(triton, model), lambda n: n >= before + len(queries))
     assert admitted == before + len(queries), admitted
-    assert order == [], "answered before the gate opened"
+    assert answers.order == [], "answered before the gate opened"
     gate.touch()
-    for _ in queries:
-        assert done.acquire(timeout=120), "an answer did not come"
+    answers.wait(len(queries))
     client.close()
-    assert errors == []
-    return order
+    assert [error for _, error in answers.got.values() if error is not None] == []
+    return answers.order
 
 
 def test_short_queries_in_a_burst_with_long_ones_are_batched_apart_and_exit_first(server) -> None:
@@ -262,30 +270,20 @@ def test_requests_that_queued_during_a_fast_path_run_are_handed_over_together_an
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     before = _fast_path(triton, "dense_load")
     queries = [model.query(rng) for _ in range(9)]
-    answers: dict[int, tuple] = {}
-    lock = threading.Lock()
-    done = threading.Semaphore(0)
-
-    def keep(i: int) -> Callable[[object, object], None]:
-        def on_answer(result, error) -> None:
-            with lock:
-                answers[i] = (result, error)
-            done.release()
-        return on_answer
-
+    answers = _Answers()
     try:
-        client.async_infer("dense_load", Clients.inputs(grpcclient, queries[0]), keep(0), client_timeout=120)
+        client.async_infer("dense_load", Clients.inputs(grpcclient, queries[0]), answers.callback(0), client_timeout=120)
         assert _settle(held.exists, bool), "the stage never took the first request"
         for i in range(1, 9):
-            client.async_infer("dense_load", Clients.inputs(grpcclient, queries[i]), keep(i), client_timeout=120)
+            client.async_infer("dense_load", Clients.inputs(grpcclient, queries[i]), answers.callback(i),
+                               client_timeout=120)
         assert _settle(lambda: _pending(triton, "dense_load"), lambda n: n >= 8) == 8
     finally:
         gate.touch()
-    for _ in queries:
-        assert done.acquire(timeout=120), "an answer did not come"
+    answers.wait(len(queries))
     client.close()
     for i, query in enumerate(queries):
-        result, error = answers[i]
+        result, error = answers.got[i]
         assert error is None, error
         for out, ref in model.reference(query).items():
             np.testing.assert_allclose(result.as_numpy(out)[0], ref, atol=1e-4, err_msg=f"query {i} {out}")
