@@ -21,6 +21,13 @@ executor i has no unread rows left in `buffers[i][j]` and is active (holds some 
 input), it legitimates pair j for executor i - 1 again: `buffers[i - 1][j]` INVALID ->
 AVAILABLE. With one pair this makes the pipeline run serially; with two, stages overlap.
 
+Where the tensors live: a buffer's `BufferMemory` allocates them. `HOST_MEMORY` (numpy, the
+default) for CPU engines and for the boundaries the host reads or writes (0: gather; N: answers);
+engines on a GPU keep the boundaries between two of their stages in device memory
+(`device_memory.place_on_streams`), so a batch crosses them without a host round trip. A host
+reader of such a buffer (an early exit, a policy looking at a stage's outputs) takes
+`host_rows`, which waits for the writer's fence and copies.
+
 Row bookkeeping (`unread`) backs the self-checks: an executor never reads rows nobody wrote,
 never overwrites rows not yet read, and never mixes two batches' data in one buffer. A check
 that fires is logged and kept in `violations` (as `BufferStateError`s): it means the runtime
@@ -35,6 +42,7 @@ import logging
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -42,7 +50,8 @@ from .errors import BufferStateError
 from .fences import Fence, FenceFactory, HostFence, host_fences
 from .manifest import Manifest, TensorSpec
 
-__all__ = ["BufferPool", "BufferState", "HostFence", "PairUse", "StageBuffer", "row_mask"]
+__all__ = ["BufferMemory", "BufferPool", "BufferState", "HOST_MEMORY", "HostFence", "HostMemory", "MemoryFactory",
+           "PairUse", "StageBuffer", "host_memory", "row_mask"]
 
 log = logging.getLogger(__name__)
 
@@ -54,24 +63,63 @@ class BufferState(enum.Enum):
     INWRITING = "inwriting"
 
 
+class BufferMemory(Protocol):
+    """Where a buffer's tensors live: `zeros` makes one flat tensor (sliced and reshaped as numpy
+    arrays are), `to_host` gives a view's data as a numpy array (its writer's work complete)."""
+
+    on_device: bool
+
+    def zeros(self, size: int, dtype: np.dtype) -> Any: ...
+
+    def to_host(self, view: Any) -> np.ndarray: ...
+
+
+class HostMemory:
+    """Buffers in host memory, as numpy arrays (CPU engines; the boundaries the host touches)."""
+
+    on_device = False
+
+    def zeros(self, size: int, dtype: np.dtype) -> np.ndarray:
+        return np.zeros(size, dtype)
+
+    def to_host(self, view: Any) -> np.ndarray:
+        return view
+
+
+HOST_MEMORY = HostMemory()
+MemoryFactory = Callable[[int, int], BufferMemory]  # (boundary, pair) -> where that buffer lives
+
+
+def host_memory(boundary: int, pair: int) -> HostMemory:
+    """The default `MemoryFactory`: every buffer in host memory."""
+    return HOST_MEMORY
+
+
 class StageBuffer:
     """The tensors at one boundary for one buffer pair."""
 
     _CACHED_VIEWS = 256
 
     def __init__(self, boundary: int, pair: int, specs: tuple[TensorSpec, ...], bs_max: int, max_length: int,
-                 fence: Fence | None = None) -> None:
+                 fence: Fence | None = None, memory: BufferMemory = HOST_MEMORY) -> None:
         self.boundary = boundary
         self.pair = pair
         self.specs = specs
         self.bs_max = bs_max
-        self._flat = {s.name: np.zeros(math.prod(s.shape(bs_max, max(max_length, 1))), s.np_dtype) for s in specs}
-        self._row_views: OrderedDict[tuple[int, int, int], dict[str, np.ndarray]] = OrderedDict()
+        self.max_length = max_length
+        self.allocate(memory)
         self.state = BufferState.AVAILABLE
         self.state_before_write = BufferState.AVAILABLE
         self.unread = 0  # bit r set: row r was written and its reader has not run it yet
         self.unread_batch_group: int | None = None
         self.fence: Fence = HostFence() if fence is None else fence
+
+    def allocate(self, memory: BufferMemory) -> None:
+        """(Re)make the tensors in `memory` (zeros); only while the buffer holds nothing."""
+        self.memory = memory
+        self._flat = {s.name: memory.zeros(math.prod(s.shape(self.bs_max, max(self.max_length, 1))), s.np_dtype)
+                      for s in self.specs}
+        self._row_views: OrderedDict[tuple[int, int, int], dict[str, Any]] = OrderedDict()
 
     def views(self, length: int) -> dict[str, np.ndarray]:
         """All `bs_max` rows laid out contiguously for batches padded to `length`."""
@@ -95,6 +143,15 @@ class StageBuffer:
             if len(self._row_views) > self._CACHED_VIEWS:
                 self._row_views.popitem(last=False)
         return views
+
+    def host_rows(self, length: int, rows: range) -> Mapping[str, np.ndarray]:
+        """`rows` as numpy arrays for a host reader: the views themselves in host memory; from
+        device memory, copies made once the writer's fence completed."""
+        views = self.rows(length, rows)
+        if not self.memory.on_device:
+            return views
+        self.fence.synchronize()
+        return {name: self.memory.to_host(view) for name, view in views.items()}
 
     def __repr__(self) -> str:
         return f"StageBuffer(boundary={self.boundary}, pair={self.pair}, state={self.state.value})"
@@ -121,29 +178,34 @@ class BufferPool:
     `HostFence`s by default (CPU engines), `fences.cuda_fences(streams)` for engines on CUDA streams.
     """
 
-    def __init__(self, manifest: Manifest, num_pairs: int, bs_max: int, fence_factory: FenceFactory = host_fences) -> None:
+    def __init__(self, manifest: Manifest, num_pairs: int, bs_max: int, fence_factory: FenceFactory = host_fences,
+                 memory_factory: MemoryFactory = host_memory) -> None:
         if num_pairs < 1:
             raise ValueError(f"num_buffer_pairs must be >= 1, got {num_pairs}")
         self.num_stages = manifest.num_stages
         self.num_pairs = num_pairs
         length = manifest.max_length
         self.buffers = [
-            [StageBuffer(k, j, manifest.boundary(k), bs_max, length, fence_factory(k, j)) for j in range(num_pairs)]
+            [StageBuffer(k, j, manifest.boundary(k), bs_max, length, fence_factory(k, j), memory_factory(k, j))
+             for j in range(num_pairs)]
             for k in range(self.num_stages + 1)
         ]
         # owed[i]: pairs executor i has finished reading and must legitimate for executor i-1
         self._owed: list[set[int]] = [set() for _ in range(self.num_stages)]
         self.violations: list[BufferStateError] = []
 
-    def install_fences(self, fence_factory: FenceFactory) -> None:
-        """Give every buffer a fence from `fence_factory`, before any work: the `Scheduler` makes its
-        pool with host fences, and a pipeline on CUDA streams swaps them (`fences.install_fences`)."""
+    def install_fences(self, fence_factory: FenceFactory, memory_factory: MemoryFactory | None = None) -> None:
+        """Give every buffer a fence from `fence_factory` (and, given `memory_factory`, tensors in
+        the memory it names), before any work: the `Scheduler` makes its pool with host fences in
+        host memory, and a pipeline on CUDA streams swaps them (`device_memory.place_on_streams`)."""
         busy = [b for row in self.buffers for b in row if b.state is not BufferState.AVAILABLE or b.unread]
         if busy:
             raise RuntimeError(f"fences can only be installed before any work; in use: {busy}")
         for row in self.buffers:
             for buf in row:
                 buf.fence = fence_factory(buf.boundary, buf.pair)
+                if memory_factory is not None:
+                    buf.allocate(memory_factory(buf.boundary, buf.pair))
 
     def _violate(self, message: str) -> None:
         log.error("buffer-pair rule broken: %s", message)

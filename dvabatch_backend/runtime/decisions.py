@@ -21,7 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -101,15 +101,22 @@ class BatchTableView:
     batch's rows (`stage_outputs`); the scheduler makes that view for the call.
     """
 
-    def __init__(self, table: BatchTable, stage_outputs: Mapping[str, np.ndarray] | None = None) -> None:
+    def __init__(self, table: BatchTable,
+                 stage_outputs: Callable[[], Mapping[str, np.ndarray]] | Mapping[str, np.ndarray] | None = None) -> None:
+        """`stage_outputs`: the arrays, or a function giving them, called at most once and only if
+        the policy asks (the outputs of a stage on a GPU are copied to the host for it)."""
         self._table = table
-        self._stage_outputs = MappingProxyType({name: _readonly(arr) for name, arr in (stage_outputs or {}).items()})
+        self._source = stage_outputs
+        self._stage_outputs: Mapping[str, np.ndarray] | None = None
 
     def stage_outputs(self) -> Mapping[str, np.ndarray]:
         """In `on_stage_done`: the finished stage's output tensors for the batch's rows (read-only).
 
         Empty at any other time; the arrays are only valid during the call.
         """
+        if self._stage_outputs is None:
+            source = self._source() if callable(self._source) else self._source
+            self._stage_outputs = MappingProxyType({name: _readonly(arr) for name, arr in (source or {}).items()})
         return self._stage_outputs
 
     def __iter__(self) -> Iterator[BatchInfo]:

@@ -39,8 +39,9 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .buffers import StageBuffer
+from .buffers import MemoryFactory, StageBuffer
 from .engine import StageEngine
+from .fences import FenceFactory
 from .manifest import Manifest
 from .query import batch_shape, cut_row, gather_rows
 from .scheduler import Scheduler
@@ -68,6 +69,16 @@ class FastPath:
         self._buffers = [StageBuffer(k, -1, manifest.boundary(k), scheduler.bs_max, manifest.max_length)
                          for k in boundaries]
         self.engine = "stages" if whole_model is None else "model"
+
+    def install_buffers(self, fence_factory: FenceFactory, memory_factory: MemoryFactory) -> None:
+        """The scratch buffers' fences and memory (`Pipeline.install_buffers`): a middle boundary
+        in device memory, its fence ordering the next stage's stream after the one that wrote it.
+        The unsliced model's boundaries are the host's (its inputs and outputs): nothing changes."""
+        if self.engine == "model":
+            return
+        for buf in self._buffers:
+            buf.fence = fence_factory(buf.boundary, 0)
+            buf.allocate(memory_factory(buf.boundary, 0))
 
     def run_requests(self, requests: Sequence[Mapping[str, np.ndarray]],
                      answer: Callable[[int, dict[str, np.ndarray]], None]) -> list[int] | None:
@@ -163,7 +174,15 @@ class FastPath:
                 for spec in self._manifest.outputs}
 
     def _through_engines(self, views: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        """Run the engines in a row over the boundaries' views; the last boundary's views."""
+        """Run the engines in a row over the boundaries' views; the last boundary's views (host
+        memory: its engine returns when they are written). Each boundary's fence orders its
+        reader after its writer, as the pipeline's buffers do; the last engine's wait for its
+        outputs covers every earlier stage's work, so the next run may reuse the buffers."""
         for stage, engine in enumerate(self._engines):
+            inp, out = self._buffers[stage], self._buffers[stage + 1]
+            if stage > 0 and not inp.fence.wait():
+                raise RuntimeError(f"fast path: stage {stage} would read boundary {stage} before it was written")
+            out.fence.reset()
             engine.run(views[stage], views[stage + 1])
+            out.fence.record()
         return views[-1]

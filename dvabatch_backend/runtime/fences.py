@@ -7,13 +7,15 @@ A fence belongs to one buffer (one boundary, one buffer pair). The `BufferPool` 
 - `wait()` when the stage after it starts reading: False means the writer never recorded, which
   the pool's self-check reports as a broken buffer-pair rule;
 - `record_read()` when the reader finished with it, and `wait_read()` before the pool hands the
-  buffer back to its writer (legitimation): the writer may overwrite it only once it is read.
+  buffer back to its writer (legitimation): the writer may overwrite it only once it is read;
+- `synchronize()` before a host reader outside the stages (an early exit, a policy) reads it.
 
 On the CPU every engine finishes before `run` returns, so `HostFence` only keeps the flag the
 self-check needs. With engines on CUDA streams (`TorchStageEngine` on "cuda", TensorRT),
 `CudaEventFence` records a torch.cuda.Event on the writer's stream; the reader's stream waits on
-it (`Stream.wait_event`: the GPU orders the work, the host does not block). The host waits only
-where it must: a host reader (a boundary no stage's stream reads) and legitimation.
+it (`Stream.wait_event`: the GPU orders the work, the host does not block); on legitimation the
+writer's stream waits likewise for the reader's read. The host waits only where it reads or
+writes a boundary itself: the answers, a host reader's copy, and the gather into boundary 0.
 
 A pool is given a `FenceFactory` (boundary, pair) -> fence; `host_fences` is the default, and
 `cuda_fences(streams)` builds the CUDA ones from each stage's stream. torch is imported only by
@@ -36,6 +38,8 @@ class Fence(Protocol):
     def record_read(self) -> None: ...
 
     def wait_read(self) -> None: ...
+
+    def synchronize(self) -> None: ...
 
 
 FenceFactory = Callable[[int, int], Fence]  # (boundary, pair) -> the fence of that buffer
@@ -65,6 +69,9 @@ class HostFence:
 
     def wait_read(self) -> None:
         """Nothing to wait for (see `record_read`)."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: the writer's `run` returned, so the buffer is written."""
 
 
 def host_fences(boundary: int, pair: int) -> HostFence:
@@ -110,9 +117,10 @@ class CudaEventFence:
     recorded: waiting on an event never recorded would silently not wait, so the pool's
     self-check must see it.
 
-    `record_read` records a second event on the reader's stream after its work; `wait_read`
-    blocks the host on it, which the pool does before handing the buffer back to its writer
-    (legitimation), so that a writer never overwrites what a reader's queued copy still reads.
+    `record_read` records a second event on the reader's stream after its work; `wait_read`, which
+    the pool calls before handing the buffer back to its writer (legitimation), makes the writer's
+    stream wait on it (the host, where the host writes), so that a writer never overwrites what a
+    reader's queued work still reads.
     """
 
     def __init__(self, writer_stream: StreamLike = None, reader_stream: StreamLike = None) -> None:
@@ -151,8 +159,15 @@ class CudaEventFence:
             self._read_on_gpu = True
 
     def wait_read(self) -> None:
-        if self._read_on_gpu:
-            self._read.synchronize()  # legitimation: the host hands the buffer back only once it is read
+        """Legitimation: the writer may overwrite the buffer only once it is read. A writer on a
+        stream waits on the GPU (`Stream.wait_event`: its later work runs after the read; the host
+        and the scheduler's lock do not wait); the host as the writer (gather) blocks on it."""
+        if not self._read_on_gpu:
+            return
+        if self.writer_stream is None:
+            self._read.synchronize()
+        else:
+            self.writer_stream.wait_event(self._read)
 
     def query(self) -> bool:
         """Whether the recorded write has finished on the GPU (never blocks)."""

@@ -71,7 +71,12 @@ def load_pipeline(model_dir: str | Path, policy: Policy, settings: RuntimeSettin
     if (wrap is None and settings.fast_path and manifest.fast_path_engine == "model" and manifest.num_stages > 1
             and type(policy).allows_inline()):
         whole = make_engine(version_dir / str(manifest.full_model), settings, manifest)
-    return Pipeline.create(manifest, engines, policy, settings, whole_model=whole)
+    pipeline = Pipeline.create(manifest, engines, policy, settings, whole_model=whole)
+    if settings.device_buffers and settings.device != "cpu":  # stages on CUDA streams: see device_memory
+        from .device_memory import place_on_streams
+
+        place_on_streams(pipeline, [getattr(e, "stream", None) for e in engines])
+    return pipeline
 
 
 # the name earlier releases used; it returns a Pipeline (which has the old Scheduler's methods)

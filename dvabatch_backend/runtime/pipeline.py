@@ -22,7 +22,8 @@ from .manifest import Manifest
 from .query import Reply
 from .admission import Admission
 from .batch_table import TableSnapshot
-from .buffers import BufferState
+from .buffers import BufferState, MemoryFactory
+from .fences import FenceFactory
 from .errors import BufferStateError
 from .query import QueryState
 from .scheduler import Clock, Scheduler
@@ -81,6 +82,17 @@ class Pipeline(WorkListener):
         self._window.close()
 
     # -- lifecycle ----------------------------------------------------------------------
+
+    def install_buffers(self, fence_factory: FenceFactory, memory_factory: MemoryFactory) -> None:
+        """Every buffer's fence and memory, the pipeline's and the fast path's, before it starts
+        (`device_memory.place_on_streams`: stages on CUDA streams)."""
+        with self._state_lock:
+            if self._started:
+                raise RuntimeError("buffers can only be installed before the pipeline starts")
+        with self.scheduler.lock:
+            self.scheduler.board.buffers.install_fences(fence_factory, memory_factory)
+        if self._fast_path is not None:
+            self._fast_path.install_buffers(fence_factory, memory_factory)
 
     def start(self) -> "Pipeline":
         with self._state_lock:

@@ -43,6 +43,10 @@ class RuntimeSettings:
     # the torch engine on CUDA replays CUDA graphs captured at load, per batch-size and length bucket
     # (runtime/torch_engine.py): eagerly, a stage is one Python call per node, which bounds a GPU
     cuda_graphs: bool = True
+    # stages on CUDA streams keep the boundaries between them in device memory, ordered by CUDA
+    # events (runtime/device_memory.py): no host round trip per stage; false: host memory, each
+    # stage copying its batch in and out and waiting for it
+    device_buffers: bool = True
     # onnxruntime: "per_stage" threads, or one "global" pool for all stages. The served default (the
     # adapter's, and what the slicer writes) is "per_stage" with EVERY_CORE threads and one buffer
     # pair (`default_buffer_pairs`): each stage in turn on a pool of every core of its own, which

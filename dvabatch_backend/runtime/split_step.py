@@ -42,7 +42,7 @@ class SplitStep:
         if not self.enabled or nxt.start != 0 or nxt.num != row.bs:
             return [nxt], None
         out = self._buffers.pair(stage, row.pair)[1]
-        view = BatchTableView(self._table, stage_outputs=out.rows(row.pad_length, row.rows(nxt)))
+        view = BatchTableView(self._table, stage_outputs=lambda: out.host_rows(row.pad_length, row.rows(nxt)))
         try:
             decision = self._policy.on_stage_done(stage, self._table.info(row), view, now)
         except Exception:  # the batch goes on whole
@@ -77,7 +77,7 @@ class SplitStep:
         for child in exiting.leaving:
             row = self._table.get(child.batch_id)
             rows = row.rows(child)
-            views = out.rows(row.pad_length, rows)
+            views = out.host_rows(row.pad_length, rows)
             results = scatter_outputs(row.queries, {name: views[src] for name, src in exiting.sources.items()},
                                       self._manifest.outputs)
             deliveries += self._queries.results(row.queries, results)

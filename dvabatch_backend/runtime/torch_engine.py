@@ -735,10 +735,12 @@ class TorchStageEngine:
 
     - device "cpu": `run` reads the numpy input views without copying (`torch.from_numpy`), runs
       the module eagerly under `torch.inference_mode()` and copies the results into the output views.
-    - device "cuda" (needs `torch.cuda.is_available()`): `run` copies the inputs to the GPU, runs
-      the module on the engine's own `torch.cuda.Stream` (`self.stream`), copies the results into
-      the output views and synchronizes that stream before returning: the outputs are complete
-      when `run` returns. `capture(batch_size, length)` records one CUDA graph for those input
+    - device "cuda" (needs `torch.cuda.is_available()`): `run` copies the inputs to the GPU (a
+      view that is a tensor in device memory already, `device_memory.TorchMemory`, is read where
+      it is), runs the module on the engine's own `torch.cuda.Stream` (`self.stream`) and copies
+      the results into the output views. Where an output view is host memory it synchronizes that
+      stream before returning: the outputs are complete when `run` returns. Where every output is
+      in device memory it returns with the work queued; the caller's fence orders the reader. `capture(batch_size, length)` records one CUDA graph for those input
       shapes; afterwards `run` on inputs of exactly those shapes replays the graph (copy in,
       `replay()`, copy out) instead of running eagerly. `captured` lists the captured shape keys.
     """
@@ -769,10 +771,8 @@ class TorchStageEngine:
 
     # -- running ------------------------------------------------------------------------
 
-    def run(self, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # a read-only view: torch only reads it
-            host = [torch.from_numpy(np.asarray(inputs[name])) for name in self.input_names]
+    def run(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> None:
+        host = [_tensor(inputs[name]) for name in self.input_names]
         if self.stream is None:
             with torch.inference_mode():
                 self._write(self.module(*host), outputs)
@@ -786,25 +786,30 @@ class TorchStageEngine:
                     if tuple(static.shape) != tuple(t.shape):  # a bucket's graph: zeros past the batch's rows and length
                         static.zero_()
                         static = static[_leading(t.shape)]
-                    static.copy_(t)
+                    static.copy_(t, non_blocking=True)  # from the host: queued (page-locked) or staged
                 captured.graph.replay()
                 self.replays += 1
                 results: Sequence[Tensor] = [captured.outputs[name] for name in self.output_names]
             else:
-                results = self.module(*[t.to(self.device) for t in host])
+                results = self.module(*[t.to(self.device, non_blocking=True) for t in host])
             self._write(results, outputs, padded=captured is not None)
-        self.stream.synchronize()
+        if any(not isinstance(out, Tensor) for out in outputs.values()):
+            self.stream.synchronize()  # host outputs: complete when `run` returns
+        # outputs all in device memory: the work stays queued on the stream, and the buffer's
+        # fence (recorded on this stream after `run`) orders its reader after it
 
-    def _write(self, results: Sequence[Tensor], outputs: Mapping[str, np.ndarray], padded: bool = False) -> None:
+    def _write(self, results: Sequence[Tensor], outputs: Mapping[str, Any], padded: bool = False) -> None:
         by_name = dict(zip(self.output_names, results))
         for name, out in outputs.items():
             result = by_name[name]
-            if tuple(result.shape) != out.shape:
-                if not (padded and result.dim() == out.ndim and all(a >= b for a, b in zip(result.shape, out.shape))):
+            shape = tuple(out.shape)
+            if tuple(result.shape) != shape:
+                if not (padded and result.dim() == len(shape) and all(a >= b for a, b in zip(result.shape, shape))):
                     raise ValueError(f"{self.path.name}: output {name} has shape {tuple(result.shape)}, "
-                                     f"its buffer {out.shape}")
-                result = result[_leading(out.shape)]  # the bucket's padding cut off
-            torch.from_numpy(out).copy_(result)
+                                     f"its buffer {shape}")
+                result = result[_leading(shape)]  # the bucket's padding cut off
+            # to the host: `run` synchronizes the stream before it returns
+            (out if isinstance(out, Tensor) else torch.from_numpy(out)).copy_(result, non_blocking=True)
 
     # -- CUDA graphs ----------------------------------------------------------------------
 
@@ -885,6 +890,15 @@ class TorchStageEngine:
         """Drop every captured graph (`run` goes back to eager for those shapes)."""
         self._graphs.clear()
         self._buckets = []
+
+
+def _tensor(value: Any) -> Tensor:
+    """A stage input as a tensor: a buffer view in device memory as it is, a numpy one shared."""
+    if isinstance(value, Tensor):
+        return value
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only view: torch only reads it
+        return torch.from_numpy(np.asarray(value))
 
 
 def _leading(shape: Sequence[int]) -> tuple[slice, ...]:

@@ -74,6 +74,10 @@ class Setup:
     # DVABatch's buffer pairs: 2 (the GPU default: stages overlap, several requests go to the
     # pipeline) and 1 (stages in turn, and the fast path takes several requests too), each a system
     pairs: tuple[int, ...] = (2,)
+    # policies also served with every boundary in host memory (`device_buffers` off: each stage
+    # copies its batch in and out and waits), as a system of its own ("-host"): the runtime's
+    # default keeps the boundaries between GPU stages in device memory (runtime/device_memory.py)
+    host_buffers: tuple[str, ...] = ()
     delays_ms: tuple[float, ...] = (1.0, 4.0)  # DelayBatch's queue delays
     c1_queries: int = 90  # queries at concurrency 1, per system
     p99_target_factor: float = 5.0  # the sustained rate's p99 target: this many times ZeroBatch's c1 mean
@@ -84,10 +88,10 @@ QUICK = Setup(hidden=64, layers=4, stages=2, bs_max=4, max_length=16, fractions=
               max_queries=60, peak_seconds=0.5, policies=("pipelined",), delays_ms=(1.0,), c1_queries=6)
 SETUPS = {
     "token_mlp": Setup(),
-    "bert": Setup(model="bert", stages=4, bs_max=16, max_length=128, preset="rte", policies=("input", "load"), pairs=(2, 1),
-                  fractions=(0.25, 0.6, 0.9, 1.1), seconds_per_load=4.0, max_queries=2500),
-    "resnet152": Setup(model="resnet152", stages=4, bs_max=16, max_length=0, preset="", policies=("load",), pairs=(2, 1),
-                       fractions=(0.25, 0.6, 0.9, 1.1), seconds_per_load=4.0, max_queries=2500),
+    "bert": Setup(model="bert", stages=4, bs_max=16, max_length=128, preset="rte", policies=("input", "load"), pairs=(2,),
+                  host_buffers=("input", "load"), fractions=(0.25, 0.6, 0.9, 1.1), seconds_per_load=4.0, max_queries=2500),
+    "resnet152": Setup(model="resnet152", stages=4, bs_max=16, max_length=0, preset="", policies=("load",), pairs=(2,),
+                       host_buffers=("load",), fractions=(0.25, 0.6, 0.9, 1.1), seconds_per_load=4.0, max_queries=2500),
 }
 
 
@@ -334,20 +338,23 @@ def run(out_dir: Path, setup: Setup, device: str) -> dict[str, Any]:
     systems: dict[str, Any] = {"ZeroBatch": zero}
     for delay in setup.delays_ms:  # one engine for every batcher: they never run at once
         systems[f"DelayBatch-{delay:g}ms"] = DynamicBatcher(whole, manifest, setup.bs_max, delay / 1e3).start()
-    for policy in setup.policies:
-        for pairs in setup.pairs:
-            name = f"DVABatch-{policy}" + ("" if pairs == 2 else f"-{pairs}pair")
-            settings = RuntimeSettings(num_buffer_pairs=pairs, bs_max=setup.bs_max, engine="torch", device=device,
-                                       cuda_graphs=graphs)
-            before = device_mib(device)
-            engines = torch_engines(model_dir, manifest, device, graphs, setup.bs_max)
-            memory[f"{name}_engines_mib"] = device_mib(device) - before
-            pipeline = cuda_pipeline(manifest, engines, create_policy(policy), settings) if device == "cuda" else None
-            if pipeline is None:  # the CPU (the smoke run here): host fences, same runtime
-                from dvabatch_backend.runtime.pipeline import Pipeline
+    variants = [(policy, pairs, True) for policy in setup.policies for pairs in setup.pairs]
+    variants += [(policy, 2, False) for policy in setup.host_buffers]
+    for policy, pairs, device_buffers in variants:
+        name = f"DVABatch-{policy}" + ("" if pairs == 2 else f"-{pairs}pair") + ("" if device_buffers else "-host")
+        settings = RuntimeSettings(num_buffer_pairs=pairs, bs_max=setup.bs_max, engine="torch", device=device,
+                                   cuda_graphs=graphs, device_buffers=device_buffers)
+        before = device_mib(device)
+        engines = torch_engines(model_dir, manifest, device, graphs, setup.bs_max)
+        memory[f"{name}_engines_mib"] = device_mib(device) - before
+        before = device_mib(device)
+        pipeline = cuda_pipeline(manifest, engines, create_policy(policy), settings) if device == "cuda" else None
+        memory[f"{name}_buffers_mib"] = device_mib(device) - before  # the middle boundaries, where on the device
+        if pipeline is None:  # the CPU (the smoke run here): host fences, same runtime
+            from dvabatch_backend.runtime.pipeline import Pipeline
 
-                pipeline = Pipeline.create(manifest, engines, create_policy(policy), settings)
-            systems[name] = DvaBatch(pipeline).start()
+            pipeline = Pipeline.create(manifest, engines, create_policy(policy), settings)
+        systems[name] = DvaBatch(pipeline).start()
     peaks: dict[str, float] = {name: 0.0 for name in systems}
     try:
         warm = make_queries(setup, manifest, int_high, 4 * setup.bs_max, seed=99)

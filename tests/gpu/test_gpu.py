@@ -166,6 +166,23 @@ def test_cuda_event_fence_orders_the_reader_after_the_writer() -> None:
     assert float(seen.item()) == 7.0 * data.numel()
 
 
+def test_legitimation_makes_the_writer_stream_wait_for_the_read_not_the_host() -> None:
+    writer, reader = torch.cuda.Stream(), torch.cuda.Stream()
+    fence = CudaEventFence(writer, reader)
+    data = torch.full((1 << 20,), 3.0, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(reader):
+        torch.cuda._sleep(200_000_000)  # the reader still busy when the buffer is handed back
+        seen = data.sum()
+    fence.record_read()
+    fence.wait_read()
+    assert not reader.query(), "wait_read blocked the host until the read was done"
+    with torch.cuda.stream(writer):
+        data.fill_(9.0)  # queued after the read: must not change what the reader sums
+    torch.cuda.synchronize()
+    assert float(seen.item()) == 3.0 * data.numel()
+
+
 def test_cuda_fences_map_boundaries_to_streams() -> None:
     streams = [torch.cuda.Stream() for _ in range(3)]
     factory = cuda_fences(streams)
@@ -192,7 +209,10 @@ def test_random_schedules_on_cuda_answer_every_query_once_and_correctly(zoo, gra
     run_settings = RuntimeSettings(num_buffer_pairs=scenario["pairs"], bs_max=scenario["bs_max"], record_trace=True,
                                    engine="torch", device="cuda")
     pipeline = cuda_pipeline(model.manifest, engines, policy, run_settings)
-    assert all(isinstance(b.fence, CudaEventFence) for b in pipeline.scheduler.board.buffers.buffers[1])
+    buffers = pipeline.scheduler.board.buffers.buffers
+    assert all(isinstance(b.fence, CudaEventFence) for b in buffers[1])
+    if not scenario["delay"] and len(buffers) > 2:  # a wrapped engine shows no stream: its boundaries stay on the host
+        assert all(t.is_cuda for row in buffers[1:-1] for b in row for t in b.views(1).values())
     rng = np.random.default_rng(scenario["seed"])
     collector = Collector()
     sent: dict[int, dict[str, np.ndarray]] = {}
@@ -203,6 +223,41 @@ def test_random_schedules_on_cuda_answer_every_query_once_and_correctly(zoo, gra
             time.sleep(gap)
         assert_all_answered_correctly(model, pipeline, collector, sent)
     assert not any(t.is_alive() for t in pipeline.threads)
+
+
+def test_an_early_exit_on_cuda_answers_from_a_boundary_in_device_memory(tmp_path: Path) -> None:
+    """The early-exit example policy over stages on CUDA: its look at the exit head and the exits'
+    answers copy the boundary (in device memory) to the host once its writer's event completed."""
+    import onnxruntime as ort
+
+    from policies.examples.early_exit import EarlyExitPolicy, confidence
+    from slicer import cut, toy
+
+    from ..conftest import SlicedModel
+
+    model = toy.cascade_mlp(features=16, classes=4, layers=4)
+    manifest = cut.cut_model(model, cut.cut_positions_after(model, ["early_logits", "h3"]), tmp_path, "cascade", 8, 0)
+    cascade = SlicedModel(tmp_path, manifest, ort.InferenceSession(str(tmp_path / "model.onnx")))
+    rng = np.random.default_rng(5)
+    queries = [{"x": rng.standard_normal(16).astype(np.float32) * 2} for _ in range(16)]
+    refs = [cascade.reference(q) for q in queries]
+    conf = np.array([confidence(r["early_logits"][None])[0] for r in refs])
+    threshold = float(np.median(conf))
+    leaves = conf >= threshold
+    engines = EngineCache(graphs=True).get(cascade)
+    pipeline = cuda_pipeline(manifest, engines, EarlyExitPolicy(threshold=threshold, exit_stage=0),
+                             RuntimeSettings(num_buffer_pairs=2, engine="torch", device="cuda"))
+    assert pipeline.scheduler.board.buffers.buffers[1][0].memory.on_device
+    collector = Collector()
+    with pipeline:
+        sent = pipeline.submit_many([(q, collector) for q in queries])
+        assert collector.wait_for(sent, timeout=30)
+    for qid, ref, out in zip(sent, refs, leaves):
+        answer = collector.one(qid)
+        assert answer.error is None, answer.error
+        np.testing.assert_allclose(answer.outputs["logits"], ref["early_logits" if out else "logits"], atol=1e-4)
+    assert pipeline.stats.early_exits == int(leaves.sum())
+    assert pipeline.buffer_violations == []
 
 
 # -- the overlap check -------------------------------------------------------------------------

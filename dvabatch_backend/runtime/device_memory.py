@@ -1,0 +1,103 @@
+"""Boundary tensors in device memory: a batch crosses from one GPU stage to the next without
+leaving the device.
+
+With every buffer in host memory each stage on a GPU pays a round trip per batch: copy its input
+in, run, copy its output out and wait for the copy (the host must not read a buffer the device is
+still writing). `place_on_streams` keeps each boundary that lies between two stages on CUDA streams
+in device memory (`TorchMemory`): the writer's engine copies its outputs there on its own stream,
+the buffer's `CudaEventFence` orders the reader's stream after it, and the host waits only where
+it reads: the model's outputs (the last boundary, host memory as before) and the host readers of a
+middle boundary (`StageBuffer.host_rows`: an early exit, a policy looking at a stage's outputs).
+Boundary 0 stays in host memory too: the host gathers the queries' inputs into it. Those two
+are page-locked (`PinnedMemory`), so a stage's copy in is queued on its stream rather than waited
+for, and its copy out takes the direct path; the fences already keep the host from gathering into
+boundary 0 before the copy of the last batch there has run (`CudaEventFence.wait_read`).
+
+torch is imported only when these are used, so the runtime runs without torch on the CPU.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from .buffers import HOST_MEMORY, BufferMemory, MemoryFactory
+from .fences import FenceFactory, StreamLike, as_torch_stream, cuda_fences
+
+
+class TorchMemory:
+    """Buffers as torch tensors on `device` ("cuda", "cuda:1"; "cpu" runs the same path without a
+    GPU). Host readers get numpy copies (`to_host`)."""
+
+    on_device = True
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self._torch = torch
+        self.device = torch.device(device)
+
+    def zeros(self, size: int, dtype: np.dtype) -> Any:
+        torch = self._torch
+        return torch.zeros(size, dtype=torch.from_numpy(np.zeros(0, dtype)).dtype, device=self.device)
+
+    def to_host(self, view: Any) -> np.ndarray:
+        return view.detach().cpu().numpy()
+
+
+class PinnedMemory:
+    """Host buffers in page-locked memory, as numpy arrays (what the host reads and writes: the
+    model's inputs and outputs): copies between them and a GPU can run on a stream without the host
+    waiting for them."""
+
+    on_device = False
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+
+    def zeros(self, size: int, dtype: np.dtype) -> np.ndarray:
+        torch = self._torch
+        pinned = torch.zeros(size, dtype=torch.from_numpy(np.zeros(0, dtype)).dtype, pin_memory=True)
+        return pinned.numpy()  # the array keeps the tensor, and so the page-locked memory, alive
+
+    def to_host(self, view: Any) -> np.ndarray:
+        return view
+
+
+def stream_memory(streams: Sequence[StreamLike]) -> MemoryFactory:
+    """A `MemoryFactory` for a pipeline whose stage i runs on `streams[i]` (None: on the host):
+    boundary k (between stages k-1 and k) in the device memory of their streams where both run on
+    one device; a boundary the host touches next to a stage on a stream (boundary 0, the last one)
+    in page-locked host memory; any other in host memory."""
+    stages = [as_torch_stream(s) for s in streams]
+    memories: dict[str, TorchMemory] = {}
+    pinned: list[PinnedMemory] = []
+
+    def memory(boundary: int, pair: int) -> BufferMemory:
+        writer = stages[boundary - 1] if boundary > 0 else None
+        reader = stages[boundary] if boundary < len(stages) else None
+        if writer is None or reader is None or writer.device != reader.device:
+            if writer is None and reader is None:
+                return HOST_MEMORY
+            if not pinned:
+                pinned.append(PinnedMemory())
+            return pinned[0]
+        key = str(writer.device)
+        if key not in memories:
+            memories[key] = TorchMemory(writer.device)
+        return memories[key]
+
+    return memory
+
+
+def place_on_streams(pipeline: Any, streams: Sequence[StreamLike]) -> None:
+    """Give a `Pipeline` (not started) whose stage i runs on `streams[i]` `CudaEventFence`s on those
+    streams and its middle boundaries in device memory (module docstring), the fast path's scratch
+    buffers too. A stage shown with no stream (None: a wrapped engine) reads and writes host memory."""
+    fences: FenceFactory = cuda_fences(streams)
+    pipeline.install_buffers(fences, stream_memory(streams))
+    import torch
+
+    torch.cuda.synchronize()  # the new buffers' zeros are written before any stage's stream reads them

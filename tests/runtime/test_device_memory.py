@@ -1,0 +1,160 @@
+"""Boundaries in device memory (runtime/device_memory.py), on the CPU: the middle boundaries as
+torch tensors (`TorchMemory("cpu")`), the torch engine reading and writing them where they are.
+This runs the code path a GPU takes (engines handed tensors, host readers through
+`StageBuffer.host_rows`) without one; tests/gpu/test_gpu.py runs it on CUDA streams.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from dvabatch_backend.runtime.buffers import HOST_MEMORY, BufferMemory, host_memory
+from dvabatch_backend.runtime.decisions import BatchTableView
+from dvabatch_backend.runtime.fences import host_fences
+from policies import RandomLegalPolicy, create_policy
+from policies.examples.early_exit import EarlyExitPolicy, confidence
+from slicer import cut, toy
+
+from ..conftest import Collector, SlicedModel, assert_all_answered_correctly, make_scheduler
+from .test_property import scenarios
+
+torch = pytest.importorskip("torch")
+from dvabatch_backend.runtime.device_memory import TorchMemory  # noqa: E402
+from dvabatch_backend.runtime.torch_engine import TorchStageEngine  # noqa: E402
+
+
+class CountingMemory(TorchMemory):
+    """`TorchMemory` on the CPU that counts the copies host readers take."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.copies = 0
+
+    def to_host(self, view):
+        self.copies += 1
+        return super().to_host(view)
+
+
+def middle_in(memory: BufferMemory, num_stages: int):
+    """A `MemoryFactory`: the boundaries between two stages in `memory`, boundary 0 and the last on the host."""
+    return lambda boundary, pair: memory if 0 < boundary < num_stages else HOST_MEMORY
+
+
+_engines: dict[Path, list[TorchStageEngine]] = {}
+
+
+def torch_engines(model: SlicedModel) -> list[TorchStageEngine]:
+    if model.dir not in _engines:
+        _engines[model.dir] = [TorchStageEngine(model.dir / s.file, device="cpu") for s in model.manifest.stages]
+    return _engines[model.dir]
+
+
+def on_torch_memory(model: SlicedModel, policy, memory: BufferMemory | None = None, **settings):
+    pipeline = make_scheduler(model, policy, torch_engines(model), **settings)
+    pipeline.install_buffers(host_fences, middle_in(memory or TorchMemory("cpu"), model.manifest.num_stages))
+    return pipeline
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_random_schedules_over_torch_memory_answer_every_query_once_and_correctly(zoo, scenario: dict) -> None:
+    model = zoo.get(scenario["kind"], scenario["cuts"])
+    policy = RandomLegalPolicy(seed=scenario["seed"], stretch=scenario["p_stretch"], split=scenario["p_split"],
+                               hold=scenario["p_hold"])
+    pipeline = on_torch_memory(model, policy, num_buffer_pairs=scenario["pairs"], bs_max=scenario["bs_max"])
+    middle = [b for row in pipeline.scheduler.board.buffers.buffers[1:-1] for b in row]
+    assert all(isinstance(t, torch.Tensor) for b in middle for t in b.views(1).values())
+    rng = np.random.default_rng(scenario["seed"])
+    collector = Collector()
+    sent: dict[int, dict[str, np.ndarray]] = {}
+    with pipeline:
+        for size, gap in zip(scenario["groups"], scenario["gaps"]):
+            batch = [model.query(rng) for _ in range(size)]
+            sent.update(zip(pipeline.submit_many([(q, collector) for q in batch]), batch))
+            time.sleep(gap)
+        assert_all_answered_correctly(model, pipeline, collector, sent)
+
+
+@pytest.fixture(scope="module")
+def cascade(tmp_path_factory) -> SlicedModel:
+    model = toy.cascade_mlp(features=16, classes=4, layers=4)
+    out = tmp_path_factory.mktemp("cascade_torch")
+    manifest = cut.cut_model(model, cut.cut_positions_after(model, ["early_logits", "h3"]), out, "cascade", 8, 0)
+    return SlicedModel(out, manifest, ort.InferenceSession(str(out / "model.onnx")))
+
+
+def test_an_early_exit_reads_a_boundary_in_device_memory_through_host_copies(cascade: SlicedModel) -> None:
+    rng = np.random.default_rng(1)
+    queries = [{"x": rng.standard_normal(16).astype(np.float32) * 2} for _ in range(8)]
+    refs = [cascade.reference(q) for q in queries]
+    conf = np.array([confidence(r["early_logits"][None])[0] for r in refs])
+    threshold = float(np.median(conf))
+    leaves = conf >= threshold
+    assert 0 < leaves.sum() < len(queries)
+    memory = CountingMemory()
+    pipeline = on_torch_memory(cascade, EarlyExitPolicy(threshold=threshold, exit_stage=0), memory, num_buffer_pairs=2)
+    collector = Collector()
+    with pipeline:
+        sent = pipeline.submit_many([(q, collector) for q in queries])
+        assert collector.wait_for(sent)
+    for qid, ref, out in zip(sent, refs, leaves):
+        answer = collector.one(qid)
+        assert answer.ok, answer.error
+        np.testing.assert_allclose(answer.outputs["logits"], ref["early_logits" if out else "logits"], atol=1e-4)
+    assert pipeline.stats.early_exits == int(leaves.sum())
+    assert pipeline.buffer_violations == []
+    assert memory.copies > 0  # the policy's look at the head and the exits' answers: copies, not the tensors
+
+
+def test_a_policy_that_never_looks_at_stage_outputs_copies_nothing_to_the_host(zoo) -> None:
+    model = zoo.get("token", ("h2", "h4"))
+    memory = CountingMemory()
+    pipeline = on_torch_memory(model, create_policy("load"), memory, num_buffer_pairs=2)
+    rng = np.random.default_rng(2)
+    collector = Collector()
+    with pipeline:
+        batch = [model.query(rng) for _ in range(6)]
+        sent = dict(zip(pipeline.submit_many([(q, collector) for q in batch]), batch))
+        assert_all_answered_correctly(model, pipeline, collector, sent)
+    assert memory.copies == 0
+
+
+def test_the_fast_path_runs_its_stages_over_boundaries_in_device_memory(zoo) -> None:
+    model = zoo.get("token", ("h2", "h4"))
+    pipeline = on_torch_memory(model, create_policy("load"), num_buffer_pairs=1)
+    rng = np.random.default_rng(3)
+    query = model.query(rng)
+    with pipeline:
+        outputs = pipeline.run_inline({name: value[None] for name, value in query.items()})
+    assert outputs is not None
+    for name, ref in model.reference(query).items():
+        np.testing.assert_allclose(outputs[name][0], ref, atol=1e-4)
+    assert pipeline.stats.inline_queries == 1
+
+
+def test_installing_buffers_after_the_start_is_refused(zoo) -> None:
+    model = zoo.get("token", ("h2", "h4"))
+    pipeline = make_scheduler(model, create_policy("load"), torch_engines(model))
+    with pipeline:
+        with pytest.raises(RuntimeError, match="before the pipeline starts"):
+            pipeline.install_buffers(host_fences, host_memory)
+
+
+def test_a_policy_view_computes_stage_outputs_only_when_asked() -> None:
+    calls = []
+
+    def outputs():
+        calls.append(1)
+        return {"h": np.ones((2, 3), np.float32)}
+
+    view = BatchTableView(None, stage_outputs=outputs)  # type: ignore[arg-type]
+    assert calls == []
+    first = view.stage_outputs()
+    assert view.stage_outputs() is first and len(calls) == 1
+    with pytest.raises(ValueError):
+        first["h"][0, 0] = 2.0  # read-only
