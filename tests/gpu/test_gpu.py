@@ -163,6 +163,7 @@ def test_cuda_event_fence_orders_the_reader_after_the_writer() -> None:
         seen = data.sum()
     fence.record_read()
     fence.wait_read()
+    reader.synchronize()  # `seen` is the reader stream's; the host reads it once that stream is done
     assert float(seen.item()) == 7.0 * data.numel()
 
 
