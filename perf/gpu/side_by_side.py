@@ -446,19 +446,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="token_mlp", choices=sorted(SETUPS))
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs for any system (default: all replay them)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and one short load (a smoke run)")
+    parser.add_argument("--policies", help="DVABatch's policies, comma-separated (default: the model's setup)")
+    parser.add_argument("--fractions", help="the loads, fractions of ZeroBatch's peak, comma-separated (default: the setup's)")
     parser.add_argument("--pairs", help="DVABatch's buffer pairs, each a system (e.g. 2,1; default: the model's setup)")
     parser.add_argument("--host-buffers", help="policies also served with host-memory boundaries, comma-separated "
                         "('' for none; default: the model's setup)")
     args = parser.parse_args(argv)
     setup = SETUPS[args.model]
-    if args.pairs:
-        setup = replace(setup, pairs=tuple(int(p) for p in args.pairs.split(",")))
-    if args.host_buffers is not None:
-        setup = replace(setup, host_buffers=tuple(p for p in args.host_buffers.split(",") if p))
     if args.quick:  # the tiny model, or the zoo model at its test size, and one short load
         setup = QUICK if args.model == "token_mlp" else replace(
             QUICK, model=args.model, size="test", max_length=min(setup.max_length, 32), preset=setup.preset,
             stages=2, policies=setup.policies)
+    if args.policies:
+        setup = replace(setup, policies=tuple(args.policies.split(",")))
+    if args.fractions:
+        setup = replace(setup, fractions=tuple(float(f) for f in args.fractions.split(",")))
+    if args.pairs:
+        setup = replace(setup, pairs=tuple(int(p) for p in args.pairs.split(",")))
+    if args.host_buffers is not None:
+        setup = replace(setup, host_buffers=tuple(p for p in args.host_buffers.split(",") if p))
     result = run(args.out, replace(setup, cuda_graphs=not args.eager), args.device)
     print(f"{result['setup']['model']} on {result['gpu'] or result['device']} (CUDA graphs "
           f"{'on' if result['setup']['cuda_graphs'] else 'off'}): ZeroBatch peak "
