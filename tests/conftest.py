@@ -295,3 +295,50 @@ def assert_matches_reference(model: SlicedModel, inputs: Mapping[str, np.ndarray
     assert answer.outputs is not None
     for name, ref in model.reference(inputs).items():
         np.testing.assert_allclose(answer.outputs[name], ref, atol=1e-4, rtol=0, err_msg=f"output {name}")
+
+
+# -- an exit head: the early-exit policy's model ------------------------------------------------
+
+
+def sliced_cascade(out: Path) -> SlicedModel:
+    """toy.cascade_mlp cut after its exit head ("early_logits") and after h3: 3 stages, bs_max 8."""
+    model = toy.cascade_mlp(features=16, classes=4, layers=4)
+    manifest = cut.cut_model(model, cut.cut_positions_after(model, ["early_logits", "h3"]), out, "cascade", 8, 0)
+    return SlicedModel(out, manifest, ort.InferenceSession(str(out / "model.onnx")))
+
+
+@dataclass
+class ExitQueries:
+    """Queries for the cascade, their unsliced answers, and a confidence threshold at the median
+    of their exit-head confidences: `leaves[i]` says whether query i exits at the head."""
+
+    queries: list[dict[str, np.ndarray]]
+    refs: list[dict[str, np.ndarray]]
+    threshold: float
+    leaves: np.ndarray
+
+    @classmethod
+    def make(cls, cascade: SlicedModel, n: int, seed: int) -> "ExitQueries":
+        from policies.examples.early_exit import confidence
+
+        rng = np.random.default_rng(seed)
+        queries = [{"x": rng.standard_normal(16).astype(np.float32) * 2} for _ in range(n)]
+        refs = [cascade.reference(q) for q in queries]
+        conf = np.array([confidence(r["early_logits"][None])[0] for r in refs])
+        threshold = float(np.median(conf))
+        leaves = conf >= threshold
+        assert 0 < leaves.sum() < n
+        return cls(queries, refs, threshold, leaves)
+
+    def assert_answered(self, collector: "Collector", sent: list[int], atol: float = 1e-4,
+                        exit_atol: float = 1e-5) -> None:
+        """Each query answered: the head's result where it left there (within `exit_atol`), the whole
+        model's otherwise (within `atol`)."""
+        for qid, ref, out in zip(sent, self.refs, self.leaves):
+            answer = collector.one(qid)
+            assert answer.error is None, answer.error
+            if out:
+                np.testing.assert_allclose(answer.outputs["logits"], ref["early_logits"], atol=exit_atol)
+                np.testing.assert_allclose(answer.outputs["early_logits"], ref["early_logits"], atol=exit_atol)
+            else:
+                np.testing.assert_allclose(answer.outputs["logits"], ref["logits"], atol=atol)

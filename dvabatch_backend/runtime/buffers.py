@@ -178,16 +178,14 @@ class BufferPool:
     `HostFence`s by default (CPU engines), `fences.cuda_fences(streams)` for engines on CUDA streams.
     """
 
-    def __init__(self, manifest: Manifest, num_pairs: int, bs_max: int, fence_factory: FenceFactory = host_fences,
-                 memory_factory: MemoryFactory = host_memory) -> None:
+    def __init__(self, manifest: Manifest, num_pairs: int, bs_max: int, fence_factory: FenceFactory = host_fences) -> None:
         if num_pairs < 1:
             raise ValueError(f"num_buffer_pairs must be >= 1, got {num_pairs}")
         self.num_stages = manifest.num_stages
         self.num_pairs = num_pairs
         length = manifest.max_length
         self.buffers = [
-            [StageBuffer(k, j, manifest.boundary(k), bs_max, length, fence_factory(k, j), memory_factory(k, j))
-             for j in range(num_pairs)]
+            [StageBuffer(k, j, manifest.boundary(k), bs_max, length, fence_factory(k, j)) for j in range(num_pairs)]
             for k in range(self.num_stages + 1)
         ]
         # owed[i]: pairs executor i has finished reading and must legitimate for executor i-1

@@ -25,6 +25,13 @@ from .buffers import HOST_MEMORY, BufferMemory, MemoryFactory
 from .fences import FenceFactory, StreamLike, as_torch_stream, cuda_fences
 
 
+def _torch_dtype(dtype: np.dtype) -> Any:
+    """torch's dtype for a numpy one (torch's own mapping, through an empty array)."""
+    import torch
+
+    return torch.from_numpy(np.zeros(0, dtype)).dtype
+
+
 class TorchMemory:
     """Buffers as torch tensors on `device` ("cuda", "cuda:1"; "cpu" runs the same path without a
     GPU). Host readers get numpy copies (`to_host`)."""
@@ -38,8 +45,7 @@ class TorchMemory:
         self.device = torch.device(device)
 
     def zeros(self, size: int, dtype: np.dtype) -> Any:
-        torch = self._torch
-        return torch.zeros(size, dtype=torch.from_numpy(np.zeros(0, dtype)).dtype, device=self.device)
+        return self._torch.zeros(size, dtype=_torch_dtype(dtype), device=self.device)
 
     def to_host(self, view: Any) -> np.ndarray:
         return view.detach().cpu().numpy()
@@ -58,8 +64,7 @@ class PinnedMemory:
         self._torch = torch
 
     def zeros(self, size: int, dtype: np.dtype) -> np.ndarray:
-        torch = self._torch
-        pinned = torch.zeros(size, dtype=torch.from_numpy(np.zeros(0, dtype)).dtype, pin_memory=True)
+        pinned = self._torch.zeros(size, dtype=_torch_dtype(dtype), pin_memory=True)
         return pinned.numpy()  # the array keeps the tensor, and so the page-locked memory, alive
 
     def to_host(self, view: Any) -> np.ndarray:

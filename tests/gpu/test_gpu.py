@@ -14,7 +14,6 @@ perf/README.md for the device calls that run it):
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,10 +32,9 @@ from dvabatch_backend.runtime.torch_engine import TorchStageEngine  # noqa: E402
 from perf.gpu.overlap import stage_timeline  # noqa: E402
 from perf.gpu.pipelines import cuda_pipeline  # noqa: E402
 from perf.gpu.timeline import overlapping_pairs  # noqa: E402
-from policies import RandomLegalPolicy  # noqa: E402
 
-from ..conftest import Collector, SlowEngine, assert_all_answered_correctly  # noqa: E402
-from ..runtime.test_property import scenarios  # noqa: E402
+from ..conftest import Collector, ExitQueries, SlowEngine, sliced_cascade  # noqa: E402
+from ..runtime.test_property import drive_scenario, scenario_policy, scenarios  # noqa: E402
 
 # fp32 answers compared with the CPU's: no TF32 in matrix products or convolutions
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -205,59 +203,33 @@ def test_random_schedules_on_cuda_answer_every_query_once_and_correctly(zoo, gra
     engines = graphed_engines.get(model)
     if scenario["delay"]:
         engines = [SlowEngine(e, scenario["delay"]) for e in engines]
-    policy = RandomLegalPolicy(seed=scenario["seed"], stretch=scenario["p_stretch"], split=scenario["p_split"],
-                               hold=scenario["p_hold"])
     run_settings = RuntimeSettings(num_buffer_pairs=scenario["pairs"], bs_max=scenario["bs_max"], record_trace=True,
                                    engine="torch", device="cuda")
-    pipeline = cuda_pipeline(model.manifest, engines, policy, run_settings)
+    pipeline = cuda_pipeline(model.manifest, engines, scenario_policy(scenario), run_settings)
     buffers = pipeline.scheduler.board.buffers.buffers
     assert all(isinstance(b.fence, CudaEventFence) for b in buffers[1])
     if not scenario["delay"] and len(buffers) > 2:  # a wrapped engine shows no stream: its boundaries stay on the host
         assert all(t.is_cuda for row in buffers[1:-1] for b in row for t in b.views(1).values())
-    rng = np.random.default_rng(scenario["seed"])
-    collector = Collector()
-    sent: dict[int, dict[str, np.ndarray]] = {}
-    with pipeline:
-        for size, gap in zip(scenario["groups"], scenario["gaps"]):
-            batch = [model.query(rng) for _ in range(size)]
-            sent.update(zip(pipeline.submit_many([(q, collector) for q in batch]), batch))
-            time.sleep(gap)
-        assert_all_answered_correctly(model, pipeline, collector, sent)
-    assert not any(t.is_alive() for t in pipeline.threads)
+    drive_scenario(model, pipeline, scenario)
 
 
 def test_an_early_exit_on_cuda_answers_from_a_boundary_in_device_memory(tmp_path: Path) -> None:
     """The early-exit example policy over stages on CUDA: its look at the exit head and the exits'
     answers copy the boundary (in device memory) to the host once its writer's event completed."""
-    import onnxruntime as ort
+    from policies.examples.early_exit import EarlyExitPolicy
 
-    from policies.examples.early_exit import EarlyExitPolicy, confidence
-    from slicer import cut, toy
-
-    from ..conftest import SlicedModel
-
-    model = toy.cascade_mlp(features=16, classes=4, layers=4)
-    manifest = cut.cut_model(model, cut.cut_positions_after(model, ["early_logits", "h3"]), tmp_path, "cascade", 8, 0)
-    cascade = SlicedModel(tmp_path, manifest, ort.InferenceSession(str(tmp_path / "model.onnx")))
-    rng = np.random.default_rng(5)
-    queries = [{"x": rng.standard_normal(16).astype(np.float32) * 2} for _ in range(16)]
-    refs = [cascade.reference(q) for q in queries]
-    conf = np.array([confidence(r["early_logits"][None])[0] for r in refs])
-    threshold = float(np.median(conf))
-    leaves = conf >= threshold
-    engines = EngineCache(graphs=True).get(cascade)
-    pipeline = cuda_pipeline(manifest, engines, EarlyExitPolicy(threshold=threshold, exit_stage=0),
+    cascade = sliced_cascade(tmp_path)
+    exits = ExitQueries.make(cascade, 16, seed=5)
+    pipeline = cuda_pipeline(cascade.manifest, EngineCache(graphs=True).get(cascade),
+                             EarlyExitPolicy(threshold=exits.threshold, exit_stage=0),
                              RuntimeSettings(num_buffer_pairs=2, engine="torch", device="cuda"))
     assert pipeline.scheduler.board.buffers.buffers[1][0].memory.on_device
     collector = Collector()
     with pipeline:
-        sent = pipeline.submit_many([(q, collector) for q in queries])
+        sent = pipeline.submit_many([(q, collector) for q in exits.queries])
         assert collector.wait_for(sent, timeout=30)
-    for qid, ref, out in zip(sent, refs, leaves):
-        answer = collector.one(qid)
-        assert answer.error is None, answer.error
-        np.testing.assert_allclose(answer.outputs["logits"], ref["early_logits" if out else "logits"], atol=1e-4)
-    assert pipeline.stats.early_exits == int(leaves.sum())
+    exits.assert_answered(collector, sent, exit_atol=1e-4)
+    assert pipeline.stats.early_exits == int(exits.leaves.sum())
     assert pipeline.buffer_violations == []
 
 

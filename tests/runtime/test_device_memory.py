@@ -5,23 +5,20 @@ This runs the code path a GPU takes (engines handed tensors, host readers throug
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 from dvabatch_backend.runtime.buffers import HOST_MEMORY, BufferMemory, host_memory
 from dvabatch_backend.runtime.decisions import BatchTableView
 from dvabatch_backend.runtime.fences import host_fences
-from policies import RandomLegalPolicy, create_policy
-from policies.examples.early_exit import EarlyExitPolicy, confidence
-from slicer import cut, toy
+from policies import create_policy
+from policies.examples.early_exit import EarlyExitPolicy
 
-from ..conftest import Collector, SlicedModel, assert_all_answered_correctly, make_scheduler
-from .test_property import scenarios
+from ..conftest import Collector, ExitQueries, SlicedModel, assert_all_answered_correctly, make_scheduler, sliced_cascade
+from .test_property import drive_scenario, scenario_policy, scenarios
 
 torch = pytest.importorskip("torch")
 from dvabatch_backend.runtime.device_memory import TorchMemory  # noqa: E402
@@ -64,49 +61,29 @@ def on_torch_memory(model: SlicedModel, policy, memory: BufferMemory | None = No
 @given(scenario=scenarios())
 def test_random_schedules_over_torch_memory_answer_every_query_once_and_correctly(zoo, scenario: dict) -> None:
     model = zoo.get(scenario["kind"], scenario["cuts"])
-    policy = RandomLegalPolicy(seed=scenario["seed"], stretch=scenario["p_stretch"], split=scenario["p_split"],
-                               hold=scenario["p_hold"])
-    pipeline = on_torch_memory(model, policy, num_buffer_pairs=scenario["pairs"], bs_max=scenario["bs_max"])
+    pipeline = on_torch_memory(model, scenario_policy(scenario), num_buffer_pairs=scenario["pairs"],
+                               bs_max=scenario["bs_max"])
     middle = [b for row in pipeline.scheduler.board.buffers.buffers[1:-1] for b in row]
     assert all(isinstance(t, torch.Tensor) for b in middle for t in b.views(1).values())
-    rng = np.random.default_rng(scenario["seed"])
-    collector = Collector()
-    sent: dict[int, dict[str, np.ndarray]] = {}
-    with pipeline:
-        for size, gap in zip(scenario["groups"], scenario["gaps"]):
-            batch = [model.query(rng) for _ in range(size)]
-            sent.update(zip(pipeline.submit_many([(q, collector) for q in batch]), batch))
-            time.sleep(gap)
-        assert_all_answered_correctly(model, pipeline, collector, sent)
+    drive_scenario(model, pipeline, scenario)
 
 
 @pytest.fixture(scope="module")
 def cascade(tmp_path_factory) -> SlicedModel:
-    model = toy.cascade_mlp(features=16, classes=4, layers=4)
-    out = tmp_path_factory.mktemp("cascade_torch")
-    manifest = cut.cut_model(model, cut.cut_positions_after(model, ["early_logits", "h3"]), out, "cascade", 8, 0)
-    return SlicedModel(out, manifest, ort.InferenceSession(str(out / "model.onnx")))
+    return sliced_cascade(tmp_path_factory.mktemp("cascade_torch"))
 
 
 def test_an_early_exit_reads_a_boundary_in_device_memory_through_host_copies(cascade: SlicedModel) -> None:
-    rng = np.random.default_rng(1)
-    queries = [{"x": rng.standard_normal(16).astype(np.float32) * 2} for _ in range(8)]
-    refs = [cascade.reference(q) for q in queries]
-    conf = np.array([confidence(r["early_logits"][None])[0] for r in refs])
-    threshold = float(np.median(conf))
-    leaves = conf >= threshold
-    assert 0 < leaves.sum() < len(queries)
+    exits = ExitQueries.make(cascade, 8, seed=1)
     memory = CountingMemory()
-    pipeline = on_torch_memory(cascade, EarlyExitPolicy(threshold=threshold, exit_stage=0), memory, num_buffer_pairs=2)
+    pipeline = on_torch_memory(cascade, EarlyExitPolicy(threshold=exits.threshold, exit_stage=0), memory,
+                               num_buffer_pairs=2)
     collector = Collector()
     with pipeline:
-        sent = pipeline.submit_many([(q, collector) for q in queries])
+        sent = pipeline.submit_many([(q, collector) for q in exits.queries])
         assert collector.wait_for(sent)
-    for qid, ref, out in zip(sent, refs, leaves):
-        answer = collector.one(qid)
-        assert answer.ok, answer.error
-        np.testing.assert_allclose(answer.outputs["logits"], ref["early_logits" if out else "logits"], atol=1e-4)
-    assert pipeline.stats.early_exits == int(leaves.sum())
+    exits.assert_answered(collector, sent)
+    assert pipeline.stats.early_exits == int(exits.leaves.sum())
     assert pipeline.buffer_violations == []
     assert memory.copies > 0  # the policy's look at the head and the exits' answers: copies, not the tensors
 

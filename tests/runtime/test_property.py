@@ -60,21 +60,29 @@ def run_scenario(model: SlicedModel, engines: list, scenario: dict) -> None:
     once, equal to the unsliced model, no buffer-rule violation, every thread gone after."""
     if scenario["delay"]:
         engines = [SlowEngine(e, scenario["delay"]) for e in engines]
-    policy = RandomLegalPolicy(
-        seed=scenario["seed"], stretch=scenario["p_stretch"], split=scenario["p_split"], hold=scenario["p_hold"]
-    )
-    scheduler = make_scheduler(model, policy, engines, num_buffer_pairs=scenario["pairs"], bs_max=scenario["bs_max"])
+    scheduler = make_scheduler(model, scenario_policy(scenario), engines, num_buffer_pairs=scenario["pairs"],
+                               bs_max=scenario["bs_max"])
+    drive_scenario(model, scheduler, scenario)
+
+
+def scenario_policy(scenario: dict) -> RandomLegalPolicy:
+    return RandomLegalPolicy(seed=scenario["seed"], stretch=scenario["p_stretch"], split=scenario["p_split"],
+                             hold=scenario["p_hold"])
+
+
+def drive_scenario(model: SlicedModel, pipeline, scenario: dict) -> None:
+    """Send the scenario's groups with their gaps through `pipeline` (not started): every query
+    answered once, as the unsliced model, no buffer-rule violation, every thread gone after."""
     rng = np.random.default_rng(scenario["seed"])
     collector = Collector()
     sent: dict[int, dict[str, np.ndarray]] = {}
-    with scheduler:
+    with pipeline:
         for size, gap in zip(scenario["groups"], scenario["gaps"]):
             batch = [model.query(rng) for _ in range(size)]
-            ids = scheduler.submit_many([(q, collector) for q in batch])
-            sent.update(zip(ids, batch))
+            sent.update(zip(pipeline.submit_many([(q, collector) for q in batch]), batch))
             time.sleep(gap)
-        assert_all_answered_correctly(model, scheduler, collector, sent)
-    assert not any(t.is_alive() for t in scheduler.threads)
+        assert_all_answered_correctly(model, pipeline, collector, sent)
+    assert not any(t.is_alive() for t in pipeline.threads)
 
 
 def test_long_random_run_with_every_meta_operation(zoo) -> None:

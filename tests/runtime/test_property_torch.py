@@ -3,17 +3,12 @@ operations every query is answered once, equal to the unsliced model (onnxruntim
 buffer-pair check fires. tests/gpu/test_gpu.py runs the same with every stage on CUDA."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from policies import RandomLegalPolicy
-
-from ..conftest import Collector, SlowEngine, assert_all_answered_correctly, make_scheduler
-from .test_property import scenarios
+from .test_property import run_scenario, scenarios
 
 pytest.importorskip("torch")
 from dvabatch_backend.runtime.torch_engine import TorchStageEngine  # noqa: E402  (the torch engine's API)
@@ -32,19 +27,4 @@ def cpu_engines(model) -> list[TorchStageEngine]:
 @given(scenario=scenarios())
 def test_random_schedules_on_the_torch_engine_answer_every_query_once_and_correctly(zoo, scenario: dict) -> None:
     model = zoo.get(scenario["kind"], scenario["cuts"])
-    engines = cpu_engines(model)
-    if scenario["delay"]:
-        engines = [SlowEngine(e, scenario["delay"]) for e in engines]
-    policy = RandomLegalPolicy(seed=scenario["seed"], stretch=scenario["p_stretch"], split=scenario["p_split"],
-                               hold=scenario["p_hold"])
-    scheduler = make_scheduler(model, policy, engines, num_buffer_pairs=scenario["pairs"], bs_max=scenario["bs_max"])
-    rng = np.random.default_rng(scenario["seed"])
-    collector = Collector()
-    sent: dict[int, dict[str, np.ndarray]] = {}
-    with scheduler:
-        for size, gap in zip(scenario["groups"], scenario["gaps"]):
-            batch = [model.query(rng) for _ in range(size)]
-            sent.update(zip(scheduler.submit_many([(q, collector) for q in batch]), batch))
-            time.sleep(gap)
-        assert_all_answered_correctly(model, scheduler, collector, sent)
-    assert not any(t.is_alive() for t in scheduler.threads)
+    run_scenario(model, cpu_engines(model), scenario)
