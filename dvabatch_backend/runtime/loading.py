@@ -72,10 +72,11 @@ def load_pipeline(model_dir: str | Path, policy: Policy, settings: RuntimeSettin
             and type(policy).allows_inline()):
         whole = make_engine(version_dir / str(manifest.full_model), settings, manifest)
     pipeline = Pipeline.create(manifest, engines, policy, settings, whole_model=whole)
-    if settings.device_buffers and settings.device != "cpu":  # stages on CUDA streams: see device_memory
-        from .device_memory import place_on_streams
+    streams = [getattr(e, "stream", None) for e in engines]  # a torch engine on CUDA runs on its own stream
+    if settings.device_buffers and any(s is not None for s in streams):
+        from .device_memory import place_on_streams  # imports torch: only where a stage has a stream
 
-        place_on_streams(pipeline, [getattr(e, "stream", None) for e in engines])
+        place_on_streams(pipeline, streams)
     return pipeline
 
 

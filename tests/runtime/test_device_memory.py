@@ -135,3 +135,22 @@ def test_a_policy_view_computes_stage_outputs_only_when_asked() -> None:
     assert view.stage_outputs() is first and len(calls) == 1
     with pytest.raises(ValueError):
         first["h"][0, 0] = 2.0  # read-only
+
+
+def test_a_model_with_no_stage_on_a_stream_keeps_host_buffers_whatever_the_device_says(zoo) -> None:
+    """onnxruntime stages with `device: cuda` (the setting names no engine of its own): no stage runs on
+    a CUDA stream, so the buffers stay host memory with host fences, and nothing asks for CUDA."""
+    from dvabatch_backend.runtime.fences import HostFence
+    from dvabatch_backend.runtime.loading import load_pipeline
+    from dvabatch_backend.runtime.settings import RuntimeSettings
+
+    model = zoo.get("token", ("h2", "h4"))
+    pipeline = load_pipeline(model.dir, create_policy("load"), RuntimeSettings(engine="onnxruntime", device="cuda"))
+    buffers = [b for row in pipeline.scheduler.board.buffers.buffers for b in row]
+    assert all(type(b.fence) is HostFence and not b.memory.on_device for b in buffers)
+    rng = np.random.default_rng(4)
+    collector = Collector()
+    with pipeline:
+        batch = [model.query(rng) for _ in range(5)]
+        sent = dict(zip(pipeline.submit_many([(q, collector) for q in batch]), batch))
+        assert_all_answered_correctly(model, pipeline, collector, sent)
