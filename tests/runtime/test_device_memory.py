@@ -51,6 +51,16 @@ def torch_engines(model: SlicedModel) -> list[TorchStageEngine]:
     return _engines[model.dir]
 
 
+def answer_a_batch(model: SlicedModel, pipeline, n: int, seed: int) -> None:
+    """`n` queries submitted at once: every one answered, as the unsliced model."""
+    rng = np.random.default_rng(seed)
+    collector = Collector()
+    with pipeline:
+        batch = [model.query(rng) for _ in range(n)]
+        sent = dict(zip(pipeline.submit_many([(q, collector) for q in batch]), batch))
+        assert_all_answered_correctly(model, pipeline, collector, sent)
+
+
 def on_torch_memory(model: SlicedModel, policy, memory: BufferMemory | None = None, **settings):
     pipeline = make_scheduler(model, policy, torch_engines(model), **settings)
     pipeline.install_buffers(host_fences, middle_in(memory or TorchMemory("cpu"), model.manifest.num_stages))
@@ -92,12 +102,7 @@ def test_a_policy_that_never_looks_at_stage_outputs_copies_nothing_to_the_host(z
     model = zoo.get("token", ("h2", "h4"))
     memory = CountingMemory()
     pipeline = on_torch_memory(model, create_policy("load"), memory, num_buffer_pairs=2)
-    rng = np.random.default_rng(2)
-    collector = Collector()
-    with pipeline:
-        batch = [model.query(rng) for _ in range(6)]
-        sent = dict(zip(pipeline.submit_many([(q, collector) for q in batch]), batch))
-        assert_all_answered_correctly(model, pipeline, collector, sent)
+    answer_a_batch(model, pipeline, 6, seed=2)
     assert memory.copies == 0
 
 
@@ -148,9 +153,4 @@ def test_a_model_with_no_stage_on_a_stream_keeps_host_buffers_whatever_the_devic
     pipeline = load_pipeline(model.dir, create_policy("load"), RuntimeSettings(engine="onnxruntime", device="cuda"))
     buffers = [b for row in pipeline.scheduler.board.buffers.buffers for b in row]
     assert all(type(b.fence) is HostFence and not b.memory.on_device for b in buffers)
-    rng = np.random.default_rng(4)
-    collector = Collector()
-    with pipeline:
-        batch = [model.query(rng) for _ in range(5)]
-        sent = dict(zip(pipeline.submit_many([(q, collector) for q in batch]), batch))
-        assert_all_answered_correctly(model, pipeline, collector, sent)
+    answer_a_batch(model, pipeline, 5, seed=4)
