@@ -77,22 +77,13 @@ def stream_memory(streams: Sequence[StreamLike]) -> MemoryFactory:
     one device; a boundary the host touches next to a stage on a stream (boundary 0, the last one)
     in page-locked host memory; any other in host memory."""
     stages = [as_torch_stream(s) for s in streams]
-    memories: dict[str, TorchMemory] = {}
-    pinned: list[PinnedMemory] = []
 
     def memory(boundary: int, pair: int) -> BufferMemory:
         writer = stages[boundary - 1] if boundary > 0 else None
         reader = stages[boundary] if boundary < len(stages) else None
-        if writer is None or reader is None or writer.device != reader.device:
-            if writer is None and reader is None:
-                return HOST_MEMORY
-            if not pinned:
-                pinned.append(PinnedMemory())
-            return pinned[0]
-        key = str(writer.device)
-        if key not in memories:
-            memories[key] = TorchMemory(writer.device)
-        return memories[key]
+        if writer is not None and reader is not None and writer.device == reader.device:
+            return TorchMemory(writer.device)
+        return HOST_MEMORY if writer is None and reader is None else PinnedMemory()
 
     return memory
 

@@ -154,3 +154,19 @@ def test_a_model_with_no_stage_on_a_stream_keeps_host_buffers_whatever_the_devic
     buffers = [b for row in pipeline.scheduler.board.buffers.buffers for b in row]
     assert all(type(b.fence) is HostFence and not b.memory.on_device for b in buffers)
     answer_a_batch(model, pipeline, 5, seed=4)
+
+
+def test_stream_memory_puts_the_boundaries_between_two_streams_on_their_device(monkeypatch) -> None:
+    """Boundary k lies between stages k-1 and k: device memory where both run on streams of one device,
+    page-locked host memory where the host is on one side, host memory where it is on both."""
+    from types import SimpleNamespace
+
+    from dvabatch_backend.runtime import device_memory
+    from dvabatch_backend.runtime.device_memory import PinnedMemory, stream_memory
+
+    monkeypatch.setattr(device_memory, "as_torch_stream", lambda s: s)  # stand-in streams: no CUDA here
+    on = SimpleNamespace(device=torch.device("cpu"))
+    memory = stream_memory([on, on, None, None])  # 4 stages: 0 and 1 on a stream, 2 and 3 on the host
+    kinds = [type(memory(k, 0)) for k in range(5)]
+    assert kinds == [PinnedMemory, TorchMemory, PinnedMemory, type(HOST_MEMORY), type(HOST_MEMORY)]
+    assert memory(1, 0).device == on.device
