@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .engine import StageEngine
 from .query import gather_inputs, scatter_outputs
@@ -95,6 +95,9 @@ class StageExecutor:
         self._scheduler = scheduler
         self._ready = threading.Event()
         self.wakeups = 0  # how often the thread waited for a signal and woke (written by the thread only)
+        # called after running a batch at stage 0, before taking more work (`Pipeline.wait_at_entry`);
+        # set before the thread starts
+        self.entry_wait: Callable[[], None] | None = None
         self.thread = threading.Thread(target=self._loop, name=f"dvabatch-stage-{index}", daemon=True)
 
     @property
@@ -120,6 +123,8 @@ class StageExecutor:
             while work is not None:
                 result = run_work(work, self._engines[work.stage], scheduler)
                 try:
+                    if work.stage == 0 and self.entry_wait is not None:
+                        self.entry_wait()  # a device fault here fails this item's queries (below)
                     work = scheduler.finish_work(work, result, executor=self.index)
                 except Exception as exc:  # a runtime bug: its queries get an error, the pipeline serves on
                     log.exception("stage %d: bookkeeping failed after %s", work.stage, work.item)

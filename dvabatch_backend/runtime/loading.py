@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from .decisions import Policy
 from .engine import PER_STAGE, OrtStageEngine, StageEngine, available_cores
@@ -77,7 +77,21 @@ def load_pipeline(model_dir: str | Path, policy: Policy, settings: RuntimeSettin
         from .device_memory import place_on_streams  # imports torch: only where a stage has a stream
 
         place_on_streams(pipeline, streams)
+        wait_at_entry(pipeline, engines, settings)
     return pipeline
+
+
+def wait_at_entry(pipeline: Pipeline, engines: Sequence[StageEngine], settings: RuntimeSettings) -> bool:
+    """With `settings.entry_waits_for_device`, have the executor that runs a batch at stage 0 wait
+    for it to finish on the device (`wait_for_device` of the first stage's engine, where it has one)
+    before it takes more work, so that the queries arriving meanwhile join the batch that waits for
+    stage 0 (`RuntimeSettings.entry_waits_for_device`); whether it will. For pipelines whose
+    boundaries are in device memory: with host memory every stage waits for its copy out anyway."""
+    wait = getattr(engines[0], "wait_for_device", None) if engines else None
+    if not settings.entry_waits_for_device or wait is None:
+        return False
+    pipeline.wait_at_entry(wait)
+    return True
 
 
 # the name earlier releases used; it returns a Pipeline (which has the old Scheduler's methods)

@@ -94,6 +94,16 @@ class Pipeline(WorkListener):
         if self._fast_path is not None:
             self._fast_path.install_buffers(fence_factory, memory_factory)
 
+    def wait_at_entry(self, wait: Callable[[], None]) -> None:
+        """Before it starts: the executor that ran a batch at stage 0 calls `wait` before it takes
+        more work (`loading.wait_at_entry`: until the batch has finished on the device). The fast
+        path does not: it runs the stages in a row and waits once, for the answers."""
+        with self._state_lock:
+            if self._started:
+                raise RuntimeError("the entry's wait can only be set before the pipeline starts")
+        for executor in self._executors:
+            executor.entry_wait = wait
+
     def start(self) -> "Pipeline":
         with self._state_lock:
             if self._started or self._stop_called:

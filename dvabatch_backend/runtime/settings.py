@@ -47,6 +47,13 @@ class RuntimeSettings:
     # events (runtime/device_memory.py): no host round trip per stage; false: host memory, each
     # stage copying its batch in and out and waiting for it
     device_buffers: bool = True
+    # with device buffers the first stage's engine waits for its batch to finish on the device before
+    # its executor takes the next one: otherwise `run` returns once the work is queued, stage 0 looks
+    # free at once, and each arrival starts a batch of its own queued behind the others on the GPU
+    # (BERT on an H100: batches of 1.5-2.4 where a graph replay costs the same at 1 and 4 rows);
+    # waiting, the queries that arrive meanwhile join the batch that waits for stage 0 (the load
+    # policy's stretch), as they do on a CPU. Later stages still queue their work ahead
+    entry_waits_for_device: bool = True
     # onnxruntime: "per_stage" threads, or one "global" pool for all stages. The served default (the
     # adapter's, and what the slicer writes) is "per_stage" with EVERY_CORE threads and one buffer
     # pair (`default_buffer_pairs`): each stage in turn on a pool of every core of its own, which

@@ -740,7 +740,9 @@ class TorchStageEngine:
       it is), runs the module on the engine's own `torch.cuda.Stream` (`self.stream`) and copies
       the results into the output views. Where an output view is host memory it synchronizes that
       stream before returning: the outputs are complete when `run` returns. Where every output is
-      in device memory it returns with the work queued; the caller's fence orders the reader. `capture(batch_size, length)` records one CUDA graph for those input
+      in device memory it returns with the work queued; the caller's fence orders the reader, and
+      `wait_for_device()` waits for it (the pipeline's entry: `Pipeline.wait_at_entry`).
+      `capture(batch_size, length)` records one CUDA graph for those input
       shapes; afterwards `run` on inputs of exactly those shapes replays the graph (copy in,
       `replay()`, copy out) instead of running eagerly. `captured` lists the captured shape keys.
     """
@@ -797,6 +799,11 @@ class TorchStageEngine:
             self.stream.synchronize()  # host outputs: complete when `run` returns
         # outputs all in device memory: the work stays queued on the stream, and the buffer's
         # fence (recorded on this stream after `run`) orders its reader after it
+
+    def wait_for_device(self) -> None:
+        """Return once the work `run` queued has finished on the device."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def _write(self, results: Sequence[Tensor], outputs: Mapping[str, Any], padded: bool = False) -> None:
         by_name = dict(zip(self.output_names, results))

@@ -17,7 +17,7 @@ Settings come from `config.pbtxt` parameters, each checked at load with the bad 
 num_buffer_pairs (1 on the CPU where each stage runs on every core, else 2: `default_buffer_pairs`),
 bs_max (the manifest's), thread_pool (per_stage), threads_per_stage (0: every available core), engine,
 device, run_on, fast_path, cuda_graphs (true), device_buffers (true),
-engine_wrapper; Triton's
+entry_waits_for_device (true), engine_wrapper; Triton's
 queue policy (max_queue_size, default_timeout_microseconds, allow_timeout_override,
 timeout_action); a latency target (slo_ms, slo_action); and policy parameters prefixed "policy.".
 Only this module imports `triton_python_backend_utils`; the runtime does not.
@@ -67,6 +67,7 @@ _PARSERS: dict[str, parameters.Parser] = {
     "fast_path": parameters.boolean,
     "cuda_graphs": parameters.boolean,
     "device_buffers": parameters.boolean,
+    "entry_waits_for_device": parameters.boolean,
     "engine_wrapper": parameters.text,
     # Triton's default_queue_policy, under the names its config uses
     "max_queue_size": parameters.integer(0),
@@ -107,6 +108,7 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path) -> AdapterSetti
         fast_path=values.get("fast_path", defaults.fast_path),
         cuda_graphs=values.get("cuda_graphs", defaults.cuda_graphs),
         device_buffers=values.get("device_buffers", defaults.device_buffers),
+        entry_waits_for_device=values.get("entry_waits_for_device", defaults.entry_waits_for_device),
         queue=QueuePolicy(
             max_queue_size=values.get("max_queue_size", queue_defaults.max_queue_size),
             default_timeout_us=values.get("default_timeout_microseconds", queue_defaults.default_timeout_us),

@@ -21,7 +21,7 @@ import numpy as np
 from dvabatch_backend.runtime.decisions import Policy
 from dvabatch_backend.runtime.device_memory import place_on_streams
 from dvabatch_backend.runtime.fences import cuda_fences, install_fences
-from dvabatch_backend.runtime.loading import make_engine
+from dvabatch_backend.runtime.loading import make_engine, wait_at_entry
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.runtime.pipeline import Pipeline
 from dvabatch_backend.runtime.scheduler import Scheduler
@@ -60,11 +60,13 @@ def stream_of(engine: Any) -> Any:
 def cuda_pipeline(manifest: Manifest, engines: Sequence[Any], policy: Policy, settings: RuntimeSettings) -> Pipeline:
     """A pipeline (not started) whose buffers carry `CudaEventFence`s on the engines' streams, its
     middle boundaries in device memory (`settings.device_buffers`, as `loading.load_pipeline`
-    serves) or in host memory (each stage copying in and out)."""
+    serves, the first stage waiting for the device: `loading.wait_at_entry`) or in host memory
+    (each stage copying in and out)."""
     pipeline = Pipeline(Scheduler(manifest, policy, settings), engines)
     streams = [stream_of(e) for e in engines]
     if settings.device_buffers:
         place_on_streams(pipeline, streams)
+        wait_at_entry(pipeline, engines, settings)
     else:
         install_fences(pipeline, cuda_fences(streams))
     return pipeline

@@ -118,16 +118,17 @@ STEPS: tuple[Step, ...] = (
     ), needs=("tests/gpu/test_gpu.py", "perf/gpu/overlap.py", "perf/gpu/side_by_side.py", "perf/gpu/serve_check.py",
               "tests/runtime/test_property.py", "tests/runtime/test_property_torch.py", "tests/unit/test_fences.py",
               "docker/gpu_config.py", "pytest.ini")),
-    Step("experiments", 450, (
+    Step("experiments", 500, (
         capped(90, PY, "-m", "pytest", "-q", "-rs", "-o", "timeout=80", "tests/gpu/test_gpu.py",
                "--junitxml={out}/junit-gpu.xml"),
         capped(80, PY, "-m", "perf.gpu.serve_check", "--out", "{work}/serve"),
         # the rerun sets one buffer pair beside two, both with device-memory boundaries (the first
-        # call set device against host memory)
-        capped(200, PY, "-m", "perf.gpu.side_by_side", "--model", "bert", "--device", "cuda", "--pairs", "2,1",
-               "--host-buffers", "", "--out", "{work}/bert"),
-        capped(130, PY, "-m", "perf.gpu.side_by_side", "--model", "resnet152", "--device", "cuda", "--pairs", "2,1",
-               "--host-buffers", "", "--out", "{work}/resnet152"),
+        # call set device against host memory), and `load` with its first stage running ahead of
+        # the device beside the default, which waits for it (`entry_waits_for_device`)
+        capped(240, PY, "-m", "perf.gpu.side_by_side", "--model", "bert", "--device", "cuda", "--pairs", "2,1",
+               "--host-buffers", "", "--run-ahead", "load", "--out", "{work}/bert"),
+        capped(150, PY, "-m", "perf.gpu.side_by_side", "--model", "resnet152", "--device", "cuda", "--pairs", "2,1",
+               "--host-buffers", "", "--run-ahead", "load", "--out", "{work}/resnet152"),
     ), needs=("tests/gpu/test_gpu.py", "perf/gpu/side_by_side.py", "perf/gpu/serve_check.py", "docker/gpu_config.py"),
        rerun=True),
 )

@@ -78,6 +78,9 @@ class Setup:
     # copies its batch in and out and waits), as a system of its own ("-host"): the runtime's
     # default keeps the boundaries between GPU stages in device memory (runtime/device_memory.py)
     host_buffers: tuple[str, ...] = ()
+    # policies also served with the first stage running ahead of the device (`entry_waits_for_device`
+    # off: its executor takes the next batch once the last one is queued), as a system ("-ahead")
+    run_ahead: tuple[str, ...] = ()
     delays_ms: tuple[float, ...] = (1.0, 4.0)  # DelayBatch's queue delays
     c1_queries: int = 90  # queries at concurrency 1, per system
     p99_target_factor: float = 5.0  # the sustained rate's p99 target: this many times ZeroBatch's c1 mean
@@ -338,12 +341,15 @@ def run(out_dir: Path, setup: Setup, device: str) -> dict[str, Any]:
     systems: dict[str, Any] = {"ZeroBatch": zero}
     for delay in setup.delays_ms:  # one engine for every batcher: they never run at once
         systems[f"DelayBatch-{delay:g}ms"] = DynamicBatcher(whole, manifest, setup.bs_max, delay / 1e3).start()
-    variants = [(policy, pairs, True) for policy in setup.policies for pairs in setup.pairs]
-    variants += [(policy, 2, False) for policy in setup.host_buffers]
-    for policy, pairs, device_buffers in variants:
-        name = f"DVABatch-{policy}" + ("" if pairs == 2 else f"-{pairs}pair") + ("" if device_buffers else "-host")
+    variants = [(policy, pairs, True, True) for policy in setup.policies for pairs in setup.pairs]
+    variants += [(policy, 2, False, True) for policy in setup.host_buffers]
+    variants += [(policy, 2, True, False) for policy in setup.run_ahead]
+    for policy, pairs, device_buffers, entry_waits in variants:
+        name = (f"DVABatch-{policy}" + ("" if pairs == 2 else f"-{pairs}pair") + ("" if device_buffers else "-host")
+                + ("" if entry_waits else "-ahead"))
         settings = RuntimeSettings(num_buffer_pairs=pairs, bs_max=setup.bs_max, engine="torch", device=device,
-                                   cuda_graphs=graphs, device_buffers=device_buffers)
+                                   cuda_graphs=graphs, device_buffers=device_buffers,
+                                   entry_waits_for_device=entry_waits)
         before = device_mib(device)
         engines = torch_engines(model_dir, manifest, device, graphs, setup.bs_max)
         memory[f"{name}_engines_mib"] = device_mib(device) - before
@@ -451,6 +457,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pairs", help="DVABatch's buffer pairs, each a system (e.g. 2,1; default: the model's setup)")
     parser.add_argument("--host-buffers", help="policies also served with host-memory boundaries, comma-separated "
                         "('' for none; default: the model's setup)")
+    parser.add_argument("--run-ahead", help="policies also served with the first stage running ahead of the device "
+                        "(entry_waits_for_device off), comma-separated (default: the model's setup)")
     args = parser.parse_args(argv)
     setup = SETUPS[args.model]
     if args.quick:  # the tiny model, or the zoo model at its test size, and one short load
@@ -465,6 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup = replace(setup, pairs=tuple(int(p) for p in args.pairs.split(",")))
     if args.host_buffers is not None:
         setup = replace(setup, host_buffers=tuple(p for p in args.host_buffers.split(",") if p))
+    if args.run_ahead is not None:
+        setup = replace(setup, run_ahead=tuple(p for p in args.run_ahead.split(",") if p))
     result = run(args.out, replace(setup, cuda_graphs=not args.eager), args.device)
     print(f"{result['setup']['model']} on {result['gpu'] or result['device']} (CUDA graphs "
           f"{'on' if result['setup']['cuda_graphs'] else 'off'}): ZeroBatch peak "

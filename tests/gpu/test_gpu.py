@@ -9,6 +9,7 @@ perf/README.md for the device calls that run it):
 - the property test (random arrivals, random legal meta operations) with every stage on CUDA:
   exactly one answer per query, equal to the unsliced model within fp32 tolerance, no
   buffer-pair rule broken;
+- the first stage's executor waits for its batch on the device before it takes another;
 - the overlap check from CUDA event timings: with one buffer pair the stages never overlap on
   the GPU timeline; with two they do.
 """
@@ -33,7 +34,7 @@ from perf.gpu.overlap import stage_timeline  # noqa: E402
 from perf.gpu.pipelines import cuda_pipeline  # noqa: E402
 from perf.gpu.timeline import overlapping_pairs  # noqa: E402
 
-from ..conftest import Collector, ExitQueries, SlowEngine, sliced_cascade  # noqa: E402
+from ..conftest import Collector, ExitQueries, SlowEngine, assert_all_answered_correctly, sliced_cascade  # noqa: E402
 from ..runtime.test_property import drive_scenario, scenario_policy, scenarios  # noqa: E402
 
 # fp32 answers compared with the CPU's: no TF32 in matrix products or convolutions
@@ -231,6 +232,40 @@ def test_an_early_exit_on_cuda_answers_from_a_boundary_in_device_memory(tmp_path
     exits.assert_answered(collector, sent, exit_atol=1e-4)
     assert pipeline.stats.early_exits == int(exits.leaves.sum())
     assert pipeline.buffer_violations == []
+
+
+def test_the_entrys_executor_takes_no_batch_while_its_last_one_still_runs_on_the_device(zoo) -> None:
+    """`entry_waits_for_device` (the default): stage 0's engine returns with its work queued on its
+    stream, and its executor waits for the device before it takes another batch; so each stage-0
+    run starts after the last one finished on the device, each made 10 ms longer there."""
+    from policies.load_diversity import LoadDiversityPolicy
+
+    model = zoo.stages("token", 3)
+    engines = EngineCache(graphs=True).get(model)  # its own: the first engine's `run` is wrapped below
+    first = engines[0]
+    finished: list = []  # each stage-0 run's completion event on its stream
+    starts_after_the_last_finished: list[bool] = []
+    run = first.run
+
+    def slow_run(inputs, outputs) -> None:
+        starts_after_the_last_finished.append(all(e.query() for e in finished))
+        run(inputs, outputs)
+        with torch.cuda.stream(first.stream):
+            torch.cuda._sleep(20_000_000)  # GPU clock cycles: ~10 ms
+            finished.append(torch.cuda.Event())
+            finished[-1].record(first.stream)
+
+    first.run = slow_run  # type: ignore[method-assign]
+    pipeline = cuda_pipeline(model.manifest, engines, LoadDiversityPolicy(t_comp_wait=0.0),
+                             RuntimeSettings(num_buffer_pairs=2, record_trace=True, engine="torch", device="cuda"))
+    rng = np.random.default_rng(3)
+    queries = [model.query(rng, int(n)) for n in rng.integers(1, 12, size=16)]
+    collector = Collector()
+    with pipeline:
+        sent = [qid for q in queries for qid in pipeline.submit_many([(q, collector)])]
+        assert_all_answered_correctly(model, pipeline, collector, dict(zip(sent, queries)))
+    assert len(starts_after_the_last_finished) == pipeline.stats.stages[0].batches >= 2
+    assert all(starts_after_the_last_finished)
 
 
 # -- the overlap check -------------------------------------------------------------------------

@@ -185,6 +185,68 @@ def test_load_policy_grows_the_batch_that_waits_for_a_busy_stage_0(zoo) -> None:
     assert [e.detail for e in scheduler.trace if e.kind == "stretch"]
 
 
+class DeviceStage:
+    """A real engine whose batch, once `run` returns, "runs on a device" until the test lets it
+    finish: `wait_for_device` (what a torch engine on CUDA offers) waits for a permit."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.waiting = threading.Semaphore(0)
+        self._finished = threading.Semaphore(0)
+
+    def run(self, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+        self.inner.run(inputs, outputs)  # type: ignore[attr-defined]
+
+    def wait_for_device(self) -> None:
+        self.waiting.release()
+        if not self._finished.acquire(timeout=20):
+            raise TimeoutError("the test never let the device finish")
+
+    def finish_all(self) -> None:
+        self._finished.release(1_000_000)
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["entry-waits", "entry-runs-ahead"])
+def test_queries_arriving_while_stage_0_batch_is_on_the_device_join_the_next_batch(zoo, waits: bool) -> None:
+    # stage 0's engine returns at once (its work queued on a device); with `entry_waits_for_device`
+    # its executor waits for the device before taking more, so the five queries that arrive one by
+    # one meanwhile join the batch that waits for stage 0 (load policy, T_comp_wait 0): 2 batches
+    from dvabatch_backend.runtime.loading import wait_at_entry
+    from dvabatch_backend.runtime.settings import RuntimeSettings
+
+    model = zoo.stages("token", 4)
+    engines = model.engines()
+    device = DeviceStage(engines[0])
+    engines[0] = device  # type: ignore[call-overload]
+    scheduler = make_scheduler(model, LoadDiversityPolicy(t_comp_wait=0.0), engines, num_buffer_pairs=2)
+    assert wait_at_entry(scheduler, engines, RuntimeSettings(entry_waits_for_device=waits)) is waits
+    collector = Collector()
+    rng = np.random.default_rng(0)
+    sent: dict[int, dict[str, np.ndarray]] = {}
+
+    def submit(length: int) -> None:
+        query = model.query(rng, length)
+        sent.update(zip(scheduler.submit_many([(query, collector)]), [query]))
+
+    with scheduler:
+        if waits:
+            submit(12)
+            assert device.waiting.acquire(timeout=10)  # the first batch is on the "device"
+            for length in (7, 5, 6, 4, 2):
+                submit(length)
+            device.finish_all()
+            assert_all_answered_correctly(model, scheduler, collector, sent)
+            assert scheduler.stats.stages[0].batches == 2 and scheduler.stats.stages[0].rows == 6
+            assert scheduler.stats.new == 2 and scheduler.stats.stretch == 4
+        else:
+            for length in (12, 7):
+                submit(length)
+                assert collector.wait_for(set(sent))  # each alone: stage 0 never waits for the device
+            assert device.waiting.acquire(timeout=0) is False
+            assert scheduler.stats.stages[0].batches == 2
+            assert_all_answered_correctly(model, scheduler, collector, sent)
+
+
 def test_hybrid_policy_stretches_then_splits(zoo) -> None:
     model = with_profile(zoo.stages("token", 4), [SPLITS] * 4)
     scheduler = run_gated(model, HybridPolicy(t_comp_wait=1.0), [[12, 3], [4, 5, 6, 7]], hold=0, clock=frozen_clock)
