@@ -16,12 +16,14 @@ This module imports torch; the runtime imports it only when a stage engine on to
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -726,6 +728,18 @@ class CapturedGraph:
 ShapeKey = tuple[tuple[int, ...], ...]  # the stage's input shapes, in input order
 
 
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Python's garbage collector off inside (as it was before, after)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class TorchStageEngine:
     """A stage engine on torch (`run(inputs, outputs)`, as `OrtStageEngine`).
 
@@ -862,9 +876,12 @@ class TorchStageEngine:
             self.stream.synchronize()
             memo.frozen = True
             graph = torch.cuda.CUDAGraph()
-            # thread_local: the other stages' executor threads may keep using CUDA meanwhile
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=self.stream,
-                                                          capture_error_mode="thread_local"):
+            # thread_local: the other stages' executor threads may keep using CUDA meanwhile. No
+            # garbage collection during the capture: freeing another engine's graph there (its
+            # `reset`) is a CUDA call the capture forbids, and it invalidates the capture (seen on an
+            # H100 when a test built engines after others were dropped)
+            with _no_gc(), torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=self.stream,
+                                                                    capture_error_mode="thread_local"):
                 results = self.module(*static.values())
         finally:
             self.module.memo = None

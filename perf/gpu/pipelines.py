@@ -57,12 +57,14 @@ def stream_of(engine: Any) -> Any:
     return getattr(engine, "stream", None)
 
 
-def cuda_pipeline(manifest: Manifest, engines: Sequence[Any], policy: Policy, settings: RuntimeSettings) -> Pipeline:
+def cuda_pipeline(manifest: Manifest, engines: Sequence[Any], policy: Policy, settings: RuntimeSettings,
+                  whole_model: Any = None) -> Pipeline:
     """A pipeline (not started) whose buffers carry `CudaEventFence`s on the engines' streams, its
     middle boundaries in device memory (`settings.device_buffers`, as `loading.load_pipeline`
     serves, the first stage waiting for the device: `loading.wait_at_entry`) or in host memory
-    (each stage copying in and out)."""
-    pipeline = Pipeline(Scheduler(manifest, policy, settings), engines)
+    (each stage copying in and out). `whole_model`: the unsliced model's engine, which then runs
+    the fast path (as served where the manifest's `fast_path_engine` is "model")."""
+    pipeline = Pipeline(Scheduler(manifest, policy, settings), engines, whole_model)
     streams = [stream_of(e) for e in engines]
     if settings.device_buffers:
         place_on_streams(pipeline, streams)

@@ -81,6 +81,9 @@ class Setup:
     # policies also served with the first stage running ahead of the device (`entry_waits_for_device`
     # off: its executor takes the next batch once the last one is queued), as a system ("-ahead")
     run_ahead: tuple[str, ...] = ()
+    # each DVABatch system also served with the unsliced model on its fast path ("-model": what the
+    # served path runs where the manifest's `fast_path_engine` is "model"), beside the stages in a row
+    fast_path_model: bool = False
     delays_ms: tuple[float, ...] = (1.0, 4.0)  # DelayBatch's queue delays
     c1_queries: int = 90  # queries at concurrency 1, per system
     p99_target_factor: float = 5.0  # the sustained rate's p99 target: this many times ZeroBatch's c1 mean
@@ -341,12 +344,14 @@ def run(out_dir: Path, setup: Setup, device: str) -> dict[str, Any]:
     systems: dict[str, Any] = {"ZeroBatch": zero}
     for delay in setup.delays_ms:  # one engine for every batcher: they never run at once
         systems[f"DelayBatch-{delay:g}ms"] = DynamicBatcher(whole, manifest, setup.bs_max, delay / 1e3).start()
-    variants = [(policy, pairs, True, True) for policy in setup.policies for pairs in setup.pairs]
-    variants += [(policy, 2, False, True) for policy in setup.host_buffers]
-    variants += [(policy, 2, True, False) for policy in setup.run_ahead]
-    for policy, pairs, device_buffers, entry_waits in variants:
+    variants = [(policy, pairs, True, True, False) for policy in setup.policies for pairs in setup.pairs]
+    variants += [(policy, 2, False, True, False) for policy in setup.host_buffers]
+    variants += [(policy, 2, True, False, False) for policy in setup.run_ahead]
+    if setup.fast_path_model:
+        variants += [(*v[:4], True) for v in variants]
+    for policy, pairs, device_buffers, entry_waits, fast_whole in variants:
         name = (f"DVABatch-{policy}" + ("" if pairs == 2 else f"-{pairs}pair") + ("" if device_buffers else "-host")
-                + ("" if entry_waits else "-ahead"))
+                + ("" if entry_waits else "-ahead") + ("-model" if fast_whole else ""))
         settings = RuntimeSettings(num_buffer_pairs=pairs, bs_max=setup.bs_max, engine="torch", device=device,
                                    cuda_graphs=graphs, device_buffers=device_buffers,
                                    entry_waits_for_device=entry_waits)
@@ -354,12 +359,14 @@ def run(out_dir: Path, setup: Setup, device: str) -> dict[str, Any]:
         engines = torch_engines(model_dir, manifest, device, graphs, setup.bs_max)
         memory[f"{name}_engines_mib"] = device_mib(device) - before
         before = device_mib(device)
-        pipeline = cuda_pipeline(manifest, engines, create_policy(policy), settings) if device == "cuda" else None
+        pipeline = (cuda_pipeline(manifest, engines, create_policy(policy), settings, whole if fast_whole else None)
+                    if device == "cuda" else None)
         memory[f"{name}_buffers_mib"] = device_mib(device) - before  # the middle boundaries, where on the device
         if pipeline is None:  # the CPU (the smoke run here): host fences, same runtime
             from dvabatch_backend.runtime.pipeline import Pipeline
 
-            pipeline = Pipeline.create(manifest, engines, create_policy(policy), settings)
+            pipeline = Pipeline.create(manifest, engines, create_policy(policy), settings,
+                                       whole_model=whole if fast_whole else None)
         systems[name] = DvaBatch(pipeline).start()
     peaks: dict[str, float] = {name: 0.0 for name in systems}
     try:
@@ -457,6 +464,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pairs", help="DVABatch's buffer pairs, each a system (e.g. 2,1; default: the model's setup)")
     parser.add_argument("--host-buffers", help="policies also served with host-memory boundaries, comma-separated "
                         "('' for none; default: the model's setup)")
+    parser.add_argument("--fast-path-model", action="store_true",
+                        help="each DVABatch system also with the unsliced model on its fast path (\"-model\")")
     parser.add_argument("--run-ahead", help="policies also served with the first stage running ahead of the device "
                         "(entry_waits_for_device off), comma-separated (default: the model's setup)")
     args = parser.parse_args(argv)
@@ -473,6 +482,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup = replace(setup, pairs=tuple(int(p) for p in args.pairs.split(",")))
     if args.host_buffers is not None:
         setup = replace(setup, host_buffers=tuple(p for p in args.host_buffers.split(",") if p))
+    if args.fast_path_model:
+        setup = replace(setup, fast_path_model=True)
     if args.run_ahead is not None:
         setup = replace(setup, run_ahead=tuple(p for p in args.run_ahead.split(",") if p))
     result = run(args.out, replace(setup, cuda_graphs=not args.eager), args.device)

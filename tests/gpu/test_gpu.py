@@ -234,14 +234,14 @@ def test_an_early_exit_on_cuda_answers_from_a_boundary_in_device_memory(tmp_path
     assert pipeline.buffer_violations == []
 
 
-def test_the_entrys_executor_takes_no_batch_while_its_last_one_still_runs_on_the_device(zoo) -> None:
+def test_the_entrys_executor_takes_no_batch_while_its_last_one_still_runs_on_the_device(zoo, graphed_engines: EngineCache) -> None:
     """`entry_waits_for_device` (the default): stage 0's engine returns with its work queued on its
     stream, and its executor waits for the device before it takes another batch; so each stage-0
     run starts after the last one finished on the device, each made 10 ms longer there."""
     from policies.load_diversity import LoadDiversityPolicy
 
     model = zoo.stages("token", 3)
-    engines = EngineCache(graphs=True).get(model)  # its own: the first engine's `run` is wrapped below
+    engines = graphed_engines.get(model)
     first = engines[0]
     finished: list = []  # each stage-0 run's completion event on its stream
     starts_after_the_last_finished: list[bool] = []
@@ -256,14 +256,17 @@ def test_the_entrys_executor_takes_no_batch_while_its_last_one_still_runs_on_the
             finished[-1].record(first.stream)
 
     first.run = slow_run  # type: ignore[method-assign]
-    pipeline = cuda_pipeline(model.manifest, engines, LoadDiversityPolicy(t_comp_wait=0.0),
-                             RuntimeSettings(num_buffer_pairs=2, record_trace=True, engine="torch", device="cuda"))
-    rng = np.random.default_rng(3)
-    queries = [model.query(rng, int(n)) for n in rng.integers(1, 12, size=16)]
-    collector = Collector()
-    with pipeline:
-        sent = [qid for q in queries for qid in pipeline.submit_many([(q, collector)])]
-        assert_all_answered_correctly(model, pipeline, collector, dict(zip(sent, queries)))
+    try:
+        pipeline = cuda_pipeline(model.manifest, engines, LoadDiversityPolicy(t_comp_wait=0.0),
+                                 RuntimeSettings(num_buffer_pairs=2, engine="torch", device="cuda"))
+        rng = np.random.default_rng(3)
+        queries = [model.query(rng, int(n)) for n in rng.integers(1, 12, size=16)]
+        collector = Collector()
+        with pipeline:
+            sent = [qid for q in queries for qid in pipeline.submit_many([(q, collector)])]
+            assert_all_answered_correctly(model, pipeline, collector, dict(zip(sent, queries)))
+    finally:
+        del first.run  # the module's engines serve the other tests as loaded
     assert len(starts_after_the_last_finished) == pipeline.stats.stages[0].batches >= 2
     assert all(starts_after_the_last_finished)
 
