@@ -101,6 +101,34 @@ SETUPS = {
 }
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One DVABatch system of a run: a policy and how it is served; `name` says how it differs
+    from the default (2 pairs, device buffers, the entry waiting, the stages on the fast path)."""
+
+    policy: str
+    pairs: int = 2
+    device_buffers: bool = True
+    entry_waits: bool = True
+    fast_path_model: bool = False
+
+    @property
+    def name(self) -> str:
+        return (f"DVABatch-{self.policy}" + ("" if self.pairs == 2 else f"-{self.pairs}pair")
+                + ("" if self.device_buffers else "-host") + ("" if self.entry_waits else "-ahead")
+                + ("-model" if self.fast_path_model else ""))
+
+
+def variants(setup: Setup) -> list[Variant]:
+    """The DVABatch systems `setup` asks for, in the order they are served."""
+    found = [Variant(policy, pairs) for policy in setup.policies for pairs in setup.pairs]
+    found += [Variant(policy, device_buffers=False) for policy in setup.host_buffers]
+    found += [Variant(policy, entry_waits=False) for policy in setup.run_ahead]
+    if setup.fast_path_model:
+        found += [replace(v, fast_path_model=True) for v in found]
+    return found
+
+
 class DynamicBatcher:
     """The unsliced model behind Triton's dynamic batcher, in process: one thread runs what has
     queued, at most bs_max queries; with `delay_s` > 0 (DelayBatch) a batch starts only once bs_max
@@ -344,29 +372,23 @@ def run(out_dir: Path, setup: Setup, device: str) -> dict[str, Any]:
     systems: dict[str, Any] = {"ZeroBatch": zero}
     for delay in setup.delays_ms:  # one engine for every batcher: they never run at once
         systems[f"DelayBatch-{delay:g}ms"] = DynamicBatcher(whole, manifest, setup.bs_max, delay / 1e3).start()
-    variants = [(policy, pairs, True, True, False) for policy in setup.policies for pairs in setup.pairs]
-    variants += [(policy, 2, False, True, False) for policy in setup.host_buffers]
-    variants += [(policy, 2, True, False, False) for policy in setup.run_ahead]
-    if setup.fast_path_model:
-        variants += [(*v[:4], True) for v in variants]
-    for policy, pairs, device_buffers, entry_waits, fast_whole in variants:
-        name = (f"DVABatch-{policy}" + ("" if pairs == 2 else f"-{pairs}pair") + ("" if device_buffers else "-host")
-                + ("" if entry_waits else "-ahead") + ("-model" if fast_whole else ""))
-        settings = RuntimeSettings(num_buffer_pairs=pairs, bs_max=setup.bs_max, engine="torch", device=device,
-                                   cuda_graphs=graphs, device_buffers=device_buffers,
-                                   entry_waits_for_device=entry_waits)
+    for variant in variants(setup):
+        name = variant.name
+        settings = RuntimeSettings(num_buffer_pairs=variant.pairs, bs_max=setup.bs_max, engine="torch", device=device,
+                                   cuda_graphs=graphs, device_buffers=variant.device_buffers,
+                                   entry_waits_for_device=variant.entry_waits)
+        fast_whole = whole if variant.fast_path_model else None
         before = device_mib(device)
         engines = torch_engines(model_dir, manifest, device, graphs, setup.bs_max)
         memory[f"{name}_engines_mib"] = device_mib(device) - before
         before = device_mib(device)
-        pipeline = (cuda_pipeline(manifest, engines, create_policy(policy), settings, whole if fast_whole else None)
+        pipeline = (cuda_pipeline(manifest, engines, create_policy(variant.policy), settings, fast_whole)
                     if device == "cuda" else None)
         memory[f"{name}_buffers_mib"] = device_mib(device) - before  # the middle boundaries, where on the device
         if pipeline is None:  # the CPU (the smoke run here): host fences, same runtime
             from dvabatch_backend.runtime.pipeline import Pipeline
 
-            pipeline = Pipeline.create(manifest, engines, create_policy(policy), settings,
-                                       whole_model=whole if fast_whole else None)
+            pipeline = Pipeline.create(manifest, engines, create_policy(variant.policy), settings, whole_model=fast_whole)
         systems[name] = DvaBatch(pipeline).start()
     peaks: dict[str, float] = {name: 0.0 for name in systems}
     try:
@@ -452,6 +474,11 @@ def _batches_cell(batches: Mapping[str, Any] | None) -> str:
             f"fast path, {100 * batches['fast_path_share']:.0f} % of queries there")
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated option's names ('' for none)."""
+    return tuple(name for name in text.split(",") if name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -481,11 +508,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.pairs:
         setup = replace(setup, pairs=tuple(int(p) for p in args.pairs.split(",")))
     if args.host_buffers is not None:
-        setup = replace(setup, host_buffers=tuple(p for p in args.host_buffers.split(",") if p))
+        setup = replace(setup, host_buffers=_names(args.host_buffers))
     if args.fast_path_model:
         setup = replace(setup, fast_path_model=True)
     if args.run_ahead is not None:
-        setup = replace(setup, run_ahead=tuple(p for p in args.run_ahead.split(",") if p))
+        setup = replace(setup, run_ahead=_names(args.run_ahead))
     result = run(args.out, replace(setup, cuda_graphs=not args.eager), args.device)
     print(f"{result['setup']['model']} on {result['gpu'] or result['device']} (CUDA graphs "
           f"{'on' if result['setup']['cuda_graphs'] else 'off'}): ZeroBatch peak "
