@@ -43,7 +43,7 @@ from .buffers import MemoryFactory, StageBuffer
 from .engine import StageEngine
 from .fences import FenceFactory
 from .manifest import Manifest
-from .query import batch_shape, cut_row, gather_rows
+from .query import BatchCheck, cut_to, gather_rows, output_cuts
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class FastPath:
         self._scheduler = scheduler
         self._manifest = manifest
         self._input_names = [t.name for t in manifest.inputs]
+        self._check = BatchCheck(manifest)
+        self._cuts = output_cuts(manifest.outputs)  # worked out once: every answer cuts its rows
         n = manifest.num_stages
         self._engines = list(engines) if whole_model is None else [whole_model]
         boundaries = range(n + 1) if whole_model is None else (0, n)
@@ -93,7 +95,7 @@ class FastPath:
         failed), which the caller sends the usual way."""
         if self._scheduler.settings.num_buffer_pairs > 1:
             return None  # stages overlap in the pipeline (per-stage threads, a GPU): batches belong there
-        shapes = [batch_shape(r, self._manifest, self._scheduler.bs_max) for r in requests]
+        shapes = [self._check(r, self._scheduler.bs_max) for r in requests]
         if any(shape is None for shape in shapes):
             return None
         rows = [(i, r, length) for i, (k, length) in enumerate(shapes) for r in range(k)]  # type: ignore[misc]
@@ -106,20 +108,25 @@ class FastPath:
         try:
             for group, pad in self._scheduler.inline.plan([length for _, _, length in rows], self._scheduler.clock()):
                 members = [rows[j] for j in group]
-                done = self._run_rows(requests, members, pad)
+                views, padded = self._run_rows(requests, members, pad)
+                done = {name: np.array(rows) for name, rows in views.items()}  # owned: the scratch serves the next run
                 runs += 1
-                for pos, (i, r, length) in enumerate(members):
-                    out = outputs[i]
-                    if out is None:
-                        k = shapes[i][0]  # type: ignore[index]
-                        out = outputs[i] = {spec.name: np.empty(spec.shape(k, length), spec.np_dtype)
-                                            for spec in self._manifest.outputs}
-                    for spec in self._manifest.outputs:
-                        out[spec.name][r] = cut_row(done[spec.name][pos], spec, length)
-                    if missing[i] == 1:
-                        answer(i, out)  # if it raises, this request goes the usual way with the ones not run
-                        answered += shapes[i][0]  # type: ignore[index]
-                    missing[i] -= 1
+                pos = 0
+                while pos < len(members):
+                    i, _, length = members[pos]
+                    k = shapes[i][0]  # type: ignore[index]
+                    if k == 1 or _whole_request(members, pos, i, k):
+                        # all its rows, in order, here (every request of a fixed-shape model, and
+                        # most others): one copy per output instead of one per row
+                        outputs[i], here = self._slice(done, pos, k, length, padded), k
+                    else:
+                        self._copy_row(done, pos, outputs, shapes, members[pos])
+                        here = 1
+                    pos += here
+                    if missing[i] == here:
+                        answer(i, outputs[i])  # if it raises, this request goes the usual way with the ones not run
+                        answered += k
+                    missing[i] -= here
         except Exception as exc:  # noqa: BLE001 - the requests not answered go the usual way
             log.debug("fast path failed, the requests left go through the pipeline: %s", exc)
         finally:
@@ -128,21 +135,43 @@ class FastPath:
                                            fell_back=bool(left))
         return left
 
+    def _slice(self, done: Mapping[str, np.ndarray], pos: int, k: int, length: int,
+               padded: int) -> dict[str, np.ndarray]:
+        """The outputs of one request whose k rows sit at pos.. in the batch `done` (its own copy,
+        padded to `padded`), cut back to its `length`: views of `done` where nothing is cut (C
+        contiguous, as a response takes them), else copies."""
+        if length == padded:
+            return {name: done[name][pos:pos + k] for name, _ in self._cuts}
+        return {name: np.array(cut_to(done[name][pos:pos + k], (None,) + dims if dims else None, length))
+                for name, dims in self._cuts}
+
+    def _copy_row(self, done: Mapping[str, np.ndarray], pos: int, outputs: list[dict[str, np.ndarray] | None],
+                  shapes: Sequence[tuple[int, int] | None], member: tuple[int, int, int]) -> None:
+        """Row r of request i (at pos in the batch `done`) into its outputs, made at its first row."""
+        i, r, length = member
+        out = outputs[i]
+        if out is None:
+            k = shapes[i][0]  # type: ignore[index]
+            out = outputs[i] = {spec.name: np.empty(spec.shape(k, length), spec.np_dtype)
+                                for spec in self._manifest.outputs}
+        for name, dims in self._cuts:
+            out[name][r] = cut_to(done[name][pos], dims, length)
+
     def _run_rows(self, requests: Sequence[Mapping[str, np.ndarray]], members: list[tuple[int, int, int]],
-                  length: int) -> dict[str, np.ndarray]:
-        """One batch of rows (request, row, its length), zero-padded to `length`: the last boundary's
-        views (valid until the next run)."""
+                  length: int) -> tuple[dict[str, np.ndarray], int]:
+        """One batch of rows (request, row, its length), zero-padded to `length` or past it: the last
+        boundary's views (valid until the next run), and the length they are padded to."""
         length = self._scheduler.padded_length(length)  # a graph bucket's, where the stages replay graphs
         views = [b.rows(length, range(len(members))) for b in self._buffers]
         sources = [{name: requests[i][name][r] for name in self._input_names} for i, r, _ in members]
         gather_rows(sources, views[0], self._manifest.inputs)
-        return self._through_engines(views)
+        return self._through_engines(views), length
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
         """The model's outputs for `inputs` (every input [rows, ...], batch axis first), or None when
         the rows must go the usual way: not well-formed or not one batch, the pipeline not empty, or
         the run failed."""
-        shape = batch_shape(inputs, self._manifest, self._scheduler.bs_max)
+        shape = self._check(inputs, self._scheduler.bs_max)
         if shape is None or not self._scheduler.inline.reserve(shape[0]):
             return None
         began = time.perf_counter()
@@ -170,8 +199,7 @@ class FastPath:
         last = self._through_engines(views)
         if padded == length:  # owned copies: the scratch buffers serve the next run
             return {spec.name: np.array(last[spec.name]) for spec in self._manifest.outputs}
-        return {spec.name: np.stack([cut_row(last[spec.name][r], spec, length) for r in used])
-                for spec in self._manifest.outputs}
+        return {name: np.stack([cut_to(last[name][r], dims, length) for r in used]) for name, dims in self._cuts}
 
     def _through_engines(self, views: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """Run the engines in a row over the boundaries' views; the last boundary's views (host
@@ -186,3 +214,9 @@ class FastPath:
             engine.run(views[stage], views[stage + 1])
             out.fence.record()
         return views[-1]
+
+
+def _whole_request(members: Sequence[tuple[int, int, int]], pos: int, i: int, k: int) -> bool:
+    """Whether members[pos:pos + k] are request i's rows 0..k-1, in order."""
+    run = members[pos:pos + k]
+    return len(run) == k and all(m[0] == i and m[1] == j for j, m in enumerate(run))

@@ -140,31 +140,56 @@ def validate_inputs(
     return arrays, (lengths.pop() if lengths else 0)
 
 
-def batch_shape(inputs: Mapping[str, np.ndarray], manifest: Manifest, bs_max: int) -> tuple[int, int] | None:
-    """(rows, length) of a batch of queries in the model's own layout (every input [rows, ...], one
-    length), when every row is well-formed and they fit one batch of `bs_max`; else None.
+class BatchCheck:
+    """`batch_shape` for one manifest, with each input's rule worked out once: the fast path checks
+    every request an `execute` call hands it, and hashing the specs to look the rules up again per
+    request costs more than the check itself."""
 
-    The fast path's check: `validate_inputs`'s rules (`_tensor_problem`), on whole tensors. None
-    sends the rows the usual way, where a bad one is answered with its own error."""
-    specs = _specs_by_name(manifest.inputs)
-    if len(inputs) != len(specs):
-        return None
-    rows, length = -1, -1
-    for name, spec in specs.items():
-        arr = inputs.get(name)
-        rule = _input_rule(spec)
-        if (not isinstance(arr, np.ndarray) or _tensor_problem(arr, spec, rule, manifest, batched=True) is not None
-                or rows not in (-1, arr.shape[0])):
+    def __init__(self, manifest: Manifest) -> None:
+        self._manifest = manifest
+        self._rules = tuple((name, spec, _input_rule(spec), _fixed_dims(spec, manifest))
+                            for name, spec in _specs_by_name(manifest.inputs).items())
+
+    def __call__(self, inputs: Mapping[str, np.ndarray], bs_max: int) -> tuple[int, int] | None:
+        """(rows, length) of a batch of queries in the model's own layout (every input [rows, ...],
+        one length), when every row is well-formed and they fit one batch of `bs_max`; else None.
+
+        `validate_inputs`'s rules (`_tensor_problem`), on whole tensors. None sends the rows the
+        usual way, where a bad one is answered with its own error."""
+        if len(inputs) != len(self._rules):
             return None
-        rows = arr.shape[0]
-        if rule.seq_axis is not None:
-            n = arr.shape[rule.seq_axis + 1]
-            if length not in (-1, n):
+        rows, length = -1, -1
+        for name, spec, rule, fixed in self._rules:
+            arr = inputs.get(name)
+            if not isinstance(arr, np.ndarray) or rows not in (-1, arr.shape[0]):
                 return None
-            length = n
-    if rows > bs_max:
+            if fixed is not None:  # `_tensor_problem`'s rules for an input of one shape, in one comparison
+                if arr.dtype != rule.np_dtype or arr.shape[1:] != fixed or arr.shape[0] < 1:
+                    return None
+            elif _tensor_problem(arr, spec, rule, self._manifest, batched=True) is not None:
+                return None
+            rows = arr.shape[0]
+            if rule.seq_axis is not None:
+                n = arr.shape[rule.seq_axis + 1]
+                if length not in (-1, n):
+                    return None
+                length = n
+        if rows > bs_max:
+            return None
+        return rows, max(length, 0)
+
+
+def _fixed_dims(spec: TensorSpec, manifest: Manifest) -> tuple[int, ...] | None:
+    """One query's shape of an input that has one (no length dim, no index bound to check), else None."""
+    dims = spec.dims[1:]
+    if spec.name in manifest.input_bounds or not all(type(d) is int and d > 0 for d in dims):
         return None
-    return rows, max(length, 0)
+    return tuple(dims)  # type: ignore[arg-type]
+
+
+def batch_shape(inputs: Mapping[str, np.ndarray], manifest: Manifest, bs_max: int) -> tuple[int, int] | None:
+    """`BatchCheck(manifest)(inputs, bs_max)`: one batch's check, where no checker is kept."""
+    return BatchCheck(manifest)(inputs, bs_max)
 
 
 def _check_names(query_id: int, inputs: Mapping[str, np.ndarray], specs: Mapping[str, TensorSpec]) -> None:
@@ -242,6 +267,17 @@ def _length_dims(spec: TensorSpec) -> tuple[LengthOf | None, ...] | None:
     if not spec.has_seq:
         return None
     return tuple(parse_length(d) if is_length_dim(d) else None for d in spec.dims[1:])
+
+
+def output_cuts(specs: Sequence[TensorSpec]) -> list[tuple[str, tuple[LengthOf | None, ...] | None]]:
+    """Each output's name and its length dims (`cut_to` takes them; None: nothing to cut), worked
+    out once for a caller that cuts many rows."""
+    return [(spec.name, _length_dims(spec)) for spec in specs]
+
+
+def cut_to(row: np.ndarray, length_dims: tuple[LengthOf | None, ...] | None, length: int) -> np.ndarray:
+    """`cut_row` with the spec's length dims from `output_cuts`: a view."""
+    return _cut(row, length_dims, length)
 
 
 def cut_row(row: np.ndarray, spec: TensorSpec, length: int) -> np.ndarray:

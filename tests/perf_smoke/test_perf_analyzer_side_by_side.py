@@ -116,11 +116,14 @@ def test_concurrency_one_and_the_closed_loop_sweep_alternate_the_order_and_keep_
 
 def test_verdicts_take_the_better_baseline_for_each_figure() -> None:
     dva = sbs.SystemResult("DVABatch", "m", c1_mean_ms=10.08, sustained_rate=30.0, closed_loop={"1": 99.0, "4": 310.0},
-                           loads={"0.5x": {"mean_ms": 10.0, "p99_ms": 16.0}, "0.9x": {"mean_ms": 20.0, "p99_ms": 40.0}})
+                           loads={"0.5x": {"mean_ms": 10.0, "p99_ms": 16.0, "mean_spread": (9.5, 11.0)},
+                                  "0.9x": {"mean_ms": 20.0, "p99_ms": 40.0, "p99_spread": (38.0, 42.0)}})
     zero = sbs.SystemResult("ZeroBatch", "z", c1_mean_ms=10.0, sustained_rate=20.0, closed_loop={"1": 100.0, "4": 300.0},
-                            loads={"0.5x": {"mean_ms": 12.0, "p99_ms": 30.0}, "0.9x": {"mean_ms": 50.0, "p99_ms": 70.0}})
+                            loads={"0.5x": {"mean_ms": 12.0, "p99_ms": 30.0},
+                                   "0.9x": {"mean_ms": 50.0, "p99_ms": 70.0, "p99_spread": (65.0, 80.0)}})
     delay = sbs.SystemResult("DelayBatch", "d", c1_mean_ms=11.0, sustained_rate=10.0, closed_loop={"4": 305.0},
-                             loads={"0.5x": {"mean_ms": 9.0, "p99_ms": 40.0}, "0.9x": {"mean_ms": 60.0, "p99_ms": 90.0}})
+                             loads={"0.5x": {"mean_ms": 9.0, "p99_ms": 40.0, "mean_spread": (8.5, 9.6)},
+                                    "0.9x": {"mean_ms": 60.0, "p99_ms": 90.0}})
     v = sbs.verdicts([dva, zero, delay])
     assert v["c1 mean (ms over)"]["baseline"] == "ZeroBatch" and v["c1 mean (ms over)"]["met"]  # +0.08 ms
     assert not v["closed loop c1"]["met"] and v["closed loop c4"]["baseline"] == "DelayBatch"
@@ -131,6 +134,10 @@ def test_verdicts_take_the_better_baseline_for_each_figure() -> None:
     assert v["0.5x p99"]["baseline"] == "ZeroBatch" and v["0.5x p99"]["value"] == round(16 / 30, 3)
     assert v["0.9x mean"]["met"] and not v["0.9x p99"]["met"]  # 20/50 = 0.4; 40/70 = 0.57
     assert v["sustained"] == {"value": 1.5, "baseline": "ZeroBatch", "target": 1.5, "met": True}
+    # the rounds' spreads, where both sides have them: 0.5x mean missed within them, 0.9x p99 apart from them
+    assert v["0.5x mean"]["within_spread"] is True and v["0.9x p99"]["within_spread"] is False
+    assert v["c1 mean (ms over)"]["within_spread"] is None and v["0.9x mean"]["within_spread"] is None
+    assert sbs.spreads_overlap((1.0, 2.0), (2.0, 3.0)) and not sbs.spreads_overlap([1.0, 1.9], [2.0, 3.0])
 
 
 def test_fixed_rates_are_fractions_of_the_better_baselines_sustained_rate_or_its_peak() -> None:

@@ -89,6 +89,27 @@ def test_rows_that_are_not_one_batch_or_not_well_formed_are_not_taken(zoo) -> No
         assert pipeline.run_inline(good) is not None
 
 
+def test_a_fixed_shape_models_rows_are_checked_in_one_comparison_and_bad_ones_not_taken(zoo) -> None:
+    """An input of one shape is checked by dtype and shape alone (`BatchCheck`): each way a batch
+    of it can be wrong still sends it the usual way, where its rows get their own errors."""
+    model = zoo.stages("dense", 2)
+    rng = np.random.default_rng(2)
+    queries = [model.query(rng) for _ in range(2)]
+    good = batch_of(queries)
+    (name, x), = good.items()
+    with make_scheduler(model, create_policy("load"), bs_max=4, num_buffer_pairs=1) as pipeline:
+        bad = {"dtype": x.astype(np.float64), "a dim": np.concatenate([x, x], axis=-1), "unbatched": x[0],
+               "a rank more": x[:, None], "no rows": x[:0], "more rows than a batch": np.concatenate([x, x, x]),
+               "not an array": x.tolist()}
+        for why, tensor in bad.items():
+            assert pipeline.run_inline({name: tensor}) is None, why
+            assert pipeline.run_inline_requests([good, {name: tensor}], lambda i, out: None) is None, why
+        assert pipeline.stats.inline_runs == 0
+        answered: dict[int, dict[str, np.ndarray]] = {}
+        assert pipeline.run_inline_requests([good, batch_of([model.query(rng)])], answered.__setitem__) == []
+        assert_rows_match(model, queries, answered[0])
+
+
 def test_a_busy_pipeline_refuses_the_fast_path(zoo) -> None:
     model = zoo.stages("token", 2)
     gated = GatedEngine(model.engines()[0])
