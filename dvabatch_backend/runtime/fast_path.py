@@ -109,7 +109,7 @@ class FastPath:
             for group, pad in self._scheduler.inline.plan([length for _, _, length in rows], self._scheduler.clock()):
                 members = [rows[j] for j in group]
                 views, padded = self._run_rows(requests, members, pad)
-                done = {name: np.array(rows) for name, rows in views.items()}  # owned: the scratch serves the next run
+                done = {name: np.array(view) for name, view in views.items()}  # owned: the scratch serves the next run
                 runs += 1
                 pos = 0
                 while pos < len(members):

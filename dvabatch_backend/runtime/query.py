@@ -141,7 +141,7 @@ def validate_inputs(
 
 
 class BatchCheck:
-    """`batch_shape` for one manifest, with each input's rule worked out once: the fast path checks
+    """The fast path's check of a batch for one manifest, each input's rule worked out once: it checks
     every request an `execute` call hands it, and hashing the specs to look the rules up again per
     request costs more than the check itself."""
 
@@ -185,11 +185,6 @@ def _fixed_dims(spec: TensorSpec, manifest: Manifest) -> tuple[int, ...] | None:
     if spec.name in manifest.input_bounds or not all(type(d) is int and d > 0 for d in dims):
         return None
     return tuple(dims)  # type: ignore[arg-type]
-
-
-def batch_shape(inputs: Mapping[str, np.ndarray], manifest: Manifest, bs_max: int) -> tuple[int, int] | None:
-    """`BatchCheck(manifest)(inputs, bs_max)`: one batch's check, where no checker is kept."""
-    return BatchCheck(manifest)(inputs, bs_max)
 
 
 def _check_names(query_id: int, inputs: Mapping[str, np.ndarray], specs: Mapping[str, TensorSpec]) -> None:
@@ -276,17 +271,9 @@ def output_cuts(specs: Sequence[TensorSpec]) -> list[tuple[str, tuple[LengthOf |
 
 
 def cut_to(row: np.ndarray, length_dims: tuple[LengthOf | None, ...] | None, length: int) -> np.ndarray:
-    """`cut_row` with the spec's length dims from `output_cuts`: a view."""
-    return _cut(row, length_dims, length)
-
-
-def cut_row(row: np.ndarray, spec: TensorSpec, length: int) -> np.ndarray:
-    """One row of output `spec` (no batch axis) of a batch padded past `length`, cut back to
-    `length` on every length dim (`seq` and the lengths derived from it): a view."""
-    return _cut(row, _length_dims(spec), length)
-
-
-def _cut(row: np.ndarray, length_dims: tuple[LengthOf | None, ...] | None, length: int) -> np.ndarray:
+    """One row of an output (no batch axis; or several rows, with None first in `length_dims`) of a
+    batch padded past `length`, cut back to `length` on every length dim (`seq` and the lengths
+    derived from it), given the output's length dims from `output_cuts`: a view."""
     if length_dims is None:
         return row
     return row[tuple(slice(None) if size_at is None else slice(0, size_at(length)) for size_at in length_dims)]
@@ -297,6 +284,6 @@ def scatter_outputs(
 ) -> list[dict[str, np.ndarray]]:
     """Copy each query's results out of its output row, cut back to its own length on every
     length dim (`seq` and the lengths derived from it)."""
-    cuts = [(spec.name, rows[spec.name], _length_dims(spec)) for spec in specs]  # once per batch, not per row
-    return [{name: np.array(_cut(batch[r], length_dims, query.length), copy=True) for name, batch, length_dims in cuts}
+    cuts = [(name, rows[name], length_dims) for name, length_dims in output_cuts(specs)]  # once per batch, not per row
+    return [{name: np.array(cut_to(batch[r], length_dims, query.length), copy=True) for name, batch, length_dims in cuts}
             for r, query in enumerate(queries)]
