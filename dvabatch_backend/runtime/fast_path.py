@@ -118,13 +118,13 @@ class FastPath:
                     if k == 1 or _whole_request(members, pos, i, k):
                         # all its rows, in order, here (every request of a fixed-shape model, and
                         # most others): one copy per output instead of one per row
-                        outputs[i], here = self._slice(done, pos, k, length, padded), k
+                        out, here = self._slice(done, pos, k, length, padded), k
+                        outputs[i] = out
                     else:
-                        self._copy_row(done, pos, outputs, shapes, members[pos])
-                        here = 1
+                        out, here = self._copy_row(done, pos, outputs, shapes, members[pos]), 1
                     pos += here
                     if missing[i] == here:
-                        answer(i, outputs[i])  # if it raises, this request goes the usual way with the ones not run
+                        answer(i, out)  # if it raises, this request goes the usual way with the ones not run
                         answered += k
                     missing[i] -= here
         except Exception as exc:  # noqa: BLE001 - the requests not answered go the usual way
@@ -146,8 +146,9 @@ class FastPath:
                 for name, dims in self._cuts}
 
     def _copy_row(self, done: Mapping[str, np.ndarray], pos: int, outputs: list[dict[str, np.ndarray] | None],
-                  shapes: Sequence[tuple[int, int] | None], member: tuple[int, int, int]) -> None:
-        """Row r of request i (at pos in the batch `done`) into its outputs, made at its first row."""
+                  shapes: Sequence[tuple[int, int] | None], member: tuple[int, int, int]) -> dict[str, np.ndarray]:
+        """Row r of request i (at pos in the batch `done`) into its outputs, made at its first row;
+        returns them."""
         i, r, length = member
         out = outputs[i]
         if out is None:
@@ -156,6 +157,7 @@ class FastPath:
                                 for spec in self._manifest.outputs}
         for name, dims in self._cuts:
             out[name][r] = cut_to(done[name][pos], dims, length)
+        return out
 
     def _run_rows(self, requests: Sequence[Mapping[str, np.ndarray]], members: list[tuple[int, int, int]],
                   length: int) -> tuple[dict[str, np.ndarray], int]:

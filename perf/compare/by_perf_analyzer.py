@@ -643,9 +643,10 @@ def table(systems: Sequence[SystemResult], latency_target_ms: float) -> list[str
     lines += overhead_lines(systems)
     for figure, v in verdicts(systems).items():
         sign = ">=" if figure == "sustained" or figure.startswith("closed loop") else "<="
-        noise = {True: " (the rounds overlap: within the spread)", False: " (the rounds do not overlap)"}
+        noise: dict[bool | None, str] = {True: " (the rounds overlap: within the spread)",
+                                         False: " (the rounds do not overlap)", None: ""}
         lines.append(f"DVABatch {figure}: {v['value']:g} vs {v['baseline']} (target {sign} {v['target']:g}): "
-                     f"{'met' if v['met'] else 'NOT met'}{noise.get(v.get('within_spread'), '')}")
+                     f"{'met' if v['met'] else 'NOT met'}{noise[v.get('within_spread')]}")
     lines.append(f"sustained: the highest Poisson rate with p99 <= {latency_target_ms:g} ms and >= {KEEP_UP:.0%} of it "
                  "answered")
     for s in systems:
