@@ -201,7 +201,7 @@ class FastPath:
         last = self._through_engines(views)
         if padded == length:  # owned copies: the scratch buffers serve the next run
             return {spec.name: np.array(last[spec.name]) for spec in self._manifest.outputs}
-        return {name: np.stack([cut_to(last[name][r], dims, length) for r in used]) for name, dims in self._cuts}
+        return self._slice(last, 0, rows, length, padded)  # cut back: copies
 
     def _through_engines(self, views: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """Run the engines in a row over the boundaries' views; the last boundary's views (host
