@@ -17,9 +17,7 @@ import numpy as np
 from .decisions import Policy, PolicyContext
 from .engine import StageEngine
 from .executor import BatchWindow, StageExecutor
-from .cost import StageCost
 from .fast_path import FastPath
-from .load_hold import LoadHold
 from .manifest import Manifest
 from .query import Reply
 from .admission import Admission
@@ -51,11 +49,6 @@ class Pipeline(WorkListener):
         self.scheduler = scheduler
         self._executors = [StageExecutor(i, engines, scheduler) for i in range(len(engines))]
         self._fast_path = FastPath(scheduler, engines, whole_model) if scheduler.inline.allowed else None
-        # only where the fast path runs every batch (one buffer pair: `FastPath.run_requests`)
-        holds = self._fast_path is not None and scheduler.settings.load_hold and scheduler.settings.num_buffer_pairs == 1
-        self._load_hold = LoadHold(StageCost(scheduler.manifest.stage_times(), scheduler.num_stages),
-                                   scheduler.bs_max) if holds else None
-        self._stopping = threading.Event()  # cuts a load hold short
         self._window = BatchWindow(scheduler)
         self._state_lock = threading.Lock()  # guards _started and _stop_called
         self._started = False
@@ -130,7 +123,6 @@ class Pipeline(WorkListener):
         with self._state_lock:
             self._stop_called = True
             started = self._started
-        self._stopping.set()
         self.scheduler.stop()
         if not started or threading.current_thread() in self.threads:
             return
@@ -186,37 +178,15 @@ class Pipeline(WorkListener):
         """The requests one call hands over together (a Triton `execute` call: what queued while the
         last one ran) on the fast path where it takes them: a lone request by `run_inline`, several
         by `run_inline_requests` when `several`. `answer(i, outputs)` for each request answered here;
-        returns the others' indices, in order, for `submit_many` (all of them where it took none).
-
-        `several` also says the requests have no deadline: only then may the call be held first
-        (runtime/load_hold.py: near the knee, so that the next call brings a bigger batch)."""
-        hold = self._load_hold if several else None
-        if hold is not None:
-            self._hold(hold, requests)
-        began = self.scheduler.clock()
+        returns the others' indices, in order, for `submit_many` (all of them where it took none)."""
         if len(requests) == 1:
             outputs = self.run_inline(requests[0])
             if outputs is None:
                 return [0]
             answer(0, outputs)
-            left: list[int] | None = []
-        else:
-            left = self.run_inline_requests(requests, answer) if several else None
-        if left is None:
-            return list(range(len(requests)))
-        if hold is not None:
-            hold.ran(self.scheduler.clock() - began)
-        return left
-
-    def _hold(self, hold: LoadHold, requests: Sequence[Mapping[str, np.ndarray]]) -> None:
-        """Hold this call for the seconds the load hold asks (none on an idle or lightly loaded model)."""
-        rows = sum(_rows(r) for r in requests)
-        seconds = hold.hold(rows, self.scheduler.clock())
-        if seconds > 0:
-            self._stopping.wait(seconds)  # arrivals meanwhile queue for the next call; a stop cuts it short
-            with self.scheduler.lock:
-                self.scheduler.stats.load_holds += 1
-                self.scheduler.stats.load_held_seconds += seconds
+            return []
+        left = self.run_inline_requests(requests, answer) if several else None
+        return list(range(len(requests))) if left is None else left
 
     def cancel(self, query_ids: Sequence[int]) -> None:
         self.scheduler.cancel(query_ids)
@@ -279,9 +249,3 @@ class Pipeline(WorkListener):
 
     def any_queued(self, query_ids: Sequence[int]) -> bool:
         return self.scheduler.queries.any_queued(query_ids)
-
-
-def _rows(request: Mapping[str, np.ndarray]) -> int:
-    """A request's rows: its first input's batch axis (1 where it has none)."""
-    first = next(iter(request.values()), None)
-    return int(first.shape[0]) if first is not None and getattr(first, "ndim", 0) >= 1 else 1

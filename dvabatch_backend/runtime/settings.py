@@ -67,9 +67,6 @@ class RuntimeSettings:
     # a batch that meets nobody (the pipeline empty) runs its stages in a row on the caller's thread
     # (runtime/fast_path.py), unless the policy may answer early (`Policy.allows_inline`)
     fast_path: bool = True
-    # near the knee, hold a fast-path call (one without deadlines) so that the next brings a bigger
-    # batch (runtime/load_hold.py): no hold at low load or from a lone client
-    load_hold: bool = True
     queue: QueuePolicy = QueuePolicy()
     slo: SloPolicy = SloPolicy()
 

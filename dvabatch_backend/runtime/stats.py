@@ -42,9 +42,6 @@ class RuntimeStats:
     inline_runs: int = 0
     inline_queries: int = 0
     inline_fallbacks: int = 0
-    # fast-path calls held first near the knee (runtime/load_hold.py), and the seconds they were held
-    load_holds: int = 0
-    load_held_seconds: float = 0.0
     stages: list[StageStats] = field(default_factory=list)
 
 

@@ -2,7 +2,7 @@
 
 A sampler thread copies the scheduler's counters into Triton custom metrics every `period`
 seconds (the hot path is left alone): batches, rows and busy seconds per stage, batch-queue
-lengths, the meta operations done, the queries the fast path answered and its load holds. Only the adapter imports this module.
+lengths, the meta operations done, and the queries the fast path answered. Only the adapter imports this module.
 """
 from __future__ import annotations
 
@@ -49,17 +49,12 @@ class StageMetrics:
                                      description="Queries answered on the fast path (run inline: the pipeline held nothing)")
         fast_batches = pb_utils.MetricFamily(name="dvabatch_fast_path_batches_total", kind=counter,
                                              description="Batches run on the fast path (the policy's batches of what one execute call handed over)")
-        holds = pb_utils.MetricFamily(name="dvabatch_load_holds_total", kind=counter,
-                                      description="Fast-path calls held near the knee so that the next brings a bigger batch (load_hold)")
-        held = pb_utils.MetricFamily(name="dvabatch_load_held_seconds_total", kind=counter,
-                                     description="Seconds those calls were held")
-        self._holds, self._held = holds.Metric(labels={"model": model}), held.Metric(labels={"model": model})
         self._fast = fast.Metric(labels={"model": model})
         self._fast_batches = fast_batches.Metric(labels={"model": model})
         self._queued = queued.Metric(labels={"model": model})
         self._refused = {reason: refused.Metric(labels={"model": model, "reason": reason}) for reason in _REFUSALS}
         self._goodput = goodput.Metric(labels={"model": model})
-        self._families = [*families.values(), queue, ops, queued, refused, goodput, fast, fast_batches, holds, held]  # alive while reporting
+        self._families = [*families.values(), queue, ops, queued, refused, goodput, fast, fast_batches]  # alive while reporting
         self._last: dict[tuple[str, int], float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dvabatch-metrics", daemon=True)
@@ -85,8 +80,6 @@ class StageMetrics:
         self._increment(self._goodput, "within_slo", stats.within_slo)
         self._increment(self._fast, "inline_queries", stats.inline_queries)
         self._increment(self._fast_batches, "inline_runs", stats.inline_runs)
-        self._increment(self._holds, "load_holds", stats.load_holds)
-        self._increment(self._held, "load_held_seconds", stats.load_held_seconds)
         self._set(self._queued, ("queued", -1), stats.queued)
 
     def _increment(self, metric: object, key: str, total: float) -> None:

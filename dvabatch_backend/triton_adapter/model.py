@@ -16,7 +16,7 @@ Settings come from `config.pbtxt` parameters, each checked at load with the bad 
 (`_PARSERS` lists them): manifest (default manifest.json), policy (default pipelined),
 num_buffer_pairs (1 on the CPU where each stage runs on every core, else 2: `default_buffer_pairs`),
 bs_max (the manifest's), thread_pool (per_stage), threads_per_stage (0: every available core), engine,
-device, run_on, fast_path, load_hold, cuda_graphs (true), device_buffers (true),
+device, run_on, fast_path, cuda_graphs (true), device_buffers (true),
 entry_waits_for_device (true), engine_wrapper; Triton's
 queue policy (max_queue_size, default_timeout_microseconds, allow_timeout_override,
 timeout_action); a latency target (slo_ms, slo_action); and policy parameters prefixed "policy.".
@@ -65,7 +65,6 @@ _PARSERS: dict[str, parameters.Parser] = {
     "thread_pool": parameters.choice("global", "per_stage"),
     "run_on": parameters.boolean,
     "fast_path": parameters.boolean,
-    "load_hold": parameters.boolean,
     "cuda_graphs": parameters.boolean,
     "device_buffers": parameters.boolean,
     "entry_waits_for_device": parameters.boolean,
@@ -107,7 +106,6 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path) -> AdapterSetti
         thread_pool=thread_pool,
         run_on=values.get("run_on", defaults.run_on),
         fast_path=values.get("fast_path", defaults.fast_path),
-        load_hold=values.get("load_hold", defaults.load_hold),
         cuda_graphs=values.get("cuda_graphs", defaults.cuda_graphs),
         device_buffers=values.get("device_buffers", defaults.device_buffers),
         entry_waits_for_device=values.get("entry_waits_for_device", defaults.entry_waits_for_device),

@@ -160,11 +160,8 @@ class SystemResult:
     # "0.5x" -> rate, and the rounds' medians of throughput, mean_ms, p99_ms, with mean_spread/p99_spread (min, max)
     loads: dict[str, dict[str, Any]] = field(default_factory=dict)
     load_rounds: dict[str, list[dict[str, float]]] = field(default_factory=dict)
-    # DVABatch: the share of the queries of each figure answered on the fast path (run inline)
+    # DVABatch (and DVABatch-sliced): the share of the queries of each figure answered on the fast path (run inline)
     fast_path_share: dict[str, float] = field(default_factory=dict)
-    # DVABatch: at each figure, the share of its execute calls held near the knee (runtime/load_hold.py)
-    # and their mean hold in ms
-    load_holds: dict[str, tuple[float, float]] = field(default_factory=dict)
     # each fixed load's executions by batch size (Triton's batch_stats, over the load's rounds)
     batch_histograms: dict[str, dict[str, int]] = field(default_factory=dict)
     stub_rss_mb: float | None = None  # its Python-backend stub's resident memory after the runs
@@ -294,43 +291,35 @@ def stub_rss_mb(server: Any, model: str) -> float | None:
         return None
 
 
-def dvabatch_counter(metrics_url: str, name: str, model: str) -> float:
-    """The model's dvabatch counter `name` (0 for a model without it: the baselines)."""
+def fast_path_queries(metrics_url: str, model: str) -> float:
+    """The model's `dvabatch_fast_path_queries_total` (0 for a model without it: the baselines)."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
-    pattern = rf'^{re.escape(name)}{{[^}}]*model="{re.escape(model)}"[^}}]*}} ([0-9.e+-]+)$'
+    pattern = rf'^dvabatch_fast_path_queries_total{{[^}}]*model="{re.escape(model)}"[^}}]*}} ([0-9.e+-]+)$'
     return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
 
 
-_FAST_PATH_COUNTERS = ("dvabatch_fast_path_queries_total", "dvabatch_load_holds_total", "dvabatch_load_held_seconds_total")
-
-
 class FastPathShare:
-    """Counts, around one measurement, the share of a DVABatch model's answers that took the fast
-    path, and of its execute calls that were held near the knee."""
+    """Counts, around one measurement, the share of a DVABatch model's answers (the slicer's config,
+    and `--sliced`'s) that took the fast path."""
 
     METRICS_PERIOD_S = 0.6  # the adapter samples its counters every 0.25 s: wait for the last sample
 
     def __init__(self, server: Any, system: SystemResult) -> None:
         self._server, self._system = server, system
 
-    def _counts(self) -> list[float]:
-        model, url = self._system.model, self._server.http_url
-        return [*(dvabatch_counter(self._server.metrics_url, name, model) for name in _FAST_PATH_COUNTERS),
-                failure_counts(url, model)[0], float(sum(batch_counts(url, model).values()))]
-
     def __call__(self, key: str, measure: Any) -> None:
         if self._system.label not in (DVA, SLICED):
             measure()
             return
-        before = self._counts()
+        before = (fast_path_queries(self._server.metrics_url, self._system.model),
+                  failure_counts(self._server.http_url, self._system.model)[0])
         measure()
         time.sleep(self.METRICS_PERIOD_S)
-        fast, holds, held, answered, calls = (b - a for a, b in zip(before, self._counts()))
+        fast = fast_path_queries(self._server.metrics_url, self._system.model) - before[0]
+        answered = failure_counts(self._server.http_url, self._system.model)[0] - before[1]
         if answered > 0:
             self._system.fast_path_share[key] = round(fast / answered, 3)
-        if calls > 0:
-            self._system.load_holds[key] = (round(holds / calls, 3), round(1000 * held / holds, 2) if holds else 0.0)
 
 
 def _run(url: str, model: str, data: Path, plan: Plan, windows_x: int = 1, **load: Any) -> PerfResult:
@@ -665,9 +654,6 @@ def table(systems: Sequence[SystemResult], latency_target_ms: float) -> list[str
         if s.fast_path_share:
             lines.append(f"{s.label} answers on the fast path: "
                          + ", ".join(f"{k} {v:.0%}" for k, v in s.fast_path_share.items()))
-        if any(share for share, _ in s.load_holds.values()):
-            lines.append(f"{s.label} execute calls held (load hold), and their mean hold: "
-                         + ", ".join(f"{k} {share:.0%} {ms:.2f} ms" for k, (share, ms) in s.load_holds.items()))
     for s in systems:
         steps = ", ".join(f"{st['rate']:g}/s: {st['throughput']:.0f}/s p99 {st['p99_ms']:.0f} ms" for st in s.steps)
         lines.append(f"  {s.label} steps: {steps or '-'}")

@@ -14,9 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dvabatch_backend.runtime.cost import StageCost
 from dvabatch_backend.runtime.errors import StageFailedError
-from dvabatch_backend.runtime.load_hold import WINDOW, LoadHold
 from dvabatch_backend.runtime.work import ExecutorState
 from policies import RandomLegalPolicy, create_policy
 from policies.examples.early_exit import EarlyExitPolicy
@@ -498,53 +496,3 @@ def test_a_request_whose_answer_cannot_be_taken_goes_the_usual_way(zoo) -> None:
         assert left is not None and 1 in left and not set(left) & set(answered)
         assert set(left) | set(answered) == {0, 1, 2}
         assert pipeline.stats.inline_fallbacks == 1
-
-
-class SignallingHold(LoadHold):
-    """A load hold that says when a call has asked it."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.asked = threading.Event()
-
-    def hold(self, rows: int, now: float) -> float:
-        seconds = super().hold(rows, now)
-        self.asked.set()
-        return seconds
-
-
-def knee_hold(unit: float) -> tuple[SignallingHold, float]:
-    """A hold that has seen a window of knee load (tests/unit/test_load_hold.py: calls of 4 rows
-    every `unit` s, 95 % busy, a row in a batch of x costing (14 + x) / 15x units): it holds the
-    next call 0.5 units; and the time of that call."""
-    hold = SignallingHold(StageCost([{1: unit, 16: 2 * unit}], 1), 16)
-    for k in range(WINDOW):
-        hold.record(k * unit, 4, 0.0, 0.95 * unit)
-    return hold, WINDOW * unit
-
-
-def test_a_call_held_near_the_knee_runs_after_its_hold_and_a_stop_cuts_a_hold_short(zoo) -> None:
-    model = zoo.stages("dense", 2)
-    rng = np.random.default_rng(3)
-    queries = [model.query(rng) for _ in range(4)]
-    now = [0.0]
-    with make_scheduler(model, create_policy("load"), num_buffer_pairs=1, clock=lambda: now[0]) as pipeline:
-        pipeline._load_hold, now[0] = knee_hold(1e-3)  # noqa: SLF001 - the hold a knee would have made
-        answered: dict[int, dict[str, np.ndarray]] = {}
-        assert pipeline.run_inline_group([batch_of([q]) for q in queries], answered.__setitem__) == []
-        for i, query in enumerate(queries):
-            assert_rows_match(model, [query], answered[i])
-        assert pipeline.stats.load_holds == 1 and pipeline.stats.load_held_seconds == pytest.approx(0.5e-3)
-        assert pipeline.run_inline_group([batch_of(queries)], answered.__setitem__, several=False) == []
-        assert pipeline.stats.load_holds == 1  # a call with deadlines is never held
-
-        hold, now[0] = knee_hold(100.0)  # a hold of 50 s
-        pipeline._load_hold = hold  # noqa: SLF001
-        left: list[list[int]] = []
-        call = threading.Thread(target=lambda: left.append(
-            pipeline.run_inline_group([batch_of([q]) for q in queries], answered.__setitem__)))
-        call.start()
-        assert hold.asked.wait(30)
-        pipeline.stop()
-        call.join(30)
-        assert not call.is_alive() and len(left) == 1  # back long before its 50 s
