@@ -109,7 +109,7 @@ class FastPath:
             for group, pad in self._scheduler.inline.plan([length for _, _, length in rows], self._scheduler.clock()):
                 members = [rows[j] for j in group]
                 views, padded = self._run_rows(requests, members, pad)
-                done = {name: np.array(view) for name, view in views.items()}  # owned: the scratch serves the next run
+                owned: dict[str, np.ndarray] | None = None  # the batch's own copy, for answers that are slices of it
                 runs += 1
                 pos = 0
                 while pos < len(members):
@@ -117,11 +117,18 @@ class FastPath:
                     k = shapes[i][0]  # type: ignore[index]
                     if k == 1 or _whole_request(members, pos, i, k):
                         # all its rows, in order, here (every request of a fixed-shape model, and
-                        # most others): one copy per output instead of one per row
-                        out, here = self._slice(done, pos, k, length, padded), k
+                        # most others): one copy per output instead of one per row. Uncut, its
+                        # answer is a slice of the batch's copy (made once: the scratch serves the
+                        # next run); cut, its answer is a copy already, taken from the scratch
+                        source = views
+                        if length == padded:
+                            if owned is None:
+                                owned = {name: np.array(view) for name, view in views.items()}
+                            source = owned
+                        out, here = self._slice(source, pos, k, length, padded), k
                         outputs[i] = out
                     else:
-                        out, here = self._copy_row(done, pos, outputs, shapes, members[pos]), 1
+                        out, here = self._copy_row(views, pos, outputs, shapes, members[pos]), 1
                     pos += here
                     if missing[i] == here:
                         answer(i, out)  # if it raises, this request goes the usual way with the ones not run
@@ -137,9 +144,9 @@ class FastPath:
 
     def _slice(self, done: Mapping[str, np.ndarray], pos: int, k: int, length: int,
                padded: int) -> dict[str, np.ndarray]:
-        """The outputs of one request whose k rows sit at pos.. in the batch `done` (its own copy,
-        padded to `padded`), cut back to its `length`: views of `done` where nothing is cut (C
-        contiguous, as a response takes them), else copies."""
+        """The outputs of one request whose k rows sit at pos.. in the batch `done` (padded to
+        `padded`), cut back to its `length`: where nothing is cut, views of `done`, which must then be
+        the batch's own copy (C contiguous, as a response takes them); else copies."""
         if length == padded:
             return {name: done[name][pos:pos + k] for name, _ in self._cuts}
         return {name: np.array(cut_to(done[name][pos:pos + k], (None,) + dims if dims else None, length))
@@ -147,8 +154,8 @@ class FastPath:
 
     def _copy_row(self, done: Mapping[str, np.ndarray], pos: int, outputs: list[dict[str, np.ndarray] | None],
                   shapes: Sequence[tuple[int, int] | None], member: tuple[int, int, int]) -> dict[str, np.ndarray]:
-        """Row r of request i (at pos in the batch `done`) into its outputs, made at its first row;
-        returns them."""
+        """Row r of request i (at pos in the batch `done`) copied into its outputs, made at its first
+        row; returns them."""
         i, r, length = member
         out = outputs[i]
         if out is None:
