@@ -21,6 +21,7 @@ setup(
         "ml-dtypes>=0.5,<0.6",
         "protobuf>=4.25.1,<5",
         "onnxruntime>=1.18",
+        "sympy>=1.12",  # onnxruntime's symbolic shape inference (slicer.cut.symbolic_dims) needs it, and does not require it
         "tqdm>=4.60",
         "psutil>=5.9",  # dvabatch serve: the server's stub processes, zombies and shared memory
         "tritonclient[grpc]==2.51.0",  # Triton's ModelConfig message: config.pbtxt written and read (slicer.model_config)

@@ -334,6 +334,19 @@ class StubWatchdog:
             log.exception("stub watchdog: a hook failed for %r", model)
 
 
+def stub_environment(env: dict[str, str]) -> dict[str, str]:
+    """`env` for the server, so that its stubs import what this process imports. The stub's
+    interpreter starts isolated: it ignores PYTHONPATH and takes its prefix (stdlib, site-packages)
+    from the first `python3` on PATH, which need not be this process's (an activated virtualenv,
+    another Python). This interpreter's folder goes first on PATH, and this process's sys.path is
+    passed as PYTHONPATH, which the generated `model.py` puts first (`slicer.triton_files.STUB_PATHS`)."""
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and Path(p).exists())
+    interpreter = Path(sys.executable).parent
+    if (interpreter / "python3").exists():
+        env["PATH"] = os.pathsep.join(filter(None, [str(interpreter), env.get("PATH")]))
+    return env
+
+
 class TritonServer:
     def __init__(self, model_repository: str | Path, *, http_port: int | None = None, grpc_port: int | None = None,
                  metrics_port: int | None = None, explicit: bool = False, load: Sequence[str] = (),
@@ -409,8 +422,7 @@ class TritonServer:
         self._work.mkdir(parents=True, exist_ok=True)  # `stop` removes it: a server may start again
         self._exit_code = None
         self._shm_at_start = backend_shm_regions()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and Path(p).exists())
+        env = stub_environment(dict(os.environ))
         libs = pytriton_root().parent.parent / "nvidia_pytriton.libs"
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(libs), env.get("LD_LIBRARY_PATH")]))
         env.setdefault("PYTHONUNBUFFERED", "1")

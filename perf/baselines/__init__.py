@@ -31,9 +31,8 @@ import numpy as np
 
 from dvabatch_backend.runtime.manifest import Manifest
 from perf.baselines.model import DEVICES, ENGINES, RESPONDS
-from slicer.triton_files import VERSION_DIR, python_model_config
+from slicer.triton_files import VERSION_DIR, python_model_config, stub_entry
 
-MODEL_SOURCE = Path(__file__).with_name("model.py")
 DEFAULT_DELAYS_US = (0, 500, 1000, 2000, 5000, 10000)
 
 MakeQuery = Callable[[np.random.Generator], Mapping[str, np.ndarray]]
@@ -79,7 +78,7 @@ def add_baseline(repository: Path, version_dir: Path, name: str, delay_us: int, 
     elif target.exists():
         shutil.rmtree(target)
     target.mkdir(parents=True)
-    shutil.copyfile(MODEL_SOURCE, target / "model.py")
+    (target / "model.py").write_text(stub_entry("perf.baselines.model"))
     for file in (onnx_model, "manifest.json"):
         (target / file).symlink_to(version_dir / file)
     (model_dir / "config.pbtxt").write_text(config_pbtxt(manifest, name, delay_us, threads, bs_max, onnx_model,

@@ -1,5 +1,5 @@
-"""Triton Python-backend model of the ZeroBatch and DelayBatch baselines (`perf.baselines` copies it
-as `model.py` into a baseline's version folder).
+"""Triton Python-backend model of the ZeroBatch and DelayBatch baselines (a baseline's version folder
+holds a `model.py` that imports it: `slicer.triton_files.stub_entry`).
 
 The unsliced `model.onnx` runs on the engine the dvabatch model serving it would use: by default
 one onnxruntime CPU session with the runtime's session options (`ort_session_options(threads)`),
@@ -19,28 +19,18 @@ Config parameters: `onnx_model` (file in the version folder, default model.onnx)
 """
 from __future__ import annotations
 
-import os
-import site
-import sys
+import json
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
-# The backend stub embeds its own interpreter, which reads neither PYTHONPATH nor site-packages:
-# add the serving environment's paths (`dvabatch serve` passes them) so dvabatch imports.
-for _path in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    if _path and _path not in sys.path:
-        site.addsitedir(_path)
+import numpy as np
 
-import json  # noqa: E402
-import queue  # noqa: E402
-import threading  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, Mapping, Sequence  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-from dvabatch_backend.runtime.engine import ort_session_options  # noqa: E402
-from dvabatch_backend.triton_adapter import parameters  # noqa: E402
-from dvabatch_backend.runtime.manifest import SEQ, Manifest, TensorSpec, dim_size, is_length_dim  # noqa: E402
+from dvabatch_backend.runtime.engine import ort_session_options
+from dvabatch_backend.triton_adapter import parameters
+from dvabatch_backend.runtime.manifest import SEQ, Manifest, TensorSpec, dim_size, is_length_dim
 
 try:
     import triton_python_backend_utils as pb_utils

@@ -2,9 +2,14 @@
 carries its data, equal to the unsliced model's, on the fast path and through the pipeline.
 
 The pytriton wheel's stub reads an array's byte size with a pybind11 older than numpy 2; under numpy
-2 it read 0, and every response left with the right shapes and no data. The stub takes its numpy
-from the server's PYTHONPATH (the parent's sys.path, first entries first): a numpy 2 wheel unpacked
-and put first gives the stub numpy 2 while this process keeps its own."""
+2 it read 0, and every response left with the right shapes and no data.
+
+The stub's interpreter starts isolated: it ignores PYTHONPATH, and its own sys.path is the first
+`python3` on PATH's (the launcher puts its own interpreter there: in a virtualenv, its site-packages
+and this numpy 1). The generated model.py puts the launcher's sys.path (passed as PYTHONPATH) first,
+in its order, so a numpy 2 wheel unpacked and put first on this process's sys.path gives the stub
+numpy 2 while this process keeps its own. (Before, the launcher's paths were appended after the
+stub's: in a virtualenv the stub took the virtualenv's numpy.)"""
 from __future__ import annotations
 
 import re
