@@ -23,11 +23,16 @@ import math
 from typing import Mapping, Sequence
 
 from .cost import StageCost
+from .manifest import Manifest
 from .errors import CancelledError, OverloadedError, QueryError, TimeoutExpiredError
 from .query import Query, QueryState
 from .settings import MIN_WAKE_DELAY, QueuePolicy, SloPolicy
 
 QUEUE_SECONDS = 1.0  # the default queue bound holds about this much work at the pipeline's peak
+# the least time a query may wait in a queue before it is refused "Request timeout expired" (the
+# default timeout the slicer writes into Triton's default_queue_policy: `queue_timeout_us`)
+QUEUE_TIMEOUT_SECONDS = 1.5
+QUEUE_TIMEOUT_BATCHES = 2  # ... or this many bs_max batches through every stage, where that is longer
 UNPROFILED_STAGE_SECONDS = 1e-3  # per row, for a manifest without stage times
 _EWMA = 0.05  # weight of one observation in the measured/profiled correction
 
@@ -68,6 +73,23 @@ class ServiceModel:
         predicted = self.profiled(stage, bs, length)
         if predicted > 0 and seconds > 0:
             self.correction += _EWMA * (seconds / predicted - self.correction)
+
+
+def queue_timeout_us(manifest: Manifest, bs_max: int | None = None) -> int:
+    """The default timeout of a model's queues (microseconds), Triton's before `execute` and the
+    runtime's before stage 0: QUEUE_TIMEOUT_SECONDS, or QUEUE_TIMEOUT_BATCHES batches of bs_max rows
+    through every stage where the profile says that is longer (at the middle of the profiled lengths:
+    the lengths a model is sent are not known when it is sliced; the longest would stand for the
+    rare worst batch). Under overload a query waits at most this long, then is refused; a burst that
+    drains within it is not refused. A count cannot do both: what a queue of N requests costs in time
+    depends on their lengths and on how fast the engine runs them here."""
+    times, by_length = manifest.stage_times(), manifest.stage_times_by_length()
+    batch = 0.0
+    if times:
+        cost = StageCost(times, len(times), by_length or None)
+        middle = sorted(by_length)[(len(by_length) - 1) // 2] if by_length else None
+        batch = cost.seconds(bs_max or manifest.max_batch_size, middle)
+    return round(1e6 * max(QUEUE_TIMEOUT_SECONDS, QUEUE_TIMEOUT_BATCHES * batch))
 
 
 class Admission:

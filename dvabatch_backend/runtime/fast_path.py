@@ -83,7 +83,8 @@ class FastPath:
             buf.allocate(memory_factory(buf.boundary, 0))
 
     def run_requests(self, requests: Sequence[Mapping[str, np.ndarray]],
-                     answer: Callable[[int, dict[str, np.ndarray]], None]) -> list[int] | None:
+                     answer: Callable[[int, dict[str, np.ndarray]], None],
+                     cancelled: Callable[[int], bool] | None = None) -> list[int] | None:
         """Several requests' rows (each input [rows, ...]) batched as the policy batches them at an
         empty pipeline (`InlineHold.plan`: the input policy's length clusters, the load
         policy's one batch), the batches run one after another on this thread; `answer(i, outputs)`
@@ -92,7 +93,11 @@ class FastPath:
 
         None: the fast path was not taken (a request not well-formed or over bs_max rows, the
         pipeline not empty) and nothing was answered. Otherwise the requests not answered (a batch
-        failed), which the caller sends the usual way."""
+        failed, or `cancelled`), which the caller sends the usual way.
+
+        `cancelled(i)`: whether request i was cancelled. Asked once for each request not in the first
+        batch, before the batch it waited for (the first batch's requests were just handed over);
+        a cancelled request's rows are left out of the runs, and it is among those returned."""
         if self._scheduler.settings.num_buffer_pairs > 1:
             return None  # stages overlap in the pipeline (per-stage threads, a GPU): batches belong there
         shapes = [self._check(r, self._scheduler.bs_max) for r in requests]
@@ -105,9 +110,14 @@ class FastPath:
         missing = [k for k, _ in shapes]  # type: ignore[misc]
         outputs: list[dict[str, np.ndarray] | None] = [None] * len(requests)
         runs = answered = 0
+        asked: dict[int, bool] = {}  # request -> cancelled, for those asked
         try:
             for group, pad in self._scheduler.inline.plan([length for _, _, length in rows], self._scheduler.clock()):
                 members = [rows[j] for j in group]
+                if runs and cancelled is not None:  # the requests waited for an earlier batch: still wanted?
+                    members = [m for m in members if not _ask(asked, cancelled, m[0])]
+                    if not members:
+                        continue
                 views, padded = self._run_rows(requests, members, pad)
                 owned: dict[str, np.ndarray] | None = None  # the batch's own copy, for answers that are slices of it
                 runs += 1
@@ -139,7 +149,7 @@ class FastPath:
         finally:
             left = [i for i, m in enumerate(missing) if m]
             self._scheduler.inline.release(answered, time.perf_counter() - began if answered else None, runs,
-                                           fell_back=bool(left))
+                                           fell_back=any(not asked.get(i) for i in left))
         return left
 
     def _slice(self, done: Mapping[str, np.ndarray], pos: int, k: int, length: int,
@@ -223,6 +233,13 @@ class FastPath:
             engine.run(views[stage], views[stage + 1])
             out.fence.record()
         return views[-1]
+
+
+def _ask(asked: dict[int, bool], cancelled: Callable[[int], bool], i: int) -> bool:
+    """Whether request i was cancelled, asked at most once."""
+    if i not in asked:
+        asked[i] = cancelled(i)
+    return asked[i]
 
 
 def _whole_request(members: Sequence[tuple[int, int, int]], pos: int, i: int, k: int) -> bool:

@@ -167,25 +167,29 @@ class Pipeline(WorkListener):
         return None if self._fast_path is None else self._fast_path.run(inputs)
 
     def run_inline_requests(self, requests: Sequence[Mapping[str, np.ndarray]],
-                            answer: Callable[[int, dict[str, np.ndarray]], None]) -> list[int] | None:
+                            answer: Callable[[int, dict[str, np.ndarray]], None],
+                            cancelled: Callable[[int], bool] | None = None) -> list[int] | None:
         """Several requests' rows on the fast path, batched as the policy batches them at an empty
-        pipeline (`FastPath.run_requests`): `answer(i, outputs)` as each request is done; None when
-        not taken, else the requests left for `submit_many`."""
-        return None if self._fast_path is None else self._fast_path.run_requests(requests, answer)
+        pipeline (`FastPath.run_requests`): `answer(i, outputs)` as each request is done, `cancelled(i)`
+        before a batch a request waited for; None when not taken, else the requests left (for
+        `submit_many`, bar the cancelled)."""
+        return None if self._fast_path is None else self._fast_path.run_requests(requests, answer, cancelled)
 
     def run_inline_group(self, requests: Sequence[Mapping[str, np.ndarray]],
-                         answer: Callable[[int, dict[str, np.ndarray]], None], several: bool = True) -> list[int]:
+                         answer: Callable[[int, dict[str, np.ndarray]], None], several: bool = True,
+                         cancelled: Callable[[int], bool] | None = None) -> list[int]:
         """The requests one call hands over together (a Triton `execute` call: what queued while the
         last one ran) on the fast path where it takes them: a lone request by `run_inline`, several
         by `run_inline_requests` when `several`. `answer(i, outputs)` for each request answered here;
-        returns the others' indices, in order, for `submit_many` (all of them where it took none)."""
+        returns the others' indices, in order (all of them where it took none): those `cancelled`
+        said were, and the rest for `submit_many`."""
         if len(requests) == 1:
             outputs = self.run_inline(requests[0])
             if outputs is None:
                 return [0]
             answer(0, outputs)
             return []
-        left = self.run_inline_requests(requests, answer) if several else None
+        left = self.run_inline_requests(requests, answer, cancelled) if several else None
         return list(range(len(requests))) if left is None else left
 
     def cancel(self, query_ids: Sequence[int]) -> None:

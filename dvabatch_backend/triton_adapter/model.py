@@ -86,14 +86,16 @@ SERVED_THREAD_POOL, SERVED_THREADS_PER_STAGE = "per_stage", EVERY_CORE
 TRITON_PARAMETERS = frozenset({"FORCE_CPU_ONLY_INPUT_TENSORS", "EXECUTION_ENV_PATH"})
 
 
-def parse_parameters(params: Mapping[str, str], model_dir: Path) -> AdapterSettings:
-    """Read and check the config.pbtxt parameters; a ValueError names the bad one."""
+def parse_parameters(params: Mapping[str, str], model_dir: Path,
+                     queue_defaults: QueuePolicy | None = None) -> AdapterSettings:
+    """Read and check the config.pbtxt parameters; a ValueError names the bad one. `queue_defaults`:
+    the queue policy where no parameter sets one (`parameters.triton_queue_policy`)."""
     values = parameters.read(params, _PARSERS, also=TRITON_PARAMETERS, prefixes=("policy.",))
     manifest = model_dir / values.get("manifest", "manifest.json")
     if not manifest.is_file():
         raise ValueError(f"parameter 'manifest': {manifest} not found")
     defaults = RuntimeSettings()
-    queue_defaults = defaults.queue
+    queue_defaults = queue_defaults or defaults.queue
     device = values.get("device", defaults.device)
     thread_pool = values.get("thread_pool", SERVED_THREAD_POOL)
     threads = values.get("threads_per_stage", SERVED_THREADS_PER_STAGE)
@@ -309,6 +311,19 @@ class _CancelWatch:
             self._open.clear()
 
 
+def _is_cancelled(request: Any, i: int, cancelled: set[int]) -> bool:
+    """Whether Triton reports `request` cancelled (a round trip to the server); adds `i` to `cancelled` if so."""
+    if request.is_cancelled():
+        cancelled.add(i)
+        return True
+    return False
+
+
+def _cancelled_response() -> Any:
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+        "cancelled by the client before it ran", getattr(pb_utils.TritonError, "CANCELLED", pb_utils.TritonError.UNAVAILABLE)))
+
+
 def _request_timeout_us(request: Any) -> int | None:
     """The request's own timeout (the client's `timeout` parameter, microseconds), or None."""
     try:
@@ -324,7 +339,7 @@ class TritonPythonModel:
 
         config = json.loads(args["model_config"])
         model_dir = Path(args["model_repository"]) / args["model_version"]
-        settings = parse_parameters(parameters.string_parameters(config), model_dir)
+        settings = parse_parameters(parameters.string_parameters(config), model_dir, parameters.triton_queue_policy(config))
         manifest = Manifest.load(settings.manifest)
         policy = load_policy(settings.policy, settings.policy_params, model_dir)
         self._manifest = manifest
@@ -335,8 +350,10 @@ class TritonPythonModel:
         self._output_names = [t.name for t in manifest.outputs]
         self._input_names = [t.name for t in manifest.inputs]
         self._fast_path = self._scheduler.scheduler.inline.allowed
-        runtime = settings.runtime  # timeouts and a latency target: the pipeline drops what misses them
-        self._inline_many = runtime.slo.slo_ms is None and runtime.queue.default_timeout_us == 0
+        # a latency target: the pipeline drops what misses it, where several requests inline would
+        # wait for each other's batches (a queue timeout is for waiting in a queue: Triton's
+        # applied before `execute`)
+        self._inline_many = settings.runtime.slo.slo_ms is None
         self._responder = _Responder()
         self._cancel_watch = _CancelWatch(self._scheduler)
         self._metrics = StageMetrics(self._scheduler, args["model_name"])
@@ -357,13 +374,17 @@ class TritonPythonModel:
                 # several only without deadlines: later batches wait for earlier ones, so deadlines
                 # stay the pipeline's to keep
                 several = self._inline_many and not any(_request_timeout_us(r) for r in requests)
+                cancelled: set[int] = set()  # requests Triton reports cancelled while they waited for a batch
                 left = self._scheduler.run_inline_group(  # type: ignore[arg-type]
-                    tensors, lambda i, out: done.__setitem__(i, self._response(out)), several)
+                    tensors, lambda i, out: done.__setitem__(i, self._response(out)), several,
+                    lambda i: _is_cancelled(requests[i], i, cancelled))
                 if not left:  # all answered: returned by execute, cheaper than a send each
                     return [done[i] for i in range(len(requests))]
                 for i, response in done.items():  # a batch failed: the answered ones now, the others the usual way
                     self._send(requests[i], response)
-                requests = [requests[i] for i in left]
+                for i in cancelled:
+                    self._send(requests[i], _cancelled_response())
+                requests = [requests[i] for i in left if i not in cancelled]
         self._submit(requests)
         return None
 

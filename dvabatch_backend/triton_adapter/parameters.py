@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Collection, Mapping
 
+from ..runtime.settings import QueuePolicy
+
 Parser = Callable[[str, str], Any]  # (parameter name, raw string) -> value
 
 
@@ -65,3 +67,21 @@ def choice(*choices: str) -> Parser:
 
 def boolean(key: str, raw: str) -> bool:
     return choice("true", "false", "1", "0", "yes", "no")(key, raw) in ("true", "1", "yes")
+
+
+def triton_queue_policy(config: Mapping[str, Any]) -> QueuePolicy:
+    """The model's queue policy from Triton's `dynamic_batching.default_queue_policy` (the model
+    config as the backend gets it, JSON), for the runtime's queue too: the slicer writes one policy
+    (a default timeout), which Triton applies to requests waiting for `execute` and the runtime to
+    queries waiting for stage 0. A config that sets neither a timeout nor a bound leaves the
+    runtime's defaults. The parameters of the same names, where given, override it for the
+    runtime's queue only; each `max_queue_size` bounds its own queue (Triton's counts requests, the
+    runtime's rows)."""
+    section = (config.get("dynamic_batching") or {}).get("default_queue_policy") or {}
+    timeout_us, size = int(section.get("default_timeout_microseconds") or 0), int(section.get("max_queue_size") or 0)
+    base = QueuePolicy()
+    if not (timeout_us or size):
+        return base
+    return QueuePolicy(max_queue_size=size or base.max_queue_size, default_timeout_us=timeout_us,
+                       allow_timeout_override=bool(section.get("allow_timeout_override")),
+                       timeout_action="delay" if section.get("timeout_action") == "DELAY" else "reject")

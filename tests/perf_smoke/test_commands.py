@@ -64,3 +64,10 @@ def test_served_profile(bert_dir: Path, tmp_path: Path) -> None:
 def test_overload(zoo_out: Path) -> None:
     assert "sustained" in run("perf.reliability.overload", "--size", "test", "--seconds", "1", "--factor", "2", "--quick",
                               "--out", str(zoo_out))
+
+
+@pytest.mark.server
+def test_refusals(bert_dir: Path) -> None:
+    out = run("perf.reliability.refusals", str(bert_dir), "--seconds", "1", "--factor", "2", "--clients", "4",
+              "--systems", "slicer,pipeline", timeout=600)
+    assert "sustained" in out and "poisson 2x" in out and "overload: answered p99" in out

@@ -496,3 +496,31 @@ def test_a_request_whose_answer_cannot_be_taken_goes_the_usual_way(zoo) -> None:
         assert left is not None and 1 in left and not set(left) & set(answered)
         assert set(left) | set(answered) == {0, 1, 2}
         assert pipeline.stats.inline_fallbacks == 1
+
+
+def test_a_request_cancelled_while_it_waits_for_an_earlier_inline_batch_is_not_run(zoo) -> None:
+    """Several requests inline run batch after batch: before each batch after the first, its requests
+    are asked whether they were cancelled (once each); a cancelled one's rows are left out, it is
+    returned among those not answered, and every other request is answered with its own rows."""
+    model = zoo.stages("dense", 2)
+    rng = np.random.default_rng(12)
+    with make_scheduler(model, create_policy("load"), bs_max=4, num_buffer_pairs=1) as pipeline:
+        requests = [[model.query(rng) for _ in range(3)] for _ in range(4)]  # 12 rows: 3 batches of 4
+        answered: dict[int, dict[str, np.ndarray]] = {}
+        asked: list[int] = []
+
+        def cancelled(i: int) -> bool:
+            asked.append(i)
+            return i == 2
+
+        left = pipeline.run_inline_requests([batch_of(r) for r in requests], answered.__setitem__, cancelled)
+        assert left == [2]
+        assert sorted(answered) == [0, 1, 3]
+        for i, outputs in answered.items():
+            assert_rows_match(model, requests[i], outputs)
+        assert 0 not in asked and len(asked) == len(set(asked)), asked  # the first batch's requests were not waiting
+        assert 2 in asked
+        stats = pipeline.stats
+        assert stats.inline_queries == 9 and stats.answered_ok == 9
+        assert stats.inline_fallbacks == 0  # a cancellation is no failure
+        assert len(pipeline.snapshot().rows) == 0

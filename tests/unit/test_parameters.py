@@ -42,3 +42,21 @@ def test_the_parameters_of_tritons_model_config() -> None:
     config = {"name": "m", "parameters": {"policy": {"string_value": "load"}, "bs_max": {"string_value": "8"}}}
     assert p.string_parameters(config) == {"policy": "load", "bs_max": "8"}
     assert p.string_parameters({"name": "m"}) == {}
+
+
+def test_the_configs_queue_policy_is_the_runtimes_default_and_an_unset_one_changes_nothing() -> None:
+    """The timeout the slicer writes into Triton's default_queue_policy (config JSON as the backend
+    gets it) is the runtime queue's too; a config without one leaves the runtime's defaults."""
+    from dvabatch_backend.runtime.settings import QueuePolicy
+
+    written = {"dynamic_batching": {"default_queue_policy": {
+        "timeout_action": "REJECT", "default_timeout_microseconds": "750000", "allow_timeout_override": True,
+        "max_queue_size": 0}}}
+    assert p.triton_queue_policy(written) == QueuePolicy(max_queue_size=None, default_timeout_us=750000,
+                                                         allow_timeout_override=True, timeout_action="reject")
+    bounded = {"dynamic_batching": {"default_queue_policy": {"timeout_action": "DELAY", "max_queue_size": 9}}}
+    assert p.triton_queue_policy(bounded) == QueuePolicy(max_queue_size=9, default_timeout_us=0,
+                                                         allow_timeout_override=False, timeout_action="delay")
+    unset = {"dynamic_batching": {"default_queue_policy": {"timeout_action": "REJECT", "max_queue_size": 0,
+                                                           "default_timeout_microseconds": 0}}}
+    assert p.triton_queue_policy(unset) == QueuePolicy() == p.triton_queue_policy({})
