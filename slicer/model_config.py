@@ -59,11 +59,11 @@ def with_parameters(text: str, values: Mapping[str, object], name: str | None = 
 
 
 def python_model(manifest: Manifest, name: str, values: Mapping[str, object], bs_max: int | None = None,
-                 delay_us: int = 0, queue_timeout_us: int = 0) -> ModelConfig:
+                 delay_us: int = 0, queue_size: int = 0) -> ModelConfig:
     """A Python-backend model over `manifest`'s inputs and outputs: one CPU instance behind Triton's
     dynamic batcher (`delay_us` of queue delay, ragged inputs), `values` as string parameters.
-    `queue_timeout_us` > 0: the batcher's default queue policy rejects a request still queued
-    after it (UNAVAILABLE "Request timeout expired"), a request's own timeout overriding it."""
+    `queue_size` > 0: the batcher's default queue policy holds at most that many requests and
+    refuses the next at once (UNAVAILABLE "Exceeds maximum queue size")."""
     config = ModelConfig(name=name, backend="python",
                          max_batch_size=manifest.max_batch_size if bs_max is None else bs_max)
     for spec in manifest.inputs:
@@ -72,11 +72,8 @@ def python_model(manifest: Manifest, name: str, values: Mapping[str, object], bs
         config.output.add(name=spec.name, data_type=DATA_TYPES[spec.dtype], dims=_dims(spec))
     config.dynamic_batching.SetInParent()
     config.dynamic_batching.max_queue_delay_microseconds = delay_us
-    if queue_timeout_us:
-        policy = config.dynamic_batching.default_queue_policy
-        policy.timeout_action = pb.ModelQueuePolicy.REJECT
-        policy.default_timeout_microseconds = queue_timeout_us
-        policy.allow_timeout_override = True
+    if queue_size:
+        config.dynamic_batching.default_queue_policy.max_queue_size = queue_size
     config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=1)
     return set_parameters(config, values)
 

@@ -93,10 +93,7 @@ def slice_zoo_model(repository: Path, zoo_name: str, stages: int = 3) -> ServedM
 
 
 def add_variant(repository: Path, base: ServedModel, name: str, **settings: object) -> ServedModel:
-    """`base` served as `name` with other settings. No queue timeout unless given (`queue_timeout_us`):
-    the tests hold queries at gates for as long as they need, and a timeout would make them depend
-    on time; the slicer's default is tested where it is written and honoured."""
-    settings.setdefault("queue_timeout_us", 0)
+    """`base` served as `name` with other settings."""
     add_model_variant(repository, base.version_dir, name, **settings)
     return ServedModel(name, base.version_dir, base.manifest, base.int_high, base.max_length)
 

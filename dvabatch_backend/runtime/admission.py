@@ -4,7 +4,7 @@ Three rules, each refusing with Triton's code and wording where Triton has one:
   - the queue bound (Triton's `max_queue_size`): queries admitted but not yet run by stage 0 are
     "queued"; a request that would take them past the bound is refused "Exceeds maximum queue
     size". The default bound is about `QUEUE_SECONDS` of work at the pipeline's peak (bs_max rows
-    through the slowest stage), and at least two full batches;
+    through the slowest stage), and at least `QUEUE_BATCHES` full batches (`derived_queue_bound`);
   - the timeout (Triton's `default_timeout_microseconds`, a request's own `timeout` where
     `allow_timeout_override`): a query still queued at its deadline is answered "Request timeout
     expired" and never runs (with `timeout_action` "delay" it runs anyway);
@@ -23,16 +23,12 @@ import math
 from typing import Mapping, Sequence
 
 from .cost import StageCost
-from .manifest import Manifest
 from .errors import CancelledError, OverloadedError, QueryError, TimeoutExpiredError
 from .query import Query, QueryState
 from .settings import MIN_WAKE_DELAY, QueuePolicy, SloPolicy
 
 QUEUE_SECONDS = 1.0  # the default queue bound holds about this much work at the pipeline's peak
-# the least time a query may wait in a queue before it is refused "Request timeout expired" (the
-# default timeout the slicer writes into Triton's default_queue_policy: `queue_timeout_us`)
-QUEUE_TIMEOUT_SECONDS = 1.5
-QUEUE_TIMEOUT_BATCHES = 2  # ... or this many bs_max batches through every stage, where that is longer
+QUEUE_BATCHES = 2  # ... and at least this many bs_max batches
 UNPROFILED_STAGE_SECONDS = 1e-3  # per row, for a manifest without stage times
 _EWMA = 0.05  # weight of one observation in the measured/profiled correction
 
@@ -75,21 +71,11 @@ class ServiceModel:
             self.correction += _EWMA * (seconds / predicted - self.correction)
 
 
-def queue_timeout_us(manifest: Manifest, bs_max: int | None = None) -> int:
-    """The default timeout of a model's queues (microseconds), Triton's before `execute` and the
-    runtime's before stage 0: QUEUE_TIMEOUT_SECONDS, or QUEUE_TIMEOUT_BATCHES batches of bs_max rows
-    through every stage where the profile says that is longer (at the middle of the profiled lengths:
-    the lengths a model is sent are not known when it is sliced; the longest would stand for the
-    rare worst batch). Under overload a query waits at most this long, then is refused; a burst that
-    drains within it is not refused. A count cannot do both: what a queue of N requests costs in time
-    depends on their lengths and on how fast the engine runs them here."""
-    times, by_length = manifest.stage_times(), manifest.stage_times_by_length()
-    batch = 0.0
-    if times:
-        cost = StageCost(times, len(times), by_length or None)
-        middle = sorted(by_length)[(len(by_length) - 1) // 2] if by_length else None
-        batch = cost.seconds(bs_max or manifest.max_batch_size, middle)
-    return round(1e6 * max(QUEUE_TIMEOUT_SECONDS, QUEUE_TIMEOUT_BATCHES * batch))
+def derived_queue_bound(service: ServiceModel, bs_max: int) -> int:
+    """About `QUEUE_SECONDS` of work at the pipeline's peak (bs_max rows through the slowest profiled
+    stage), and at least `QUEUE_BATCHES` batches of bs_max."""
+    peak = bs_max / max(service.profiled(k, bs_max) for k in range(service.num_stages))
+    return max(QUEUE_BATCHES * bs_max, math.ceil(peak * QUEUE_SECONDS))
 
 
 class Admission:
@@ -99,8 +85,7 @@ class Admission:
         self.service = service
         self.bs_max = bs_max
         self.slo_seconds = None if slo.slo_ms is None else slo.slo_ms / 1000.0
-        peak = bs_max / max(service.profiled(k, bs_max) for k in range(service.num_stages))
-        self._derived_bound = max(2 * bs_max, math.ceil(peak * QUEUE_SECONDS))
+        self._derived_bound = derived_queue_bound(service, bs_max)
 
     @property
     def max_queue_size(self) -> int:

@@ -350,10 +350,8 @@ class TritonPythonModel:
         self._output_names = [t.name for t in manifest.outputs]
         self._input_names = [t.name for t in manifest.inputs]
         self._fast_path = self._scheduler.scheduler.inline.allowed
-        # a latency target: the pipeline drops what misses it, where several requests inline would
-        # wait for each other's batches (a queue timeout is for waiting in a queue: Triton's
-        # applied before `execute`)
-        self._inline_many = settings.runtime.slo.slo_ms is None
+        runtime = settings.runtime  # timeouts and a latency target: the pipeline drops what misses them
+        self._inline_many = runtime.slo.slo_ms is None and runtime.queue.default_timeout_us == 0
         self._responder = _Responder()
         self._cancel_watch = _CancelWatch(self._scheduler)
         self._metrics = StageMetrics(self._scheduler, args["model_name"])

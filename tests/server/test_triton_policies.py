@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 import shutil
 import threading
-import time
 import urllib.request
 from pathlib import Path
 from typing import Callable
@@ -36,7 +35,6 @@ from ..triton_support import Clients, ServedModel, add_variant, admitted_request
 HIDDEN, LONG, SHORT = 256, 256, 8
 GATE_POLICY = Path(__file__).with_name("gate_policy.py")
 GATE_ENGINE = Path(__file__).with_name("gate_engine.py")
-QUEUE_TIMEOUT_S = 1.0  # the timed model's queue timeout: far above Triton's dispatch of a request to an idle model
 SETTLE = 30.0  # seconds to wait for a counter to reach its value (sampled every 0.25 s); only a failure bound
 
 
@@ -79,12 +77,12 @@ def server(tmp_path_factory):
     fixed = ServedModel("dense", report.out_dir / "1", report.manifest, {}, 0)
     models["fixed"] = add_variant(repo, fixed, "dense_load", policy="load",
                                   extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_first"})
-    # Triton's queue rejects a request queued longer than QUEUE_TIMEOUT_S: what queues behind an inline run
-    timed_dir = sliced / "dense_timed"
-    shutil.copytree(report.out_dir, timed_dir)  # its own gate files
-    timed = ServedModel("dense", timed_dir / "1", report.manifest, {}, 0)
-    models["timed"] = add_variant(repo, timed, "dense_timed", policy="load", queue_timeout_us=int(QUEUE_TIMEOUT_S * 1e6),
-                                  extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_first"})
+    # Triton's queue holds 2 requests: what queues behind an inline run past them is refused
+    bounded_dir = sliced / "dense_bounded"
+    shutil.copytree(report.out_dir, bounded_dir)  # its own gate files
+    bounded = ServedModel("dense", bounded_dir / "1", report.manifest, {}, 0)
+    models["bounded"] = add_variant(repo, bounded, "dense_bounded", policy="load", queue_size=2,
+                                    extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_first"})
     with TritonServer(repo) as triton:
         for model in models.values():
             triton.wait_model_ready(model.name, timeout=120)
@@ -299,15 +297,14 @@ def test_requests_that_queued_during_a_fast_path_run_are_handed_over_together_an
                    lambda v: v[1] >= before[1] + 9) == (before[0] + 2, before[1] + 9)
 
 
-def test_requests_queued_behind_an_inline_run_past_the_queue_timeout_are_refused_unavailable(server) -> None:
+def test_requests_past_the_queue_bound_behind_an_inline_run_are_refused_at_once(server) -> None:
     """Overload is refused on the fast path too. A lone request holds the model's stage inside
-    `execute` (gate_engine.py); 4 requests sent meanwhile wait in Triton's queue (its pending count
-    says so), and the gate stays shut until they have waited past the queue policy's timeout (here
-    QUEUE_TIMEOUT_S; the slicer derives one from the profile): a lower bound read off the clock, not
-    a race. When the gate opens the held request is answered, the 4 are refused UNAVAILABLE "Request
-    timeout expired" and never run, and the model serves the next request."""
+    `execute` (gate_engine.py); of 4 requests sent meanwhile, 2 wait in Triton's queue (its bound is 2
+    here; the slicer derives one from the profile) and 2 are refused UNAVAILABLE "Exceeds maximum
+    queue size" while the gate is still shut. When it opens, the held request and the 2 queued ones
+    are answered, and only those 3 ran."""
     triton, models, _ = server
-    model = models["timed"]
+    model = models["bounded"]
     held, gate = model.version_dir / "held", model.version_dir / "open"
     rng = np.random.default_rng(5)
     client = grpcclient.InferenceServerClient(triton.grpc_url)
@@ -319,22 +316,21 @@ def test_requests_queued_behind_an_inline_run_past_the_queue_timeout_are_refused
         for i in range(1, 5):
             client.async_infer(model.name, Clients.inputs(grpcclient, queries[i]), answers.callback(i),
                                client_timeout=120)
-        assert _settle(lambda: _pending(triton, model.name), lambda n: n >= 4) == 4
-        time.sleep(QUEUE_TIMEOUT_S * 1.5)  # each of the 4 has now been queued longer than the timeout
+        answers.wait(2)  # the refusals come while the gate is shut
+        refused = list(answers.order)
+        assert _pending(triton, model.name) == 2
     finally:
         gate.touch()
-    answers.wait(len(queries))
-    result, error = answers.got[0]
-    assert error is None, error
-    for out, ref in model.reference(queries[0]).items():
-        np.testing.assert_allclose(result.as_numpy(out)[0], ref, atol=1e-4)
-    for i in range(1, 5):
-        result, error = answers.got[i]
-        assert result is None and error is not None, f"query {i} was answered"
-        assert error.status() == "StatusCode.UNAVAILABLE" and "timeout expired" in error.message(), error
-    after = client.infer(model.name, Clients.inputs(grpcclient, queries[1]), client_timeout=120)
-    for out, ref in model.reference(queries[1]).items():
-        np.testing.assert_allclose(after.as_numpy(out)[0], ref, atol=1e-4)
+    answers.wait(3)
     client.close()
-    # the held query and the one after ran; the refused ones never did
-    assert _settle(lambda: _fast_path(triton, model.name)[1], lambda v: v >= 2) == 2
+    for i in range(5):
+        result, error = answers.got[i]
+        if i in refused:
+            assert result is None and error.status() == "StatusCode.UNAVAILABLE", error
+            assert "Exceeds maximum queue size" in error.message(), error
+            continue
+        assert error is None, error
+        for out, ref in model.reference(queries[i]).items():
+            np.testing.assert_allclose(result.as_numpy(out)[0], ref, atol=1e-4, err_msg=f"query {i} {out}")
+    assert 0 not in refused and len(refused) == 2
+    assert _settle(lambda: _fast_path(triton, model.name)[1], lambda v: v >= 3) == 3  # the refused never ran

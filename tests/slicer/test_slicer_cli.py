@@ -27,13 +27,10 @@ def test_zoo_then_slice_auto_then_serve(tmp_path, capsys) -> None:
     manifest = Manifest.load(out / "1" / "manifest.json")
     assert manifest.name == "bert" and manifest.num_stages in (2, 3)
     assert 'name: "bert"' in (out / "config.pbtxt").read_text()
-    # overload is refused: Triton's queue (and the runtime's, which reads it) rejects a request queued past the profile's timeout
-    from dvabatch_backend.runtime.admission import queue_timeout_us
+    # Triton's own queue left unbounded, as Triton leaves it (a queue policy costs a light load: README)
     from slicer import model_config
 
-    policy = model_config.read(out / "config.pbtxt").dynamic_batching.default_queue_policy
-    assert policy.default_timeout_microseconds == queue_timeout_us(manifest) >= 1_500_000
-    assert policy.allow_timeout_override and policy.timeout_action == model_config.pb.ModelQueuePolicy.REJECT
+    assert not model_config.read(out / "config.pbtxt").dynamic_batching.HasField("default_queue_policy")
 
     # the directory serves: one query through the runtime equals the original model
     import onnxruntime as ort

@@ -34,29 +34,3 @@ def test_the_rule_along_each_axis() -> None:
     assert cost.time(0, 16, length=128) == pytest.approx(0.016)  # beyond the longest: proportional
     assert cost.available and cost.by_length_available
     assert not StageCost([{4: 0.1}], 2).available and not StageCost(STAGE_TIMES, 2, {16: STAGE_TIMES}).by_length_available
-
-
-class _Profiled:
-    """What `queue_timeout_us` reads of a manifest: its profile and bs_max."""
-
-    def __init__(self, times: list[dict[int, float]], by_length: dict[int, list[dict[int, float]]], bs_max: int) -> None:
-        self._times, self._by_length, self.max_batch_size = tuple(times), by_length, bs_max
-
-    def stage_times(self):
-        return self._times
-
-    def stage_times_by_length(self):
-        return {n: tuple(t) for n, t in self._by_length.items()}
-
-
-def test_the_queue_timeout_is_a_floor_or_two_batches_at_the_middle_profiled_length() -> None:
-    from dvabatch_backend.runtime.admission import QUEUE_TIMEOUT_SECONDS, queue_timeout_us
-
-    quick = _Profiled([{1: 0.001, 8: 0.004}] * 2, {}, 8)
-    assert queue_timeout_us(quick) == round(QUEUE_TIMEOUT_SECONDS * 1e6)  # type: ignore[arg-type]
-    assert queue_timeout_us(_Profiled([], {}, 8)) == round(QUEUE_TIMEOUT_SECONDS * 1e6)  # type: ignore[arg-type]
-    # two stages of 0.5 s at bs_max 8 and the middle length 32 (of 16, 32, 64, 128): 2 batches = 2 s;
-    # the longest length's 4 s a stage would stand for the rare worst batch
-    slow = _Profiled([{1: 0.1, 8: 4.0}] * 2, {n: [{1: 0.1, 8: s}] * 2 for n, s in
-                                              ((16, 0.25), (32, 0.5), (64, 1.0), (128, 4.0))}, 8)
-    assert queue_timeout_us(slow) == 2_000_000  # type: ignore[arg-type]
