@@ -4,7 +4,8 @@ Three rules, each refusing with Triton's code and wording where Triton has one:
   - the queue bound (Triton's `max_queue_size`): queries admitted but not yet run by stage 0 are
     "queued"; a request that would take them past the bound is refused "Exceeds maximum queue
     size". The default bound is about `QUEUE_SECONDS` of work at the pipeline's peak (bs_max rows
-    through the slowest stage), and at least `QUEUE_BATCHES` full batches (`derived_queue_bound`);
+    through the slowest stage, or through every stage in a row with one buffer pair), and at least
+    `QUEUE_BATCHES` full batches (`derived_queue_bound`);
   - the timeout (Triton's `default_timeout_microseconds`, a request's own `timeout` where
     `allow_timeout_override`): a query still queued at its deadline is answered "Request timeout
     expired" and never runs (with `timeout_action` "delay" it runs anyway);
@@ -71,21 +72,26 @@ class ServiceModel:
             self.correction += _EWMA * (seconds / predicted - self.correction)
 
 
-def derived_queue_bound(service: ServiceModel, bs_max: int) -> int:
-    """About `QUEUE_SECONDS` of work at the pipeline's peak (bs_max rows through the slowest profiled
-    stage), and at least `QUEUE_BATCHES` batches of bs_max."""
-    peak = bs_max / max(service.profiled(k, bs_max) for k in range(service.num_stages))
+def derived_queue_bound(service: ServiceModel, bs_max: int, overlapping: bool = True) -> int:
+    """About `QUEUE_SECONDS` of work at the pipeline's peak, and at least `QUEUE_BATCHES` batches of
+    bs_max. The peak: bs_max rows through the slowest profiled stage where stages overlap (two or
+    more buffer pairs), through every stage in a row where they cannot (one pair: one batch at a time)."""
+    times = [service.profiled(k, bs_max) for k in range(service.num_stages)]
+    peak = bs_max / (max(times) if overlapping else sum(times))
     return max(QUEUE_BATCHES * bs_max, math.ceil(peak * QUEUE_SECONDS))
 
 
 class Admission:
-    def __init__(self, queue: QueuePolicy, slo: SloPolicy, service: ServiceModel, bs_max: int) -> None:
+    def __init__(self, queue: QueuePolicy, slo: SloPolicy, service: ServiceModel, bs_max: int,
+                 overlapping: bool = True) -> None:
+        """`overlapping`: whether the stages run batches at once (two or more buffer pairs); the
+        derived queue bound counts on it."""
         self.queue = queue
         self.slo = slo
         self.service = service
         self.bs_max = bs_max
         self.slo_seconds = None if slo.slo_ms is None else slo.slo_ms / 1000.0
-        self._derived_bound = derived_queue_bound(service, bs_max)
+        self._derived_bound = derived_queue_bound(service, bs_max, overlapping)
 
     @property
     def max_queue_size(self) -> int:

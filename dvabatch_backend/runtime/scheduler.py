@@ -78,7 +78,7 @@ class Scheduler:
         self.recorder = Trace(settings.record_trace)
         self.trace = self.recorder.events
         service = ServiceModel(manifest.stage_times(), self.num_stages, manifest.stage_times_by_length())
-        self.admission = Admission(settings.queue, settings.slo, service, bs_max)
+        self.admission = Admission(settings.queue, settings.slo, service, bs_max, settings.num_buffer_pairs > 1)
         self.queries = QueryTable(self.stats, self.admission, clock)
         self._table = BatchTable(self.num_stages, bs_max)
         self._view = BatchTableView(self._table)

@@ -197,6 +197,8 @@ def test_the_default_queue_bound_is_about_a_second_at_the_pipelines_peak() -> No
     service = ServiceModel([{8: 0.010}, {8: 0.020}], 2)  # slowest stage: 8 rows per 20 ms -> 400/s
     assert Admission(QueuePolicy(), SloPolicy(), service, 8).max_queue_size == 400
     assert Admission(QueuePolicy(max_queue_size=0), SloPolicy(), service, 8).queue_refusal(10**6, 1) is None
+    # one buffer pair: one batch at a time through both stages, 8 rows per 30 ms
+    assert Admission(QueuePolicy(), SloPolicy(), service, 8, overlapping=False).max_queue_size == 267
     slow = ServiceModel([{8: 4.0}], 1)
     assert Admission(QueuePolicy(), SloPolicy(), slow, 8).max_queue_size == 16  # never below two batches
     budgets = Admission(QueuePolicy(), SloPolicy(slo_ms=90), service, 8).stage_budgets()
