@@ -239,6 +239,12 @@ class _RequestAnswer:
         return np.stack([a.outputs[name] for a in self._answers], axis=axis)  # type: ignore[union-attr,index]
 
 
+def _cancelled_code() -> int:
+    """Triton's CANCELLED (UNAVAILABLE on a stub without it); read when answering: pb_utils's error
+    codes are not there yet when the stub imports this module."""
+    return getattr(pb_utils.TritonError, "CANCELLED", pb_utils.TritonError.UNAVAILABLE)
+
+
 def _code(error: QueryError) -> int:
     """Triton's status for the error: the client's mistake, overload or a stop, a cancellation, or ours."""
     if isinstance(error, BadInputError):
@@ -246,7 +252,7 @@ def _code(error: QueryError) -> int:
     if isinstance(error, (ShuttingDownError, RefusedError)):
         return pb_utils.TritonError.UNAVAILABLE
     if isinstance(error, CancelledError):
-        return getattr(pb_utils.TritonError, "CANCELLED", pb_utils.TritonError.UNAVAILABLE)
+        return _cancelled_code()
     return pb_utils.TritonError.INTERNAL
 
 
@@ -320,8 +326,7 @@ def _is_cancelled(request: Any, i: int, cancelled: set[int]) -> bool:
 
 
 def _cancelled_response() -> Any:
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(
-        "cancelled by the client before it ran", getattr(pb_utils.TritonError, "CANCELLED", pb_utils.TritonError.UNAVAILABLE)))
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError("cancelled by the client before it ran", _cancelled_code()))
 
 
 def _request_timeout_us(request: Any) -> int | None:

@@ -71,10 +71,10 @@ def boolean(key: str, raw: str) -> bool:
 
 def triton_queue_policy(config: Mapping[str, Any]) -> QueuePolicy:
     """The model's queue policy from Triton's `dynamic_batching.default_queue_policy` (the model
-    config as the backend gets it, JSON), for the runtime's queue too: the slicer writes one policy
-    (a default timeout), which Triton applies to requests waiting for `execute` and the runtime to
-    queries waiting for stage 0. A config that sets neither a timeout nor a bound leaves the
-    runtime's defaults. The parameters of the same names, where given, override it for the
+    config as the backend gets it, JSON), for the runtime's queue too: where a config sets one,
+    Triton applies it to requests waiting for `execute` and the runtime to queries waiting for
+    stage 0. A config that sets neither a timeout nor a bound (the slicer's) leaves the runtime's
+    defaults. The parameters of the same names, where given, override it for the
     runtime's queue only; each `max_queue_size` bounds its own queue (Triton's counts requests, the
     runtime's rows)."""
     section = (config.get("dynamic_batching") or {}).get("default_queue_policy") or {}
