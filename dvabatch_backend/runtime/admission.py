@@ -1,11 +1,25 @@
 """Admission: what the runtime accepts, and what it drops before it runs.
 
-Three rules, each refusing with Triton's code and wording where Triton has one:
+Four rules, each refusing with Triton's code and wording where Triton has one:
   - the queue bound (Triton's `max_queue_size`): queries admitted but not yet run by stage 0 are
-    "queued"; a request that would take them past the bound is refused "Exceeds maximum queue
-    size". The default bound is about `QUEUE_SECONDS` of work at the pipeline's peak (bs_max rows
-    through the slowest stage, or through every stage in a row with one buffer pair), and at least
-    `QUEUE_BATCHES` full batches (`derived_queue_bound`);
+    "queued"; where a request would take them past the bound, the oldest queued requests that no
+    stage has started are refused "Exceeds maximum queue size", whole, to make room for it (the
+    request itself when they are too few). The oldest, not the newest: under overload a queue
+    drained at the head and pushed at the tail is crossed at the arrival rate, not the service
+    rate, so what is answered waits a fraction of the bound (a third at 3x the peak); a burst
+    within the bound refuses nothing either way. The default bound is about `QUEUE_SECONDS` of
+    work at the pipeline's peak (bs_max rows through the slowest stage, or through every stage in
+    a row with one buffer pair), and at least `QUEUE_BATCHES` full batches (`derived_queue_bound`);
+  - the standing queue (with the derived bound and no timeout configured): a queue that has held
+    more than a batch (bs_max rows) for `STANDING_SECONDS` is overload, not a burst (within the
+    bound, a burst falls back to a batch well within that time: arrivals outpaced the stages all
+    along); while it stands, a query queued longer than `STANDING_WAIT` is refused "Request
+    timeout expired" before it runs. Bursts and a load the stages carry, whose queue keeps falling
+    back, are served whole; overload is answered within about STANDING_WAIT plus a batch's
+    passage, also as it stops (the queue then drains at the service rate, no newer request pushing
+    it on). "Has not emptied" was tried and left: a load near the peak keeps a few queued for
+    seconds, and was refused. CoDel's least wait over an interval is not used: by it, the queue left
+    as overload stops is a burst like any other;
   - the timeout (Triton's `default_timeout_microseconds`, a request's own `timeout` where
     `allow_timeout_override`): a query still queued at its deadline is answered "Request timeout
     expired" and never runs (with `timeout_action` "delay" it runs anyway);
@@ -24,12 +38,14 @@ import math
 from typing import Mapping, Sequence
 
 from .cost import StageCost
-from .errors import CancelledError, OverloadedError, QueryError, TimeoutExpiredError
+from .errors import CancelledError, OverloadedError, QueryError, StandingQueueError, TimeoutExpiredError
 from .query import Query, QueryState
 from .settings import MIN_WAKE_DELAY, QueuePolicy, SloPolicy
 
 QUEUE_SECONDS = 1.0  # the default queue bound holds about this much work at the pipeline's peak
 QUEUE_BATCHES = 2  # ... and at least this many bs_max batches
+STANDING_SECONDS = 2 * QUEUE_SECONDS  # a queue over a batch for this long stands: overload
+STANDING_WAIT = QUEUE_SECONDS / 2  # while it stands, a query queued longer than this is refused
 UNPROFILED_STAGE_SECONDS = 1e-3  # per row, for a manifest without stage times
 _EWMA = 0.05  # weight of one observation in the measured/profiled correction
 
@@ -92,6 +108,8 @@ class Admission:
         self.bs_max = bs_max
         self.slo_seconds = None if slo.slo_ms is None else slo.slo_ms / 1000.0
         self._derived_bound = derived_queue_bound(service, bs_max, overlapping)
+        # the standing-queue rule goes with the derived bound: a configured bound or timeout is the user's
+        self._refuses_standing = queue.max_queue_size is None and not queue.default_timeout_us
 
     @property
     def max_queue_size(self) -> int:
@@ -144,12 +162,16 @@ class Admission:
         deadline = self.slo_deadline(now)
         return None if deadline is None else self.slo_refusal(self.predicted_finish(now, queued), deadline)
 
-    def drop_error(self, q: Query, now: float, bs: int) -> QueryError | None:
-        """Why a queued query (to run in a batch of `bs`) should not run any more, or None."""
+    def drop_error(self, q: Query, now: float, bs: int, queue_since: float | None = None) -> QueryError | None:
+        """Why a queued query (to run in a batch of `bs`) should not run any more, or None.
+        `queue_since`: since when the queue has held more than a batch (None: it holds no more)."""
         if q.cancelled:
             return CancelledError(q.id)
         if self.timed_out(now, q.deadline):
             return TimeoutExpiredError(q.id)
+        if (self._refuses_standing and queue_since is not None and now - queue_since > STANDING_SECONDS
+                and now - q.arrival > STANDING_WAIT):
+            return StandingQueueError(q.id, now - queue_since, now - q.arrival)
         if q.slo_deadline is None:  # no target: skip the prediction, which walks every stage's profile
             return None
         why = self.slo_refusal(now + self.service.pipeline_time(bs), q.slo_deadline)

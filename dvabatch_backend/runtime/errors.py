@@ -39,6 +39,15 @@ class TimeoutExpiredError(RefusedError):
         super().__init__(query_id, "Request timeout expired")
 
 
+class StandingQueueError(TimeoutExpiredError):
+    """The queue stood (did not empty) so long it is overload, not a burst, and the query had waited
+    past what a standing queue may make it wait (admission.py): refused as Triton refuses a timeout."""
+
+    def __init__(self, query_id: int, stood: float, waited: float) -> None:
+        QueryError.__init__(self, query_id, f"Request timeout expired: overloaded, the queue has held more than a "
+                                            f"batch for {stood:.1f} s and the request waited {waited * 1000:.0f} ms")
+
+
 class OverloadedError(RefusedError):
     """The query can no longer meet the model's latency target (`slo_ms`)."""
 

@@ -6,6 +6,16 @@ is held, queries submitted are admitted and batched as usual but no stage starts
 (`Scheduler` asks `held`), so none overtakes the run; `release` counts what the run answered and
 wakes the stages that have work. `plan` is the policy's batching of the run's rows. Each takes
 the scheduler's lock; the hold is owned by the scheduler.
+
+The caller's own queue. While a run holds the caller (a Triton `execute` call), requests wait in
+the caller's queue (Triton's dynamic batcher), which the runtime's admission cannot see: left there,
+overload would queue without bound. `caller_backlog` is told, for each call, whether it came full
+(the caller had at least a batch waiting); after `STANDING_CALLS` full calls in a row the caller's
+queue stands (requests arrive at least as fast as inline runs serve them), and the calls go to the
+pipeline instead (`submit`): the caller's queue drains into the runtime's, whose admission refuses
+past its bound and honours timeouts. The fast path resumes by itself once the pipeline holds
+nothing and a call comes that is not full. A burst fills one call, not two in a row, and a load
+under the peak rarely does: both stay on the fast path.
 """
 from __future__ import annotations
 
@@ -17,6 +27,8 @@ from .plan_checks import inline_batches
 if TYPE_CHECKING:
     from .scheduler import Scheduler
 
+STANDING_CALLS = 2  # full calls in a row that say the caller's queue stands
+
 
 class InlineHold:
     def __init__(self, scheduler: Scheduler, policy: Policy, view: BatchTableView, ids: Iterator[int]) -> None:
@@ -25,11 +37,22 @@ class InlineHold:
         self._view = view
         self._ids = ids  # the scheduler's query ids: the planned rows get ids no real query has
         self.held = False
+        self._full_calls = 0  # the caller's calls in a row that came full
 
     @property
     def allowed(self) -> bool:
         """Whether the fast path serves: the setting, and a policy that allows it."""
         return self._scheduler.settings.fast_path and type(self._policy).allows_inline()
+
+    def caller_backlog(self, full: bool) -> bool:
+        """One call of the caller, `full` or not; True when its queue stands (module docstring): the
+        call's requests then go to the pipeline, not the fast path (counted in `inline_handovers`)."""
+        s = self._scheduler
+        with s.lock:
+            self._full_calls = self._full_calls + 1 if full else 0
+            standing = self._full_calls >= STANDING_CALLS
+            s.stats.inline_handovers += standing
+            return standing
 
     def reserve(self, rows: int) -> bool:
         """Hold the pipeline for one run of `rows` rows, if it holds nothing (module docstring)."""

@@ -74,6 +74,8 @@ class Query:
     # the client cancelled it: a mark, not a state, as the query may be running (it then finishes,
     # and its answer goes to a request nobody awaits)
     cancelled: bool = False
+    request: int = -1  # the id of its request's first row: a request's rows are refused together
+
 
     def __post_init__(self) -> None:
         self.info = QueryInfo(self.id, self.length, self.arrival)

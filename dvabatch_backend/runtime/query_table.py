@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .admission import Admission
-from .errors import CancelledError, QueryError, StageFailedError, TimeoutExpiredError
+from .errors import CancelledError, QueryError, QueueFullError, StageFailedError, TimeoutExpiredError
 from .query import Answer, Query, QueryState, Reply
 from .stats import RuntimeStats
 
@@ -33,6 +33,9 @@ class QueryTable:
         self._queries: dict[int, Query] = {}  # in arrival order
         # the WAITING ones, in arrival order: a dispatch looks at these, not at every query in flight
         self._waiting: dict[int, Query] = {}
+        # since when more than a batch (bs_max rows) has been queued, None while no more is: how long
+        # the queue has stood (admission.py, the standing-queue rule)
+        self.queue_since: float | None = None
 
     def __len__(self) -> int:
         return len(self._queries)
@@ -62,6 +65,13 @@ class QueryTable:
             self._queries[q.id] = q
             self._waiting[q.id] = q
             self._stats.queued += 1
+            if self.queue_since is None and self._stats.queued > self._admission.bs_max:
+                self.queue_since = q.arrival
+
+    def _unqueue(self) -> None:
+        self._stats.queued -= 1
+        if self._stats.queued <= self._admission.bs_max:
+            self.queue_since = None
 
     def batch(self, queries: Iterable[Query]) -> None:
         for q in queries:
@@ -73,7 +83,7 @@ class QueryTable:
         for q in queries:
             if q.state.is_queued:
                 q.state = QueryState.RUNNING
-                self._stats.queued -= 1
+                self._unqueue()
 
     # -- answers ---------------------------------------------------------------------------
 
@@ -83,7 +93,7 @@ class QueryTable:
             return []
         self._waiting.pop(q.id, None)
         if q.state.is_queued:
-            self._stats.queued -= 1
+            self._unqueue()
         q.state = QueryState.ANSWERED
         if answer.error is None:
             self._stats.answered_ok += 1
@@ -107,11 +117,14 @@ class QueryTable:
         return [d for q in queries for d in self.answer(q, Answer(q.id, None, error(q.id)))]
 
     def drop(self, q: Query, error: QueryError) -> list[Delivery]:
-        """A queued query that will not run: cancelled, timed out, or past its latency target."""
+        """A queued query that will not run: cancelled, timed out (or a standing queue's wait), pushed
+        out of a full queue, or past its latency target."""
         if isinstance(error, CancelledError):
             self._stats.cancelled += 1
         elif isinstance(error, TimeoutExpiredError):
             self._stats.timed_out += 1
+        elif isinstance(error, QueueFullError):  # pushed out by newer ones
+            self._stats.queue_full += 1
         else:
             self._stats.slo_rejected += 1
         return self.answer(q, Answer(q.id, None, error))
@@ -119,8 +132,9 @@ class QueryTable:
     def drop_waiting(self, now: float) -> tuple[list[Query], list[Delivery]]:
         """The waiting queries still worth running (arrival order), and the answers of the others."""
         waiting, deliveries = [], []
+        since = self.queue_since  # as it stood before this pass drops anything
         for q in list(self._waiting.values()):
-            error = self._admission.drop_error(q, now, 1)
+            error = self._admission.drop_error(q, now, 1, since)
             if error is None:
                 waiting.append(q)
             else:

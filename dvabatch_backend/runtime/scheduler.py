@@ -40,8 +40,8 @@ from .admission import Admission, ServiceModel
 from .batch_table import BatchItem, BatchTable, TableSnapshot
 from .buffers import BufferPool, BufferState, PairUse
 from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, Stretch
-from .errors import (BadInputError, BufferStateError, CancelledError, OverloadedError, PolicyError, QueueFullError,
-                     ShuttingDownError)
+from .errors import (BadInputError, BufferStateError, CancelledError, OverloadedError, PolicyError, QueryError,
+                     QueueFullError, ShuttingDownError)
 from .fences import FenceFactory, host_fences
 from .inline_hold import InlineHold
 from .manifest import Manifest
@@ -132,6 +132,8 @@ class Scheduler:
         now = self.clock()
         arrived = [read_query(next(self._ids), inputs, self.manifest, now, reply) for inputs, reply in requests]
         accepted = [q for q in arrived if isinstance(q, Query)]
+        for q in accepted:
+            q.request = accepted[0].id
         deliveries: list[Delivery] = [(reply, Answer(bad.query_id, None, bad)) for bad, (_, reply)
                                       in zip(arrived, requests) if isinstance(bad, BadInputError)]
         with self.lock:
@@ -148,10 +150,13 @@ class Scheduler:
         admission, refuse = self.admission, self.queries.refuse
         if self._stopping:
             return [refuse(q, ShuttingDownError(q.id)) for q in queries]
+        deliveries: list[Delivery] = []
         why = admission.queue_refusal(self.stats.queued, len(queries))
         if why is not None:
-            self.stats.queue_full += len(queries)
-            return [refuse(q, QueueFullError(q.id, why)) for q in queries]
+            deliveries = self._push_out_oldest(self.stats.queued + len(queries) - admission.max_queue_size, why)
+            if deliveries is None:
+                self.stats.queue_full += len(queries)
+                return [refuse(q, QueueFullError(q.id, why)) for q in queries]
         why = admission.arrival_refusal(now, self.stats.queued)
         if why is not None:
             self.stats.slo_rejected += len(queries)
@@ -160,7 +165,25 @@ class Scheduler:
         for q in queries:
             q.deadline, q.slo_deadline = deadline, slo_deadline
         self.queries.admit(queries)
-        return []
+        return deliveries
+
+    def _push_out_oldest(self, rows: int, why: str) -> list[Delivery] | None:
+        """Make room for `rows` more queued rows by refusing the oldest requests whose rows no stage
+        has started, whole (admission.py says why the oldest); None, refusing nobody, when they
+        are too few."""
+        unstarted = [q for row in self._table if not row.started for q in row.queries if q.state.is_queued]
+        by_request: dict[int, list[Query]] = {}
+        for q in sorted([*self.queries.waiting(), *unstarted], key=lambda q: q.id):
+            by_request.setdefault(q.request, []).append(q)
+        oldest: list[Query] = []
+        for request in by_request.values():
+            if len(oldest) >= rows:
+                break
+            oldest += request
+        if len(oldest) < rows:
+            return None
+        why = f"{why}: pushed out by newer requests"
+        return [d for q in oldest for d in self.queries.drop(q, QueueFullError(q.id, why))]
 
     def cancel(self, query_ids: Sequence[int]) -> None:
         """The client cancelled these queries: drop those not yet batched (answered "cancelled"); the
@@ -297,23 +320,33 @@ class Scheduler:
         """Drop the dead queries of the batches at the head of stage 0's queue that no stage has
         started (their rows are not in any buffer yet): the batch shrinks, or goes if none is left."""
         queue, deliveries = self.board.queues[0], []
+        since = self.queries.queue_since  # as it stood before this pass drops anything
         while (item := queue.head()) is not None:
             row = self._table.get(item.batch_id)
             if row.started:
                 break
-            dead = [(q, e) for q in row.queries if (e := self.admission.drop_error(q, now, row.bs)) is not None]
+            dead = [(q, e) for q in row.queries if (e := self._queued_drop(q, now, row.bs, since)) is not False]
             if not dead:
                 break
             gone = {q.id for q, _ in dead}
             row.queries = [q for q in row.queries if q.id not in gone]
             queue.remove_batch(row.id)
             for q, error in dead:
-                deliveries += self.queries.drop(q, error)
+                if error is not None:
+                    deliveries += self.queries.drop(q, error)
             if row.queries:
                 queue.push_front(BatchItem(row.id, 0, row.bs))
                 break
             self._table.drop(row.id)
         return deliveries
+
+    def _queued_drop(self, q: Query, now: float, bs: int, queue_since: float | None) -> QueryError | None | bool:
+        """Why a query batched for stage 0 leaves its batch: the error to drop it with, None where it
+        was answered already (pushed out of the queue), False where it stays."""
+        if self.queries.get(q.id) is None:
+            return None
+        error = self.admission.drop_error(q, now, bs, queue_since)
+        return False if error is None else error
 
     def _take_work(self, stage: int) -> Work | None:
         """`next_work` under the lock."""

@@ -38,10 +38,12 @@ class RuntimeStats:
     within_slo: int = 0  # answers (results) within the latency target: goodput; every result without one
     queued: int = 0  # admitted, not yet taken by stage 0 (a gauge)
     # the fast path (runtime/fast_path.py): runs on the caller's thread, the rows they answered (also
-    # counted in submitted and answered_ok), and runs that failed and sent their rows the usual way
+    # counted in submitted and answered_ok), runs that failed and sent their rows the usual way, and
+    # the caller's calls sent to the pipeline because its own queue stood (`InlineHold.caller_backlog`)
     inline_runs: int = 0
     inline_queries: int = 0
     inline_fallbacks: int = 0
+    inline_handovers: int = 0
     stages: list[StageStats] = field(default_factory=list)
 
 

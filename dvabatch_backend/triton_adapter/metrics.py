@@ -49,12 +49,15 @@ class StageMetrics:
                                      description="Queries answered on the fast path (run inline: the pipeline held nothing)")
         fast_batches = pb_utils.MetricFamily(name="dvabatch_fast_path_batches_total", kind=counter,
                                              description="Batches run on the fast path (the policy's batches of what one execute call handed over)")
+        handovers = pb_utils.MetricFamily(name="dvabatch_fast_path_handovers_total", kind=counter,
+                                          description="execute calls sent to the pipeline, not run inline: Triton's queue stood (calls came full)")
+        self._handovers = handovers.Metric(labels={"model": model})
         self._fast = fast.Metric(labels={"model": model})
         self._fast_batches = fast_batches.Metric(labels={"model": model})
         self._queued = queued.Metric(labels={"model": model})
         self._refused = {reason: refused.Metric(labels={"model": model, "reason": reason}) for reason in _REFUSALS}
         self._goodput = goodput.Metric(labels={"model": model})
-        self._families = [*families.values(), queue, ops, queued, refused, goodput, fast, fast_batches]  # alive while reporting
+        self._families = [*families.values(), queue, ops, queued, refused, goodput, fast, fast_batches, handovers]  # alive while reporting
         self._last: dict[tuple[str, int], float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dvabatch-metrics", daemon=True)
@@ -80,6 +83,7 @@ class StageMetrics:
         self._increment(self._goodput, "within_slo", stats.within_slo)
         self._increment(self._fast, "inline_queries", stats.inline_queries)
         self._increment(self._fast_batches, "inline_runs", stats.inline_runs)
+        self._increment(self._handovers, "inline_handovers", stats.inline_handovers)
         self._set(self._queued, ("queued", -1), stats.queued)
 
     def _increment(self, metric: object, key: str, total: float) -> None:

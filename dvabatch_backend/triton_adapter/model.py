@@ -5,6 +5,9 @@ pipeline holds nothing, the requests of one `execute` call run on the fast path:
 thread, in the batches the policy makes of them (runtime/fast_path.py; parameter `fast_path`,
 default true), their responses returned from `execute` (a send per request from this thread cost
 more throughput than answering short ones first gained: measured on the small encoder).
+Calls that come full (Triton's batcher had max_batch_size rows waiting) say Triton's own queue,
+which the runtime's admission cannot see, is not draining: they go the pipeline's way
+(`InlineHold.caller_backlog`), so overload meets the runtime's bound and is refused.
 Otherwise `execute` hands every request to the scheduler and returns None at once (Triton then
 sends the next requests while earlier batches are in flight); each request is answered through its response
 sender when all of its rows have left the pipeline. A request of shape [k, ...] is k queries
@@ -329,6 +332,12 @@ def _cancelled_response() -> Any:
     return pb_utils.InferenceResponse(error=pb_utils.TritonError("cancelled by the client before it ran", _cancelled_code()))
 
 
+def _call_capacity(config: Mapping[str, Any]) -> int:
+    """The most rows Triton's dynamic batcher hands one `execute` call (max_batch_size); 0 where no
+    batcher forms calls (Triton then hands requests one at a time, and no call says its queue stands)."""
+    return int(config.get("max_batch_size") or 0) if "dynamic_batching" in config else 0
+
+
 def _request_timeout_us(request: Any) -> int | None:
     """The request's own timeout (the client's `timeout` parameter, microseconds), or None."""
     try:
@@ -357,6 +366,7 @@ class TritonPythonModel:
         self._fast_path = self._scheduler.scheduler.inline.allowed
         runtime = settings.runtime  # timeouts and a latency target: the pipeline drops what misses them
         self._inline_many = runtime.slo.slo_ms is None and runtime.queue.default_timeout_us == 0
+        self._call_capacity = _call_capacity(config)
         self._responder = _Responder()
         self._cancel_watch = _CancelWatch(self._scheduler)
         self._metrics = StageMetrics(self._scheduler, args["model_name"])
@@ -380,7 +390,7 @@ class TritonPythonModel:
                 cancelled: set[int] = set()  # requests Triton reports cancelled while they waited for a batch
                 left = self._scheduler.run_inline_group(  # type: ignore[arg-type]
                     tensors, lambda i, out: done.__setitem__(i, self._response(out)), several,
-                    lambda i: _is_cancelled(requests[i], i, cancelled))
+                    lambda i: _is_cancelled(requests[i], i, cancelled), self._came_full(tensors))  # type: ignore[arg-type]
                 if not left:  # all answered: returned by execute, cheaper than a send each
                     return [done[i] for i in range(len(requests))]
                 for i, response in done.items():  # a batch failed: the answered ones now, the others the usual way
@@ -390,6 +400,12 @@ class TritonPythonModel:
                 requests = [requests[i] for i in left if i not in cancelled]
         self._submit(requests)
         return None
+
+    def _came_full(self, tensors: list[dict[str, np.ndarray]]) -> bool:
+        """Whether Triton's batcher handed over a full batch: the next request of the largest size
+        here would not have fitted its max_batch_size (`InlineHold.caller_backlog` says why it counts)."""
+        rows = [next(iter(t.values())).shape[0] if t else 1 for t in tensors]
+        return bool(self._call_capacity) and sum(rows) + max(rows) > self._call_capacity
 
     def _response(self, outputs: Mapping[str, np.ndarray]) -> Any:
         return pb_utils.InferenceResponse(output_tensors=[

@@ -103,11 +103,12 @@ def measure(server: TritonServer, model: str, manifest: Manifest, queries: list[
             args: argparse.Namespace) -> list[LoadFigures]:
     url = server.grpc_url
     run_closed_loop(url, model, queries, concurrency=args.clients, n=4 * args.clients, timeout=args.deadline)  # warm up
-    sustained = run_closed_loop(url, model, queries, concurrency=args.clients, duration=5.0,
-                                timeout=args.deadline).throughput()
+    sustained = args.sustained or run_closed_loop(url, model, queries, concurrency=args.clients, duration=5.0,
+                                                  timeout=args.deadline).throughput()
     lone = lone_times(url, model, queries, LONE, args.deadline)
     usual, longest = float(np.mean(lone)), float(np.max(lone))
-    print(f"{model}: sustained {sustained:.1f} qps (closed loop, {args.clients} clients, 5 s); lone query mean "
+    how = "given" if args.sustained else f"closed loop, {args.clients} clients, 5 s"
+    print(f"{model}: sustained {sustained:.1f} qps ({how}); lone query mean "
           f"{usual * 1e3:.1f} ms, longest {longest * 1e3:.1f} ms", flush=True)
     figures = []
     for k, (kind, factor) in enumerate(GOOD_LOADS):
@@ -154,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=16, help="closed-loop clients (default: %(default)s)")
     parser.add_argument("--systems", default="slicer,pipeline",
                         help="slicer (its config as written), pipeline (the same, fast_path false) (default: %(default)s)")
+    parser.add_argument("--sustained", type=float, default=None,
+                        help="the sustained rate (qps) the loads are scaled to, instead of measuring it: runs compare")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-overload", action="store_true", help="the good loads only (a before/after of their speed)")
     args = parser.parse_args(argv)

@@ -7,9 +7,10 @@ from typing import Sequence
 import pytest
 
 from dvabatch_backend import ArrivalPlan, RuntimeSettings, Scheduler, run_until_idle
-from dvabatch_backend.runtime.admission import Admission, ServiceModel
+from dvabatch_backend.runtime.admission import STANDING_SECONDS, STANDING_WAIT, Admission, ServiceModel
 from dvabatch_backend.runtime.decisions import BatchTableView, Policy, QueryInfo
-from dvabatch_backend.runtime.errors import CancelledError, OverloadedError, QueueFullError, TimeoutExpiredError
+from dvabatch_backend.runtime.errors import (CancelledError, OverloadedError, QueueFullError, StandingQueueError,
+                                             TimeoutExpiredError)
 from dvabatch_backend.runtime.settings import QueuePolicy, SloPolicy
 from policies import create_policy
 
@@ -62,7 +63,8 @@ def test_the_queue_bound_refuses_with_tritons_wording_and_loses_nothing(zoo) -> 
     ids, queries = _submit(scheduler, model, collector, 8)
 
     refused = [qid for qid in ids if qid in collector.answers]  # answered before anything ran
-    assert len(refused) == 3 and all(isinstance(collector.one(q).error, QueueFullError) for q in refused)
+    assert refused == ids[:3]  # the oldest, pushed out by the newer ones (admission.py says why)
+    assert all(isinstance(collector.one(q).error, QueueFullError) for q in refused)
     assert "Exceeds maximum queue size" in str(collector.one(refused[0]).error)
     assert scheduler.stats.queued == 5 and scheduler.stats.queue_full == 3
 
@@ -83,11 +85,60 @@ def test_a_multi_row_request_is_admitted_or_refused_whole(zoo) -> None:
     collector = Collector()
     scheduler = _scheduler(model, HandClock(), queue=QueuePolicy(max_queue_size=4))
     rng = np.random.default_rng(2)
-    ids = scheduler.submit_many([(model.query(rng), collector) for _ in range(3)])
+    first = scheduler.submit_many([(model.query(rng), collector) for _ in range(3)])
     second = scheduler.submit_many([(model.query(rng), collector) for _ in range(2)])  # 3 + 2 > 4
-    assert all(isinstance(collector.one(q).error, QueueFullError) for q in second)
+    # room for the second takes one row, and the first is pushed out whole, not one row of it
+    assert all(isinstance(collector.one(q).error, QueueFullError) for q in first)
+    too_big = scheduler.submit_many([(model.query(rng), collector) for _ in range(5)])  # past the bound alone
+    assert all(isinstance(collector.one(q).error, QueueFullError) for q in too_big)
     run_until_idle(scheduler, model.engines())
-    assert all(collector.one(q).ok for q in ids)
+    assert all(collector.one(q).ok for q in second)
+    assert scheduler.stats.queue_full == 8
+
+
+def test_a_queue_that_stands_refuses_what_waited_and_a_burst_is_served_whole(zoo) -> None:
+    """The standing-queue rule (admission.py), on a hand clock, bs_max 4, the policy holding what
+    waits: a few queries (a batch or less) held past STANDING_SECONDS, and a burst over a batch held
+    past STANDING_WAIT but not STANDING_SECONDS, are all served; a queue over a batch for
+    STANDING_SECONDS has those queued past STANDING_WAIT refused "Request timeout expired", and the
+    fresh ones run. A configured bound is the user's: no such refusal."""
+    model = zoo.stages("token", 2)
+    clock, collector = HandClock(), Collector()
+    policy = HoldPolicy()
+    scheduler = _scheduler(model, clock, policy)
+
+    def held_for(n: int, seconds: float, seed: int) -> list[int]:
+        policy.release = False
+        ids, _ = _submit(scheduler, model, collector, n, seed=seed)
+        clock.now += seconds
+        return ids
+
+    def release() -> None:
+        policy.release = True
+        clock.now = max(clock.now, scheduler.wake_at or clock.now)  # the policy's wake-up: it batches them
+        scheduler.on_window()
+        run_until_idle(scheduler, model.engines())
+
+    few = held_for(4, STANDING_SECONDS + 1.0, seed=0)
+    release()
+    burst = held_for(6, (STANDING_WAIT + STANDING_SECONDS) / 2, seed=1)
+    release()
+    assert all(collector.one(q).ok for q in few + burst)
+
+    old = held_for(6, STANDING_SECONDS + 0.1, seed=2)
+    fresh, _ = _submit(scheduler, model, collector, 2, seed=3)  # its dispatch drops the old ones
+    for q in old:
+        assert isinstance(collector.one(q).error, StandingQueueError), collector.one(q).error
+        assert "Request timeout expired" in str(collector.one(q).error)
+    assert scheduler.stats.timed_out == 6
+    release()
+    assert all(collector.one(q).ok for q in fresh)
+
+    configured, answers = _scheduler(model, clock, HoldPolicy(), queue=QueuePolicy(max_queue_size=100)), Collector()
+    kept, _ = _submit(configured, model, answers, 6, seed=4)
+    clock.now += STANDING_SECONDS + 0.1
+    _submit(configured, model, answers, 1, seed=5)
+    assert not answers.answers and configured.stats.queued == 7
 
 
 def test_queries_past_their_timeout_are_dropped_before_any_stage_runs_them(zoo) -> None:
