@@ -30,6 +30,8 @@ from slicer import toy
 from slicer.profiler import int_bounds
 from slicer.slice_model import SliceOptions, slice_model
 
+from dvabatch_backend.runtime.inline_hold import STANDING_CALLS
+
 from ..triton_support import Clients, ServedModel, add_variant, admitted_requests, settle
 
 HIDDEN, LONG, SHORT = 256, 256, 8
@@ -83,6 +85,13 @@ def server(tmp_path_factory):
     bounded = ServedModel("dense", bounded_dir / "1", report.manifest, {}, 0)
     models["bounded"] = add_variant(repo, bounded, "dense_bounded", policy="load", queue_size=2,
                                     extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_first"})
+    # the runtime's queue holds 2 rows, Triton's is unbounded (the slicer's config): once calls come
+    # full, Triton's backlog is handed to the pipeline and refused past the runtime's bound
+    standing_dir = sliced / "dense_standing"
+    shutil.copytree(report.out_dir, standing_dir)  # its own gate files
+    standing = ServedModel("dense", standing_dir / "1", report.manifest, {}, 0)
+    models["standing"] = add_variant(repo, standing, "dense_standing", policy="load",
+                                     extra={"max_queue_size": 2, "engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
     with TritonServer(repo) as triton:
         for model in models.values():
             triton.wait_model_ready(model.name, timeout=120)
@@ -326,7 +335,7 @@ def test_requests_past_the_queue_bound_behind_an_inline_run_are_refused_at_once(
     for i in range(5):
         result, error = answers.got[i]
         if i in refused:
-            assert result is None and error.status() == "StatusCode.UNAVAILABLE", error
+            assert result is None and error.status() == "StatusCode.UNAVAILABLE", (i, error.status(), error.message())
             assert "Exceeds maximum queue size" in error.message(), error
             continue
         assert error is None, error
@@ -334,3 +343,53 @@ def test_requests_past_the_queue_bound_behind_an_inline_run_are_refused_at_once(
             np.testing.assert_allclose(result.as_numpy(out)[0], ref, atol=1e-4, err_msg=f"query {i} {out}")
     assert 0 not in refused and len(refused) == 2
     assert _settle(lambda: _fast_path(triton, model.name)[1], lambda v: v >= 3) == 3  # the refused never ran
+
+
+def test_when_tritons_queue_stands_behind_the_fast_path_its_backlog_is_handed_over_and_refused(server) -> None:
+    """Overload is refused on the fast path with Triton's queue unbounded (as the slicer writes it).
+    Each run of the model's stage is held until the test opens it (gate_engine.py:hold_each). A lone
+    request runs inline; the 8 * STANDING_CALLS + 4 sent meanwhile wait in Triton's queue (its
+    pending count says so), so the next calls come full (8 rows, max_batch_size): the first
+    STANDING_CALLS - 1 run inline, then Triton's queue stands and the calls go to the pipeline,
+    whose first batch is held while the rest meet its bound (2 rows): at least 2 are refused
+    UNAVAILABLE "Exceeds maximum queue size" while that batch is still held. Once every gate opens,
+    each request has exactly one answer, a result equal to the unsliced model's or a refusal."""
+    triton, models, _ = server
+    model = models["standing"]
+    gates = model.version_dir
+    bs = model.manifest.max_batch_size
+    n = 1 + bs * STANDING_CALLS + 4
+    rng = np.random.default_rng(9)
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    queries = [model.query(rng) for _ in range(n)]
+    answers = _Answers()
+    inline = 1 + bs * (STANDING_CALLS - 1)  # answered on the fast path
+    try:
+        client.async_infer(model.name, Clients.inputs(grpcclient, queries[0]), answers.callback(0), client_timeout=120)
+        assert _settle((gates / "held-1").exists, bool), "the stage never took the first request"
+        for i in range(1, n):
+            client.async_infer(model.name, Clients.inputs(grpcclient, queries[i]), answers.callback(i),
+                               client_timeout=120)
+        assert _settle(lambda: _pending(triton, model.name), lambda v: v == n - 1) == n - 1
+        for k in range(1, STANDING_CALLS + 1):  # inline runs 1..STANDING_CALLS; run k + 1 comes of a full call
+            (gates / f"open-{k}").touch()
+            assert _settle((gates / f"held-{k + 1}").exists, bool), f"run {k + 1} never came"
+        answers.wait(inline + 2)  # the inline runs' answers, and 2 refusals while the pipeline's batch is held
+        refused = [i for i in answers.order if answers.got[i][1] is not None]
+        assert len(refused) >= 2 and all(i >= inline for i in refused), (refused, inline)
+    finally:
+        (gates / "open").touch()
+    answers.wait(n - inline - 2)  # every answer: each call of `wait` takes as many as it waited for
+    client.close()
+    refused = [i for i in range(n) if answers.got[i][1] is not None]
+    for i in range(n):
+        result, error = answers.got[i]
+        if i in refused:
+            assert result is None and error.status() == "StatusCode.UNAVAILABLE", (i, error.status(), error.message())
+            assert "Exceeds maximum queue size" in error.message(), error
+            continue
+        for out, ref in model.reference(queries[i]).items():
+            np.testing.assert_allclose(result.as_numpy(out)[0], ref, atol=1e-4, err_msg=f"query {i} {out}")
+    handovers = _settle(lambda: _sample("dvabatch_fast_path_handovers_total", {"model": model.name},
+                                        _metrics_text(triton)) or 0.0, lambda v: v >= 1)
+    assert handovers >= 1
