@@ -261,8 +261,12 @@ class Scheduler:
             return self.queries.fail(named, lambda qid: PolicyError(qid, f"policy {self._policy.name}: {why}"))
         queries = [q for q in map(self.queries.get, ids) if q is not None]
         self.queries.batch(queries)
+        # a backlog's batches stop at the efficient size (admission.py)
+        cap = self.admission.backlog_batch if self.queries.queue_since is not None else self.bs_max
         if isinstance(decision, Stretch):
             why = self._table.stretch_refusal(decision.batch_id, [q.length for q in queries])
+            if why is None and self._table.get(decision.batch_id).bs + len(queries) > cap:
+                why = f"a backlog: batches of at most {cap}"
             if why is None and not pad_safe:
                 why = pad_unsafe_stretch(decision.batch_id, self._table.get(decision.batch_id).pad_length, queries)
                 self.stats.pad_unsafe_splits += why is not None
@@ -279,6 +283,7 @@ class Scheduler:
         if reshaped:
             self.stats.pad_unsafe_splits += 1
             log.debug("model not pad-safe: %s carried out as batches of lengths %s", decision, [g[0].length for g in groups])
+        groups = [g[i:i + cap] for g in groups for i in range(0, len(g), cap)]
         for group in groups:
             pad = group[0].length if not pad_safe else self.padded_length(
                 max(q.length for q in group) if decision.pad_length is None else decision.pad_length)

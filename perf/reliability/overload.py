@@ -16,9 +16,9 @@ Systems (the same sliced model, the same queries at the same times):
    p99 within the target.
 2. Overload: open-loop Poisson at `factor` x each system's sustained rate for `seconds`, then
    0.3x for 8 s. Reported: answered throughput during the overload against the sustained rate,
-   refusals, the longest time any query took to get its answer (result or error), stub RSS, and
-   how long after the load dropped latency was back to its low-load value (every later query
-   within 2x the low-load p99).
+   refusals, the answered p99, the longest time any query took to get its answer (result or
+   error), stub RSS, how long after the load dropped latency was back to its low-load value
+   (every later query within 2x the low-load p99), and a lone query's time once it is over.
 3. Goodput (answers within the target per second) at 1.5x dvabatch's sustained rate: admission
    on (`dvabatch_slo`) against off (`dvabatch_unbounded`), and the default.
 """
@@ -129,16 +129,19 @@ class OverloadFigures:
     refused: int
     other_errors: int
     longest_s: float
+    answered_p99_ms: float  # of the overload's queries answered with their result
     low_p99_ms: float
     recovered_after_s: float | None
+    lone_after_ms: float  # one query alone, once the run (overload, then the low load) is over
     rss_mb: tuple[float, float]
 
     def line(self) -> str:
         recovered = "never" if self.recovered_after_s is None else f"{self.recovered_after_s:.1f} s"
         return (f"{self.system:<20} sustained {self.sustained:7.1f} qps | offered {self.offered:7.1f} | answered "
                 f"{self.answered_qps:7.1f} qps ({self.answered_qps / self.sustained:4.0%} of sustained) | refused "
-                f"{self.refused:5d}, other errors {self.other_errors} | longest answer {self.longest_s:5.2f} s | "
-                f"back to low-load latency (p99 {self.low_p99_ms:.1f} ms) {recovered} after the drop | stub RSS "
+                f"{self.refused:5d}, other errors {self.other_errors} | answered p99 {self.answered_p99_ms:.0f} ms, "
+                f"longest answer {self.longest_s:5.2f} s | back to low-load latency (p99 {self.low_p99_ms:.1f} ms) "
+                f"{recovered} after the drop; a lone query then {self.lone_after_ms:.1f} ms | stub RSS "
                 f"{self.rss_mb[0]:.0f} -> {self.rss_mb[1]:.0f} MB")
 
 
@@ -163,11 +166,16 @@ def overload(setup: Setup, system: str, sustained: float, factor: float, seconds
                                                                    or "queue size" in r.error or "overloaded" in r.error))
     other = sum(1 for r in records if not r.ok) - refused
     longest = max((r.latency for r in records if r.latency is not None), default=float("nan"))
+    answered = [r.latency for r in records[:len(heavy)] if r.ok and r.latency is not None]
+    answered_p99 = float(np.percentile(answered, 99)) * 1e3 if answered else float("nan")
     after = [r for r in records[len(heavy):] if r.ok]
     recovered = _recovered_after(after, drop, 2 * low_p99)
+    lone = run_closed_loop(setup.server.grpc_url, setup.names[system], setup.queries[:1], concurrency=1, n=1,
+                           timeout=TIMEOUT_S)
+    lone_ms = lone.records[0].latency * 1e3 if lone.records and lone.records[0].ok else float("nan")
     rss = (sampler.samples[0][1], sampler.samples[-1][1]) if sampler.samples else (0.0, 0.0)
     return OverloadFigures(system, sustained, factor * sustained, answered_qps, refused, other, longest,
-                           low_p99 * 1e3, recovered, rss)
+                           answered_p99, low_p99 * 1e3, recovered, lone_ms, rss)
 
 
 def _recovered_after(after: list, drop: float, bound: float) -> float | None:

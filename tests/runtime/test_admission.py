@@ -244,6 +244,36 @@ def test_the_service_model_interpolates_the_profile_and_learns_a_correction() ->
     assert service.correction == pytest.approx(2.0, rel=0.01)
 
 
+def test_a_backlogs_batches_stop_at_the_efficient_size_with_one_pair_and_a_long_passage() -> None:
+    # per row: 100, 80, 75, 72.5 ms: 4 rows are within 5 % of the least
+    service = ServiceModel([{1: 0.100, 2: 0.160, 4: 0.300, 8: 0.580}], 1)
+    assert service.efficient_batch(8, 0.05) == 4 and service.efficient_batch(2, 0.05) == 2
+    assert Admission(QueuePolicy(), SloPolicy(), service, 8, overlapping=False).backlog_batch == 4
+    assert Admission(QueuePolicy(), SloPolicy(), service, 8, overlapping=True).backlog_batch == 8  # stages overlap
+    quick = ServiceModel([{1: 0.0010, 2: 0.0016, 4: 0.0030, 8: 0.0058}], 1)  # a bs_max batch passes in 6 ms
+    assert Admission(QueuePolicy(), SloPolicy(), quick, 8, overlapping=False).backlog_batch == 8
+
+
+def test_a_backlog_is_carried_out_in_batches_of_the_efficient_size(zoo) -> None:
+    """With more than a batch queued, a policy's `New` of bs_max is carried out as batches of
+    `backlog_batch` (set by hand here: the test model's profile is too quick for one), every answer
+    the model's; with a batch or less queued, as one batch."""
+    model = zoo.stages("token", 2)
+    clock, collector = HandClock(), Collector()
+    policy = HoldPolicy()
+    scheduler = _scheduler(model, clock, policy)  # bs_max 4, one buffer pair
+    scheduler.admission.backlog_batch = 2
+    ids, queries = _submit(scheduler, model, collector, 6)  # 6 queued > bs_max: a backlog
+    policy.release = True
+    clock.now += 1.0  # the policy's wake-up
+    scheduler.on_window()  # the pipelined policy: a New of 4; then 2 are left, a batch or less
+    assert scheduler.stats.new == 3  # 4 as 2 + 2, then the 2 left as one
+    run_until_idle(scheduler, model.engines())
+    for qid, inputs in zip(ids, queries):
+        assert_matches_reference(model, inputs, collector.one(qid))
+    assert scheduler.stats.stages[0].batches == 3
+
+
 def test_the_default_queue_bound_is_about_a_second_at_the_pipelines_peak() -> None:
     service = ServiceModel([{8: 0.010}, {8: 0.020}], 2)  # slowest stage: 8 rows per 20 ms -> 400/s
     assert Admission(QueuePolicy(), SloPolicy(), service, 8).max_queue_size == 400
