@@ -87,6 +87,16 @@ def write_triton_files(model_dir: Path, manifest: Manifest, **settings: object) 
     (model_dir / VERSION_DIR / "model.py").write_text(MODEL_PY)
 
 
+def add_model_copy(repository: Path, model_dir: Path, name: str, parameters: Mapping[str, str] | None = None) -> Path:
+    """repository/NAME: the model folder's own config.pbtxt renamed (with `parameters` set), its
+    version folder linked, not copied; returns the new folder."""
+    folder = Path(repository) / name
+    folder.mkdir(parents=True)
+    (folder / "config.pbtxt").write_text(model_config.with_parameters((model_dir / "config.pbtxt").read_text(), dict(parameters or {}), name))
+    (folder / "1").symlink_to((model_dir / "1").resolve(), target_is_directory=True)
+    return folder
+
+
 def add_model_variant(repository: Path, version_dir: Path, name: str, **settings: object) -> Path:
     """Another model in `repository` serving the sliced model in `version_dir` with other settings
     (policy, buffer pairs, ...): its own config.pbtxt, the version folder shared by a link."""

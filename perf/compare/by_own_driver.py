@@ -69,7 +69,7 @@ def run(folder: Path, seconds: float = SECONDS, baseline_threads: int | None = N
     import onnx
 
     from perf.baselines import zero_batch
-    from slicer.model_config import with_parameters
+    from slicer.triton_files import add_model_copy
     from slicer.profiler import int_bounds
 
     model_dir = demo_model_dir(folder) if not (folder / "config.pbtxt").is_file() else folder
@@ -81,10 +81,7 @@ def run(folder: Path, seconds: float = SECONDS, baseline_threads: int | None = N
     zero_name = f"{dva_name}_zerobatch"
     with tempfile.TemporaryDirectory(prefix="dvabatch-side-by-side-") as tmp:
         scratch = Path(tmp)
-        (scratch / dva_name).mkdir()
-        (scratch / dva_name / "config.pbtxt").write_text(with_parameters((model_dir / "config.pbtxt").read_text(), {},
-                                                                         name=dva_name))
-        (scratch / dva_name / "1").symlink_to(version_dir, target_is_directory=True)
+        add_model_copy(scratch, model_dir, dva_name)
         zero_batch(scratch, version_dir, zero_name, threads=baseline_threads or available_cores(),
                    bs_max=manifest.max_batch_size)
         with TritonServer(scratch) as server:

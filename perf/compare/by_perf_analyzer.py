@@ -180,15 +180,6 @@ def delay_batch_delay_us(manifest: Any) -> int:
     return max(100, round(sum(t[min(t)] for t in times) * 1e6)) if times else 1000
 
 
-def _serve_as(scratch: Path, model_dir: Path, name: str, values: Mapping[str, str] | None = None) -> None:
-    """scratch/NAME: `model_dir`'s config.pbtxt renamed (and `values` set as parameters), its version folder linked."""
-    from slicer.model_config import with_parameters
-
-    (scratch / name).mkdir(parents=True)
-    (scratch / name / "config.pbtxt").write_text(with_parameters((model_dir / "config.pbtxt").read_text(), values or {}, name))
-    (scratch / name / "1").symlink_to((model_dir / "1").resolve(), target_is_directory=True)
-
-
 def build_repository(scratch: Path, model_dir: Path, delay_batch_too: bool = True,
                      overhead: bool = False, delays_us: Sequence[int] = (),
                      sliced: Path | None = None) -> dict[str, str]:
@@ -198,14 +189,15 @@ def build_repository(scratch: Path, model_dir: Path, delay_batch_too: bool = Tru
     ZeroBatch; with `sliced` that folder as NAME_sliced); returns {label: model name}."""
     from dvabatch_backend.runtime.manifest import Manifest
     from perf.baselines import add_baseline, delay_batch, zero_batch
+    from slicer.triton_files import add_model_copy
 
     version_dir = (model_dir / "1").resolve()
     manifest = Manifest.load(version_dir / "manifest.json")
     names = {DVA: manifest.name, ZERO: f"{manifest.name}_zerobatch"}
-    _serve_as(scratch, model_dir, manifest.name)
+    add_model_copy(scratch, model_dir, manifest.name)
     if sliced is not None:
         names[SLICED] = f"{manifest.name}_sliced"
-        _serve_as(scratch, sliced, names[SLICED])
+        add_model_copy(scratch, sliced, names[SLICED])
     zero_batch(scratch, version_dir, names[ZERO], threads=available_cores(), bs_max=manifest.max_batch_size)
     delays = {f"{DELAY}-{d / 1000:g}ms": d for d in delays_us} or (
         {DELAY: delay_batch_delay_us(manifest)} if delay_batch_too else {})
@@ -217,7 +209,7 @@ def build_repository(scratch: Path, model_dir: Path, delay_batch_too: bool = Tru
         for label, respond in OVERHEAD.items():
             names[label] = f"{manifest.name}_{respond}"
             if label == PIPELINE_ONLY:
-                _serve_as(scratch, model_dir, names[label], {"fast_path": "false"})
+                add_model_copy(scratch, model_dir, names[label], {"fast_path": "false"})
                 continue
             add_baseline(scratch, version_dir, names[label], 0, threads=available_cores(),
                          bs_max=manifest.max_batch_size, respond=respond)

@@ -137,15 +137,6 @@ def measure(server: TritonServer, model: str, manifest: Manifest, queries: list[
     return figures
 
 
-def serve_as(repo: Path, model_dir: Path, name: str, values: dict[str, str]) -> None:
-    """repo/NAME: the model folder's own config.pbtxt, renamed (`values` set as parameters), its version linked."""
-    from slicer.model_config import with_parameters
-
-    (repo / name).mkdir(parents=True)
-    (repo / name / "config.pbtxt").write_text(with_parameters((model_dir / "config.pbtxt").read_text(), values, name))
-    (repo / name / "1").symlink_to((model_dir / "1").resolve(), target_is_directory=True)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.reliability.refusals", description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", type=Path, help="a model folder as `dvabatch slice` wrote it")
@@ -168,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
     from perf.baselines.bench import sample_queries
     from slicer.profiler import int_bounds
+    from slicer.triton_files import add_model_copy
 
     model_dir = args.model_dir
     version_dir = (model_dir / "1").resolve()
@@ -181,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     other = 0
     try:
         for values, name in chosen:
-            serve_as(repo, model_dir, name, values)
+            add_model_copy(repo, model_dir, name, values)
         with TritonServer(repo) as server:
             for _, name in chosen:
                 server.wait_model_ready(name, timeout=600)
