@@ -132,11 +132,12 @@ class Admission:
         self.bs_max = bs_max
         self.slo_seconds = None if slo.slo_ms is None else slo.slo_ms / 1000.0
         self._derived_bound = derived_queue_bound(service, bs_max, overlapping)
-        # with one buffer pair, where a batch's passage through every stage is each waiting row's wait,
-        # and where that passage matters beside the wait a standing queue allows
-        long_passage = service.pipeline_time(bs_max) > CAPPED_PASSAGE
+        # a bs_max batch's passage through the stages matters beside the wait a standing queue allows
+        # (and the pipeline's own hand-offs cost little beside it: `InlineHold.caller_backlog`)
+        self.long_passage = service.pipeline_time(bs_max) > CAPPED_PASSAGE
+        # with one buffer pair, where that passage is each waiting row's wait
         self.backlog_batch = (service.efficient_batch(bs_max, BACKLOG_BATCH_TOLERANCE)
-                              if long_passage and not overlapping else bs_max)
+                              if self.long_passage and not overlapping else bs_max)
         # the standing-queue rule goes with the derived bound: a configured bound or timeout is the user's
         self._refuses_standing = queue.max_queue_size is None and not queue.default_timeout_us
 

@@ -10,17 +10,22 @@ the scheduler's lock; the hold is owned by the scheduler.
 The caller's own queue. While a run holds the caller (a Triton `execute` call), requests wait in
 the caller's queue (Triton's dynamic batcher), which the runtime's admission cannot see: left there,
 overload would queue without bound. `caller_backlog` is told, for each call, whether it came full
-(the caller had at least a batch waiting); after `STANDING_CALLS` full calls in a row the caller's
-queue stands (requests arrive at least as fast as inline runs serve them), and the calls go to the
+(the caller had at least a batch waiting); once the calls have come full `STANDING_CALLS` times in a
+row and for `STANDING_WAIT` (the wait a standing queue may impose, admission.py), the caller's queue
+stands (requests arrive at least as fast as inline runs serve them), and the calls go to the
 pipeline instead (`submit`): the caller's queue drains into the runtime's, whose admission refuses
 past its bound and honours timeouts. The fast path resumes by itself once the pipeline holds
-nothing and a call comes that is not full. A burst fills one call, not two in a row, and a load
-under the peak rarely does: both stay on the fast path.
+nothing and a call comes that is not full. A burst fills a few calls, not half a second of them.
+Only where a bs_max batch's profiled passage is long (`Admission.long_passage`): where it is short
+the pipeline's hand-offs are a large share of each batch and it serves far less than the fast path
+(the test-size BERT, offered 1,536 queries a second, which the fast path carries: about 600 a
+second once handed over), so handing over would turn overload into a collapse; there Triton's queue is still left unbounded (an open problem).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator, Sequence
 
+from .admission import STANDING_WAIT
 from .decisions import BatchTableView, Policy
 from .plan_checks import inline_batches
 
@@ -37,7 +42,8 @@ class InlineHold:
         self._view = view
         self._ids = ids  # the scheduler's query ids: the planned rows get ids no real query has
         self.held = False
-        self._full_calls = 0  # the caller's calls in a row that came full
+        self._full_calls = 0  # the caller's calls in a row that came full ...
+        self._full_since = 0.0  # ... since the first of them
 
     @property
     def allowed(self) -> bool:
@@ -49,8 +55,14 @@ class InlineHold:
         call's requests then go to the pipeline, not the fast path (counted in `inline_handovers`)."""
         s = self._scheduler
         with s.lock:
-            self._full_calls = self._full_calls + 1 if full else 0
-            standing = self._full_calls >= STANDING_CALLS
+            now = s.clock()
+            if not full or not s.admission.long_passage:
+                self._full_calls = 0
+                return False
+            if not self._full_calls:
+                self._full_since = now
+            self._full_calls += 1
+            standing = self._full_calls >= STANDING_CALLS and now - self._full_since >= STANDING_WAIT
             s.stats.inline_handovers += standing
             return standing
 

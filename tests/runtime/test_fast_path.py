@@ -14,7 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dvabatch_backend.runtime.admission import STANDING_WAIT
 from dvabatch_backend.runtime.errors import StageFailedError
+from dvabatch_backend.runtime.inline_hold import STANDING_CALLS
 from dvabatch_backend.runtime.work import ExecutorState
 from policies import RandomLegalPolicy, create_policy
 from policies.examples.early_exit import EarlyExitPolicy
@@ -524,3 +526,30 @@ def test_a_request_cancelled_while_it_waits_for_an_earlier_inline_batch_is_not_r
         assert stats.inline_queries == 9 and stats.answered_ok == 9
         assert stats.inline_fallbacks == 0  # a cancellation is no failure
         assert len(pipeline.snapshot().rows) == 0
+
+
+def test_calls_that_come_full_for_long_enough_leave_the_fast_path_to_the_pipeline(zoo) -> None:
+    """`InlineHold.caller_backlog` on a hand clock: full calls in a row hand over only where a bs_max
+    batch's passage is long (`Admission.long_passage`), once there are STANDING_CALLS of them and
+    they have lasted STANDING_WAIT; a call that is not full starts the count again; a call handed
+    over runs nothing inline (every request index is left)."""
+    model = zoo.stages("token", 2)
+    now = [0.0]
+    pipeline = make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1)
+    hold = pipeline.scheduler.inline
+    now[0] += STANDING_WAIT
+    assert not any(hold.caller_backlog(True) for _ in range(STANDING_CALLS + 3))  # a quick model: never
+    assert not hold.caller_backlog(False)
+    pipeline.scheduler.admission.long_passage = True  # as if a bs_max batch took long (the profile decides)
+    quick = [hold.caller_backlog(True) for _ in range(STANDING_CALLS + 3)]  # many, all at once: a burst
+    assert not any(quick)
+    assert not hold.caller_backlog(False)
+    assert not hold.caller_backlog(True)  # the first full call again
+    now[0] += STANDING_WAIT
+    assert [hold.caller_backlog(True) for _ in range(STANDING_CALLS - 1)][-1]
+    assert pipeline.stats.inline_handovers == 1
+    rng = np.random.default_rng(0)
+    requests = [{k: v[None] for k, v in model.query(rng).items()} for _ in range(2)]
+    answered: list[int] = []
+    assert pipeline.run_inline_group(requests, lambda i, out: answered.append(i), full=True) == [0, 1]
+    assert answered == [] and pipeline.stats.inline_runs == 0

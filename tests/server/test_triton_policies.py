@@ -13,9 +13,11 @@ a burst until every request has reached the model, and the counters are read onc
 That confident queries are also faster is a speed claim, for a benchmark, not asserted here."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Callable
@@ -30,6 +32,7 @@ from slicer import toy
 from slicer.profiler import int_bounds
 from slicer.slice_model import SliceOptions, slice_model
 
+from dvabatch_backend.runtime.admission import STANDING_WAIT
 from dvabatch_backend.runtime.inline_hold import STANDING_CALLS
 
 from ..triton_support import Clients, ServedModel, add_variant, admitted_requests, settle
@@ -89,6 +92,7 @@ def server(tmp_path_factory):
     # full, Triton's backlog is handed to the pipeline and refused past the runtime's bound
     standing_dir = sliced / "dense_standing"
     shutil.copytree(report.out_dir, standing_dir)  # its own gate files
+    _profile_a_long_passage(standing_dir / "1" / "manifest.json")
     standing = ServedModel("dense", standing_dir / "1", report.manifest, {}, 0)
     models["standing"] = add_variant(repo, standing, "dense_standing", policy="load",
                                      extra={"max_queue_size": 2, "engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
@@ -96,6 +100,17 @@ def server(tmp_path_factory):
         for model in models.values():
             triton.wait_model_ready(model.name, timeout=120)
         yield triton, models, gates
+
+
+def _profile_a_long_passage(manifest: Path, seconds: float = 0.2) -> None:
+    """Scale the manifest's stage times so that a bs_max batch passes the stages in `seconds`: the
+    handover of Triton's backlog is for models whose batches take long (`Admission.long_passage`),
+    and the test model's take microseconds. Only what the runtime predicts changes, not what runs."""
+    data = json.loads(manifest.read_text())
+    times = data["stage_times"]
+    passage = sum(max(t.items(), key=lambda kv: int(kv[0]))[1] for t in times)
+    data["stage_times"] = [{bs: t * seconds / passage for bs, t in stage.items()} for stage in times]
+    manifest.write_text(json.dumps(data))
 
 
 def _metrics_text(server: TritonServer) -> str:
@@ -350,7 +365,8 @@ def test_when_tritons_queue_stands_behind_the_fast_path_its_backlog_is_handed_ov
     Each run of the model's stage is held until the test opens it (gate_engine.py:hold_each). A lone
     request runs inline; the 8 * STANDING_CALLS + 4 sent meanwhile wait in Triton's queue (its
     pending count says so), so the next calls come full (8 rows, max_batch_size): the first
-    STANDING_CALLS - 1 run inline, then Triton's queue stands and the calls go to the pipeline,
+    STANDING_CALLS - 1 run inline (the last of them held at least STANDING_WAIT, so that the full
+    calls have lasted that long), then Triton's queue stands and the calls go to the pipeline,
     whose first batch is held while the rest meet its bound (2 rows): at least 2 are refused
     UNAVAILABLE "Exceeds maximum queue size" while that batch is still held. Once every gate opens,
     each request has exactly one answer, a result equal to the unsliced model's or a refusal."""
@@ -372,6 +388,8 @@ def test_when_tritons_queue_stands_behind_the_fast_path_its_backlog_is_handed_ov
                                client_timeout=120)
         assert _settle(lambda: _pending(triton, model.name), lambda v: v == n - 1) == n - 1
         for k in range(1, STANDING_CALLS + 1):  # inline runs 1..STANDING_CALLS; run k + 1 comes of a full call
+            if k == STANDING_CALLS:
+                time.sleep(STANDING_WAIT)  # the full calls have come for at least this long (a lower bound only)
             (gates / f"open-{k}").touch()
             assert _settle((gates / f"held-{k + 1}").exists, bool), f"run {k + 1} never came"
         answers.wait(inline + 2)  # the inline runs' answers, and 2 refusals while the pipeline's batch is held
