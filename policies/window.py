@@ -17,6 +17,13 @@ shortest profiled length), within the same upper bound. Without a profile `upper
 
 So at low load (nothing in flight) a query goes at once; the window grows only while queries queue
 behind stage 0, with the load (more queued rows, a later free time), up to `upper`.
+
+With one buffer pair (`serial`) the pipeline's entry is busy as long as any batch is in flight,
+not only while stage 0 runs: a batch holds the only pair until it has left the last stage, and the
+next one waits for it in stage 0's queue. There "stage 0" above reads "the entry": busy while any
+row is in flight (`entry_backlog`), and each released batch adds its time through every stage.
+(Counting stage 0 alone, a query arriving while a batch was in a later stage went at once as a
+batch of its own: the zoo BERT's pipeline ran batches of 1.5 rows where the fast path ran 2.1.)
 """
 from __future__ import annotations
 
@@ -32,29 +39,38 @@ def stage0_backlog(table: BatchTableView) -> int:
     return sum(max(batch.bs - batch.status_map[0], 0) for batch in table)
 
 
+def entry_backlog(table: BatchTableView, serial: bool) -> int:
+    """Rows that keep the pipeline's entry busy: those stage 0 has still to run, or, with one buffer
+    pair (`serial`: a batch holds the only pair until it leaves the last stage), every row in flight."""
+    return table.queries_in_flight() if serial else stage0_backlog(table)
+
+
 class Stage0Time:
     """Profiled seconds of stage 0 by batch size and padded length: the per-length profile when
     there is one (interpolated between lengths, proportional beyond the longest), else the
-    reference-length profile; 0 without a profile."""
+    reference-length profile; 0 without a profile. `through` stages counted from stage 0: with
+    one buffer pair the entry is busy while a batch passes every stage."""
 
-    def __init__(self, context: PolicyContext) -> None:
+    def __init__(self, context: PolicyContext, through: int = 1) -> None:
         self._by_length = BatchCost(context.stage_times_by_length, context.num_stages)
         self._reference = StageProfile(context.stage_times, context.num_stages)
         self.available = self._by_length.available or self._reference.available
+        self._stages = range(min(max(through, 1), context.num_stages))
 
     def seconds(self, bs: int, length: int) -> float:
         if self._by_length.available:
-            return self._by_length.stage_seconds(0, bs, length)
-        return self._reference.time(0, bs) if self._reference.available else 0.0
+            return sum(self._by_length.stage_seconds(k, bs, length) for k in self._stages)
+        return sum(self._reference.time(k, bs) for k in self._stages) if self._reference.available else 0.0
 
 
 class AdaptiveWindow:
     """When waiting queries should go (module docstring). One per policy; called under the
     scheduler's lock like the policy itself."""
 
-    def __init__(self, stage0: Stage0Time, upper: float, recheck: float) -> None:
+    def __init__(self, stage0: Stage0Time, upper: float, recheck: float, serial: bool = False) -> None:
         if upper < 0 or recheck <= 0:
             raise ValueError(f"window bounds must be upper >= 0 and recheck > 0, got {upper}, {recheck}")
+        self.serial = serial  # one buffer pair: the entry is busy while anything is in flight
         self.stage0 = stage0
         self.upper = upper
         self.recheck = recheck
@@ -62,16 +78,17 @@ class AdaptiveWindow:
 
     @classmethod
     def from_context(cls, context: PolicyContext, upper: float) -> AdaptiveWindow:
-        stage0 = Stage0Time(context)
+        serial = context.num_buffer_pairs == 1
+        stage0 = Stage0Time(context, context.num_stages if serial else 1)
         shortest = min(context.stage_times_by_length, default=0)
-        recheck = stage0.seconds(1, shortest) if stage0.available else 0.0
-        return cls(stage0, upper, recheck if recheck > 0 else 1e-3)
+        recheck = Stage0Time(context).seconds(1, shortest) if stage0.available else 0.0
+        return cls(stage0, upper, recheck if recheck > 0 else 1e-3, serial)
 
     def go_at(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float, released: bool = False) -> float:
         """The time the waiting queries should be batched: `now` or earlier means at once.
         `released`: a batch went to stage 0 in this very call (stage 0 is busy, the view does not
         show it yet)."""
-        if not waiting or self.upper <= 0 or (not released and stage0_backlog(table) == 0):
+        if not waiting or self.upper <= 0 or (not released and entry_backlog(table, self.serial) == 0):
             self._free_at = now
             return now
         oldest = min(q.arrival for q in waiting)

@@ -136,3 +136,23 @@ def test_random_views_never_wait_past_the_bound_nor_ask_for_the_past() -> None:
             assert len(covered(plan)) == len(waiting)  # stage 0 idle: no wait
         if plan.wake_at is not None:
             assert now < plan.wake_at <= min(q.arrival for q in waiting) + UPPER + 1e-12
+
+
+def test_with_one_buffer_pair_the_entry_is_busy_while_any_batch_is_in_flight() -> None:
+    """One pair: a batch past stage 0 still holds the only pair, so a query arriving meanwhile is
+    held (its batch would wait in stage 0's queue anyway), for the batch's time through every stage
+    within the upper bound; with two pairs stage 0 is free and it goes at once."""
+    from dataclasses import replace
+
+    table = Table()
+    batch = table.new(4)
+    table.table.get(batch).status_map[0] = 4  # through stage 0, running later stages
+    arrival = QueryInfo(1, 5, 0.0)
+    serial = AdaptiveWindow.from_context(replace(context(stage_times=LINEAR), num_buffer_pairs=1), UPPER)
+    overlapping = AdaptiveWindow.from_context(context(stage_times=LINEAR), UPPER)
+    assert serial.serial and not overlapping.serial
+    assert overlapping.go_at([arrival], table.view, now=0.0) == 0.0
+    assert serial.go_at([arrival], table.view, now=0.0) == pytest.approx(1 * MS)  # a recheck: stage 0 at one query
+    serial.released(2, 5, 0.0)  # a batch of 2 through all 4 stages: 8 ms
+    assert serial.go_at([arrival], table.view, now=0.0) == pytest.approx(8 * MS)
+    assert serial.go_at([arrival], Table().view, now=0.5 * MS) == 0.5 * MS  # nothing in flight: at once
