@@ -177,9 +177,27 @@ def remove_shm_regions(names: Sequence[str]) -> list[str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int, taken: Sequence[int] = ()) -> list[int]:
+    """`count` distinct free local ports, none in `taken`: each socket is held open until all are
+    picked (ports picked one after another, each closed at once, may be the same one twice: HTTP and
+    metrics on one port, and the server refuses to start)."""
+    sockets: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            s = socket.socket()
+            sockets.append(s)
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+            if port not in taken:
+                ports.append(port)
+    finally:
+        for s in sockets:
+            s.close()
+    return ports
 
 
 def connect_host(host: str) -> str:
@@ -356,9 +374,11 @@ class TritonServer:
                  on_model_recovered: ModelHook | None = None) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.host = host  # the address HTTP, gRPC and metrics listen on (0.0.0.0: every interface)
-        self.http_port = http_port or free_port()
-        self.grpc_port = grpc_port or free_port()
-        self.metrics_port = metrics_port or free_port()
+        given = [p for p in (http_port, grpc_port, metrics_port) if p]
+        picked = iter(free_ports(3 - len(given), given))
+        self.http_port = http_port or next(picked)
+        self.grpc_port = grpc_port or next(picked)
+        self.metrics_port = metrics_port or next(picked)
         self._explicit = explicit
         self._load = list(load)
         self._shm_bytes = shm_bytes

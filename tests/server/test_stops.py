@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from dvabatch_backend.tools.serve import (SHM_DIR, TritonServer, backend_shm_regions, children, connect_host,
-                                          free_port, is_zombie, mapped_shm_regions)
+                                          free_ports, is_zombie, mapped_shm_regions)
 
 from ..triton_support import ServedModel, add_variant, slice_zoo_model, stub_pids
 from .load_clients import Outcome, Sender, assert_reference, outcome_of, poll
@@ -65,7 +65,7 @@ class ServeProcess:
 
 
 def start_serve(repo: Path, out: Path, *extra: str) -> ServeProcess:
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     command = [sys.executable, "-m", "dvabatch_backend.tools.cli", "serve", "--model-repository", str(repo),
                "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
                "--explicit", "--load", MODEL, *extra]
@@ -223,8 +223,9 @@ def test_sigterm_while_starting_stops_it_too(gated, tmp_path) -> None:
     regions_before = backend_shm_regions()
     repo = model.version_dir.parent.parent.parent
     out = tmp_path / "serve.out"
+    ports = free_ports(3)
     command = [sys.executable, "-m", "dvabatch_backend.tools.cli", "serve", "--model-repository", str(repo),
-               "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
+               "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
                "--explicit", "--load", MODEL]
     with open(out, "wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
