@@ -146,6 +146,40 @@ def time_stages(paths: Sequence[Path], inputs: Sequence[Sequence[TensorSpec]], s
     return [float(np.percentile(times, 20)) for times in samples]
 
 
+SPIN_SETTLE = 0.1  # after a candidate's sessions are gone: their threads' spinning has ended
+
+
+def time_after_gaps(candidates: Sequence[Sequence[tuple[Path, str]]], inputs: Sequence[Sequence[Sequence[TensorSpec]]],
+                    setting: Setting, threads: int, gap: float, repeats: int = 15,
+                    int_high: Mapping[str, int] | None = None) -> list[float]:
+    """Seconds a lone query takes on each candidate (its sessions, (file, spinning), run in a row:
+    `ort_session_options(threads, spinning=...)`), each query `gap` seconds after the last one ended
+    (median of `repeats`): what a light load meets. Back-to-back runs find every thread awake;
+    between queries spread out in time the threads sleep unless they spin, and a sleeping core (a
+    virtual one all the more) takes long to wake. One candidate at a time, its sessions made for
+    it and gone before the next: threads left spinning by one would slow the other's runs."""
+    rng = np.random.default_rng(1)
+    medians = []
+    for sessions, specs in zip(candidates, inputs):
+        run = [(ort.InferenceSession(str(path), ort_session_options(threads, spinning=spin),
+                                     providers=["CPUExecutionProvider"]),
+                random_inputs(spec, setting.batch, setting.length, rng, int_high))
+               for (path, spin), spec in zip(sessions, specs)]
+        for session, feed in run:
+            session.run(None, feed)
+        times = []
+        for _ in range(repeats):
+            time.sleep(gap)
+            t0 = time.perf_counter()
+            for session, feed in run:
+                session.run(None, feed)
+            times.append(time.perf_counter() - t0)
+        medians.append(statistics.median(times))
+        del run
+        time.sleep(SPIN_SETTLE)
+    return medians
+
+
 def time_session(session: ort.InferenceSession, feeds: dict[str, np.ndarray], repeats: int,
                  min_seconds: float = 0.05) -> float:
     session.run(None, feeds)

@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .decisions import Policy
-from .engine import PER_STAGE, OrtStageEngine, StageEngine, available_cores
+from .engine import IN_RUN, ON, PER_STAGE, OrtStageEngine, StageEngine, available_cores
 from .manifest import Manifest
 from .pipeline import Pipeline
 from .settings import RuntimeSettings, graph_buckets
@@ -21,9 +21,19 @@ def find_version_dir(model_dir: str | Path, manifest_file: str = "manifest.json"
 
 EngineWrapper = Callable[[int, StageEngine], StageEngine]
 
+# onnxruntime's threads, unless `RuntimeSettings.spinning` says otherwise (runtime/engine.py): the
+# unsliced model runs only the fast path, a lone query at a time while the pipeline holds nothing,
+# and spins as onnxruntime does by default, as a user's own model would (a light load's next query
+# finds its threads awake: the small BERT at 100 Poisson queries a second, 2.8 ms on the mean
+# against 4.9 ms on the stages in a row, each stage's threads asleep by then); the stages spin
+# only within a run, so that one stage's threads never spin through the next stage's run
+MODEL_SPINNING, STAGE_SPINNING = ON, IN_RUN
 
-def make_engine(path: Path, settings: RuntimeSettings, manifest: Manifest | None = None) -> StageEngine:
-    """An engine over one ONNX file (a stage, or the unsliced model), of the kind `settings` names.
+
+def make_engine(path: Path, settings: RuntimeSettings, manifest: Manifest | None = None,
+                spinning: str = STAGE_SPINNING) -> StageEngine:
+    """An engine over one ONNX file (a stage, or the unsliced model), of the kind `settings` names;
+    onnxruntime's threads spin as `settings.spinning` says, else as `spinning` does.
     A torch engine on CUDA, given the `manifest`, captures its CUDA graphs at load
     (`settings.cuda_graphs`): one per batch-size and length bucket, so a batch's kernels are one
     replay instead of one Python call per node."""
@@ -41,7 +51,8 @@ def make_engine(path: Path, settings: RuntimeSettings, manifest: Manifest | None
             engine.capture_buckets(sizes, lengths, pad_length=manifest.pad_safe and reads_model_inputs(path, manifest))
         return engine
     # per_stage: `threads` each; global: one pool of every available core (0)
-    return OrtStageEngine(path, threads if settings.thread_pool == PER_STAGE else 0, thread_pool=settings.thread_pool)
+    return OrtStageEngine(path, threads if settings.thread_pool == PER_STAGE else 0, thread_pool=settings.thread_pool,
+                          spinning=settings.spinning or spinning)
 
 
 def reads_model_inputs(path: Path, manifest: Manifest) -> bool:
@@ -70,7 +81,7 @@ def load_pipeline(model_dir: str | Path, policy: Policy, settings: RuntimeSettin
     whole = None
     if (wrap is None and settings.fast_path and manifest.fast_path_engine == "model" and manifest.num_stages > 1
             and type(policy).allows_inline()):
-        whole = make_engine(version_dir / str(manifest.full_model), settings, manifest)
+        whole = make_engine(version_dir / str(manifest.full_model), settings, manifest, MODEL_SPINNING)
     pipeline = Pipeline.create(manifest, engines, policy, settings, whole_model=whole)
     streams = [getattr(e, "stream", None) for e in engines]  # a torch engine on CUDA runs on its own stream
     if settings.device_buffers and any(s is not None for s in streams):

@@ -61,6 +61,10 @@ class RuntimeSettings:
     # set), which on a few cores takes them from the server and the clients: on 2 cores, served by
     # perf_analyzer, the residual MLP's p99 at 0.5x load was 77 ms with the global pool, 22 ms this way
     thread_pool: str = "per_stage"
+    # onnxruntime's threads spin-wait for work "in_run" (within a run, stopping when it returns),
+    # "off" or "on" (onnxruntime's default, after runs too); None: the unsliced model's "on", the
+    # stages' "in_run" (`loading.MODEL_SPINNING`, runtime/engine.py says why)
+    spinning: str | None = None
     # the executor that finishes an item at stage k runs it at k+1 itself when k has nothing to run
     # and k+1's executor is idle (the two swap stages): no thread wake-up on a quiet pipeline
     run_on: bool = True

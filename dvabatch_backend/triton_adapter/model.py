@@ -18,7 +18,8 @@ last stage would otherwise stand idle through one per query of its batch.
 Settings come from `config.pbtxt` parameters, each checked at load with the bad value named
 (`_PARSERS` lists them): manifest (default manifest.json), policy (default pipelined),
 num_buffer_pairs (1 on the CPU where each stage runs on every core, else 2: `default_buffer_pairs`),
-bs_max (the manifest's), thread_pool (per_stage), threads_per_stage (0: every available core), engine,
+bs_max (the manifest's), thread_pool (per_stage), threads_per_stage (0: every available core), spinning
+(the unsliced model's on, the stages' in_run), engine,
 device, run_on, fast_path, cuda_graphs (true), device_buffers (true),
 entry_waits_for_device (true), engine_wrapper; Triton's
 queue policy (max_queue_size, default_timeout_microseconds, allow_timeout_override,
@@ -38,6 +39,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..runtime.errors import BadInputError, CancelledError, QueryError, RefusedError, ShuttingDownError
+from ..runtime.engine import SPINNING
 from ..runtime.manifest import Manifest
 from ..runtime.query import Answer
 from ..runtime.loading import load_pipeline
@@ -66,6 +68,7 @@ _PARSERS: dict[str, parameters.Parser] = {
     "engine": parameters.choice("onnxruntime", "torch"),
     "device": parameters.choice("cpu", "cuda"),
     "thread_pool": parameters.choice("global", "per_stage"),
+    "spinning": parameters.choice(*SPINNING),
     "run_on": parameters.boolean,
     "fast_path": parameters.boolean,
     "cuda_graphs": parameters.boolean,
@@ -109,6 +112,7 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path,
         engine=values.get("engine", defaults.engine),
         device=device,
         thread_pool=thread_pool,
+        spinning=values.get("spinning", defaults.spinning),
         run_on=values.get("run_on", defaults.run_on),
         fast_path=values.get("fast_path", defaults.fast_path),
         cuda_graphs=values.get("cuda_graphs", defaults.cuda_graphs),

@@ -40,19 +40,20 @@ MakeQuery = Callable[[np.random.Generator], Mapping[str, np.ndarray]]
 
 def config_pbtxt(manifest: Manifest, name: str, delay_us: int, threads: int, bs_max: int,
                  onnx_model: str, manifest_file: str = "manifest.json", engine: str = "onnxruntime",
-                 device: str = "cpu", respond: str = "return") -> str:
+                 device: str = "cpu", respond: str = "return", spinning: bool = False) -> str:
     parameters = {"onnx_model": onnx_model, "manifest": manifest_file, "threads": str(threads), "engine": engine,
-                  "device": device, "respond": respond}
+                  "device": device, "respond": respond, "spinning": str(spinning).lower()}
     return python_model_config(manifest, name, parameters, bs_max=bs_max, delay_us=delay_us)
 
 
 def add_baseline(repository: Path, version_dir: Path, name: str, delay_us: int, threads: int = 1,
                  bs_max: int | None = None, engine: str = "onnxruntime", device: str = "cpu",
-                 respond: str = "return") -> Path:
+                 respond: str = "return", spinning: bool = False) -> Path:
     """repository/name/: config.pbtxt, and 1/ with model.py and links to the version folder's
     unsliced model and manifest. Replaces an earlier baseline of that name. Returns the model dir.
     `engine`/`device`: what runs the model (onnxruntime on the CPU, or torch on "cpu"/"cuda");
-    `respond`: how answers go back (`baseline_model.RESPONDS`; "echo" runs no model)."""
+    `respond`: how answers go back (`baseline_model.RESPONDS`; "echo" runs no model); `spinning`:
+    onnxruntime's threads spin-wait for work (its default; the runtime's sleep)."""
     version_dir = Path(version_dir).resolve()
     manifest_path = version_dir / "manifest.json"
     manifest = Manifest.from_json(json.loads(manifest_path.read_text()))
@@ -82,22 +83,25 @@ def add_baseline(repository: Path, version_dir: Path, name: str, delay_us: int, 
     for file in (onnx_model, "manifest.json"):
         (target / file).symlink_to(version_dir / file)
     (model_dir / "config.pbtxt").write_text(config_pbtxt(manifest, name, delay_us, threads, bs_max, onnx_model,
-                                                         engine=engine, device=device, respond=respond))
+                                                         engine=engine, device=device, respond=respond,
+                                                         spinning=spinning))
     return model_dir
 
 
 def zero_batch(repository: Path, version_dir: Path, name: str | None = None, threads: int = 1,
-               bs_max: int | None = None, engine: str = "onnxruntime", device: str = "cpu") -> Path:
+               bs_max: int | None = None, engine: str = "onnxruntime", device: str = "cpu",
+               spinning: bool = False) -> Path:
     """ZeroBatch: Triton's dynamic batcher with no queue delay. Default name: MANIFEST_NAME_zerobatch."""
     name = name or f"{_manifest_name(version_dir)}_zerobatch"
-    return add_baseline(repository, version_dir, name, 0, threads, bs_max, engine, device)
+    return add_baseline(repository, version_dir, name, 0, threads, bs_max, engine, device, spinning=spinning)
 
 
 def delay_batch(repository: Path, version_dir: Path, delay_us: int, name: str | None = None, threads: int = 1,
-                bs_max: int | None = None, engine: str = "onnxruntime", device: str = "cpu") -> Path:
+                bs_max: int | None = None, engine: str = "onnxruntime", device: str = "cpu",
+                spinning: bool = False) -> Path:
     """DelayBatch at `delay_us` (tuned by `tune_delay`). Default name: MANIFEST_NAME_delaybatch."""
     name = name or f"{_manifest_name(version_dir)}_delaybatch"
-    return add_baseline(repository, version_dir, name, delay_us, threads, bs_max, engine, device)
+    return add_baseline(repository, version_dir, name, delay_us, threads, bs_max, engine, device, spinning=spinning)
 
 
 def delay_candidates(repository: Path, version_dir: Path, delays_us: Sequence[int] = DEFAULT_DELAYS_US,

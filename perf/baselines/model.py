@@ -14,7 +14,8 @@ batch; a failed run answers every request of the batch with the error.
 
 Config parameters: `onnx_model` (file in the version folder, default model.onnx), `manifest`
 (default manifest.json: which dims are batch and seq, and the longest length), `threads`
-(intra-op threads, default 1), `engine` ("onnxruntime", the default, or "torch"), `device`
+(intra-op threads, default 1), `spinning` (onnxruntime's threads spin-wait for work, its own
+default; default false: they sleep, as the runtime's do), `engine` ("onnxruntime", the default, or "torch"), `device`
 ("cpu", the default, or "cuda": torch only) and `respond` (`RESPONDS`: how the answers go back).
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from dvabatch_backend.runtime.engine import ort_session_options
+from dvabatch_backend.runtime.engine import OFF, ON, ort_session_options
 from dvabatch_backend.triton_adapter import parameters
 from dvabatch_backend.runtime.manifest import SEQ, Manifest, TensorSpec, dim_size, is_length_dim
 
@@ -38,7 +39,8 @@ except ImportError:  # imported outside Triton (tests, tools): the batching func
     pb_utils = None
 
 PARAMETERS = {"onnx_model": "model.onnx", "manifest": "manifest.json", "threads": "1", "engine": "onnxruntime",
-              "device": "cpu", "respond": "return"}
+              "device": "cpu", "respond": "return",
+              "spinning": "false"}
 # how the answers go back (what the served path costs, measured apart): returned from `execute`; sent
 # through each request's response sender inside `execute`; sent by one worker thread that `execute`
 # hands the requests to; or "echo": no model at all, zeros of the outputs' shapes returned (the least
@@ -60,6 +62,7 @@ class Settings:
     engine: str = "onnxruntime"
     device: str = "cpu"
     respond: str = "return"
+    spinning: bool = False  # onnxruntime's threads spin-wait for work (its default), or sleep (the runtime's)
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ def parse_parameters(params: Mapping[str, str], version_dir: Path) -> Settings:
     values.update(parameters.read(params, {
         "onnx_model": parameters.text, "manifest": parameters.text, "threads": parameters.integer(1),
         "engine": parameters.choice(*ENGINES), "device": parameters.choice(*DEVICES),
-        "respond": parameters.choice(*RESPONDS)}))
+        "respond": parameters.choice(*RESPONDS), "spinning": parameters.boolean}))
     files = {}
     for key in ("onnx_model", "manifest"):
         files[key] = version_dir / values[key]
@@ -87,7 +90,9 @@ def parse_parameters(params: Mapping[str, str], version_dir: Path) -> Settings:
     engine, device = values["engine"], values["device"]
     if device == "cuda" and engine != "torch":
         raise ValueError("parameter 'device': 'cuda' needs engine 'torch' (onnxruntime runs on the CPU here)")
-    return Settings(files["onnx_model"], files["manifest"], int(values["threads"]), engine, device, values["respond"])
+    spinning = values["spinning"] if isinstance(values["spinning"], bool) else values["spinning"] == "true"
+    return Settings(files["onnx_model"], files["manifest"], int(values["threads"]), engine, device, values["respond"],
+                    spinning)
 
 
 def load_manifest(path: Path) -> Manifest:
@@ -165,10 +170,11 @@ def split_outputs(outputs: Mapping[str, np.ndarray], specs: Sequence[TensorSpec]
 class OrtRunner:
     """The unsliced model in one onnxruntime CPU session."""
 
-    def __init__(self, path: Path, threads: int) -> None:
+    def __init__(self, path: Path, threads: int, spinning: bool = False) -> None:
         import onnxruntime as ort
 
-        self._session = ort.InferenceSession(str(path), ort_session_options(threads), providers=["CPUExecutionProvider"])
+        self._session = ort.InferenceSession(str(path), ort_session_options(threads, spinning=ON if spinning else OFF),
+                                             providers=["CPUExecutionProvider"])
         self.input_names = {i.name for i in self._session.get_inputs()}
         self.output_names = {o.name for o in self._session.get_outputs()}
 
@@ -201,7 +207,7 @@ def make_runner(settings: Settings) -> OrtRunner | TorchRunner:
     path = settings.onnx_model.resolve()
     if settings.engine == "torch":
         return TorchRunner(path, settings.threads, settings.device)
-    return OrtRunner(path, settings.threads)
+    return OrtRunner(path, settings.threads, settings.spinning)
 
 
 class TritonPythonModel:

@@ -36,6 +36,14 @@ entry per request. For each system:
 `--delays 500,1000,2000,4000` serves one DelayBatch per queue delay instead of the one delayed by a
 lone query's profiled time; the better baseline at each figure is then the best of them all.
 
+`--light` measures the loads most services see most of the day: each baseline is served twice, its
+onnxruntime threads sleeping between runs (the runtime's setting) and spinning (onnxruntime's own
+default, what a user's model does), and the better baseline at each figure is the faster of all of
+them; the baselines alone step to their sustained rate (p99 <= 100 ms); the fixed loads are Poisson
+at 0.25x, 0.5x and 0.9x of it; 5 rounds each of concurrency 1, the closed-loop sweep and the fixed
+loads, every round reported, the median deciding; targets: concurrency-1 mean within +0.1 ms, at
+0.25x and 0.5x mean and p99 <= 1.0x, closed loop >= 0.95x at every point (results: light.json).
+
 The report gives DVABatch's ratios against the better baseline for each figure (the lower latency,
 the higher sustained rate) beside the targets: concurrency-1 mean within +0.3 ms; at 0.5x mean
 <= 1.0x and p99 <= 0.8x; at 0.9x both <= 0.5x; sustained rate >= 1.5x. Every request must succeed:
@@ -94,8 +102,15 @@ SLICED = "DVABatch-sliced"
 OVERHEAD = {ZERO_SENDER: "sender", ZERO_THREAD: "thread", ECHO: "echo", PIPELINE_ONLY: "pipeline"}
 
 
+# `--spinning`: each baseline also served with onnxruntime's threads spin-waiting for work (onnxruntime's
+# own default, what a user's ZeroBatch does unless told otherwise), labelled with this suffix
+SPIN = "-spin"
+
+
 def is_baseline(label: str) -> bool:
-    """ZeroBatch, or a DelayBatch ("DelayBatch", or "DelayBatch-2ms" from `--delays`)."""
+    """ZeroBatch, or a DelayBatch ("DelayBatch", or "DelayBatch-2ms" from `--delays`), either with
+    its threads spinning ("ZeroBatch-spin")."""
+    label = label.removesuffix(SPIN)
     return label == ZERO or label == DELAY or label.startswith(f"{DELAY}-")
 
 
@@ -114,6 +129,12 @@ class FixedLoad:
 
 
 FIXED_LOADS = (FixedLoad(0.5), FixedLoad(0.9), FixedLoad(0.5, cv=4.0))
+# `--light` (issue "never slower than Triton's batcher when load is light"): the loads most services
+# see most of the day, against the better baseline with its threads spinning or not, whichever is faster
+LIGHT_LOADS = (FixedLoad(0.25), FixedLoad(0.5), FixedLoad(0.9))
+LIGHT_TARGETS = {"c1_mean_plus_ms": 0.1, "0.25x mean": 1.0, "0.25x p99": 1.0, "0.5x mean": 1.0, "0.5x p99": 1.0,
+                 "closed loop": 0.95}
+LIGHT_ROUNDS, LIGHT_LATENCY_TARGET_MS, LIGHT_INTERVAL_MS = 5, 100.0, 1500
 GAMMA_SEED, GAMMA_SENDS = 0, 20_000  # perf_analyzer loops the schedule past its end
 
 
@@ -126,14 +147,24 @@ class Plan:
     latency_target_ms: float
     load_rounds: int = LOAD_ROUNDS
     closed_loop_sweep: bool = True  # the closed-loop throughput at each of CONCURRENCIES clients
+    light: bool = False  # `--light`: LIGHT_LOADS and LIGHT_TARGETS; the baselines alone step to their sustained rate
+
+    @property
+    def fixed_loads(self) -> tuple[FixedLoad, ...]:
+        return LIGHT_LOADS if self.light else FIXED_LOADS
+
+    @property
+    def targets(self) -> dict[str, float]:
+        return LIGHT_TARGETS if self.light else TARGETS
 
     @classmethod
     def for_args(cls, quick: bool, latency_target_ms: float, interval_ms: int | None = None,
-                 rounds: int | None = None, closed_loop_sweep: bool = True, rate_step: float | None = None) -> Plan:
-        default = QUICK_MEASUREMENT_INTERVAL_MS if quick else MEASUREMENT_INTERVAL_MS
+                 rounds: int | None = None, closed_loop_sweep: bool = True, rate_step: float | None = None,
+                 light: bool = False) -> Plan:
+        default = QUICK_MEASUREMENT_INTERVAL_MS if quick else LIGHT_INTERVAL_MS if light else MEASUREMENT_INTERVAL_MS
         start, end, step = QUICK_RATE_FRACTIONS if quick else RATE_FRACTIONS
         return cls(interval_ms or default, (start, end, rate_step or step), latency_target_ms,
-                   rounds or (1 if quick else LOAD_ROUNDS), closed_loop_sweep)
+                   rounds or (1 if quick else LIGHT_ROUNDS if light else LOAD_ROUNDS), closed_loop_sweep, light)
 
     def rates(self, peak: float) -> list[float]:
         """The grid of Poisson rates (requests/s, whole numbers, at least 1, no repeats) over `peak`."""
@@ -154,6 +185,8 @@ class SystemResult:
     closed_loop_peak: float | None = None
     closed_loop: dict[str, float] = field(default_factory=dict)  # clients -> throughput (requests/s)
     c1_mean_spread_ms: tuple[float, float] | None = None  # the rounds' lowest and highest mean
+    c1_rounds: list[dict[str, float]] = field(default_factory=list)  # every round's mean, p50, p99 (ms)
+    closed_loop_rounds: dict[str, list[float]] = field(default_factory=dict)  # clients -> every round's requests/s
     sustained_rate: float | None = None
     sustained_p99_ms: float | None = None
     steps: list[dict[str, float]] = field(default_factory=list)
@@ -182,11 +215,12 @@ def delay_batch_delay_us(manifest: Any) -> int:
 
 def build_repository(scratch: Path, model_dir: Path, delay_batch_too: bool = True,
                      overhead: bool = False, delays_us: Sequence[int] = (),
-                     sliced: Path | None = None) -> dict[str, str]:
+                     sliced: Path | None = None, spinning: bool = False) -> dict[str, str]:
     """scratch/NAME (the slicer's config.pbtxt as written, its version folder linked),
     scratch/NAME_zerobatch and scratch/NAME_delaybatch (with `delays_us`, one DelayBatch per delay
     instead, labelled "DelayBatch-0.5ms" ...; with `overhead` the `OVERHEAD` variants of
-    ZeroBatch; with `sliced` that folder as NAME_sliced); returns {label: model name}."""
+    ZeroBatch; with `sliced` that folder as NAME_sliced; with `spinning` each baseline twice, the
+    second with onnxruntime's threads spinning, labelled "...-spin"); returns {label: model name}."""
     from dvabatch_backend.runtime.manifest import Manifest
     from perf.baselines import add_baseline, delay_batch, zero_batch
     from slicer.triton_files import add_model_copy
@@ -213,6 +247,12 @@ def build_repository(scratch: Path, model_dir: Path, delay_batch_too: bool = Tru
                 continue
             add_baseline(scratch, version_dir, names[label], 0, threads=available_cores(),
                          bs_max=manifest.max_batch_size, respond=respond)
+    if spinning:
+        for label in [label for label in names if is_baseline(label)]:
+            delay = 0 if label == ZERO else delays.get(label, 0)
+            names[label + SPIN] = names[label] + "_spin"
+            add_baseline(scratch, version_dir, names[label + SPIN], delay, threads=available_cores(),
+                         bs_max=manifest.max_batch_size, spinning=True)
     return names
 
 
@@ -352,6 +392,8 @@ def measure_lone(url: str, systems: Sequence[SystemResult], data: Path, plan: Pl
             if lone.rows:
                 row = lone.rows[0]
                 figures[system.label].append((row.avg_us / 1e3, row.p50_us / 1e3, row.p99_us / 1e3))
+                system.c1_rounds.append({"round": r + 1, "mean_ms": row.avg_us / 1e3, "p50_ms": row.p50_us / 1e3,
+                                         "p99_ms": row.p99_us / 1e3})
     for system in systems:
         if figures[system.label]:
             system.c1_mean_ms, system.c1_p50_ms, system.c1_p99_ms = (
@@ -363,14 +405,13 @@ def measure_lone(url: str, systems: Sequence[SystemResult], data: Path, plan: Pl
 def measure_closed_loop(url: str, systems: Sequence[SystemResult], data: Path, plan: Plan, bs_max: int) -> None:
     """Closed-loop throughput at each of CONCURRENCIES clients (up to bs_max): the median of the
     plan's rounds (one window moves by a fifth here), the systems' order alternating."""
-    seen: dict[tuple[str, str], list[float]] = {}
     for i, clients in enumerate(c for c in CONCURRENCIES if c <= bs_max):
         for r in range(plan.load_rounds):
             for system in alternating(systems, i + r):
                 result = _run(url, system.model, data, plan, concurrency_range=(clients,))
                 _note_errors(result, system, f"concurrency {clients}")
                 if result.rows:
-                    rounds = seen.setdefault((system.label, str(clients)), [])
+                    rounds = system.closed_loop_rounds.setdefault(str(clients), [])
                     rounds.append(result.rows[0].throughput)
                     system.closed_loop[str(clients)] = round(float(np.median(rounds)), 1)
 
@@ -517,14 +558,15 @@ def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: 
         raise RuntimeError("no closed-loop peak was measured: " + "; ".join(
             e for s in systems for e in s.perf_analyzer_errors))
     grid = plan.rates(max(s.closed_loop_peak or 0.0 for s in systems))
-    progress(f"Poisson request rates {', '.join(f'{r:g}' for r in grid)}/s, every system")
+    stepping = [s for s in systems if is_baseline(s.label)] if plan.light else systems
+    progress(f"Poisson request rates {', '.join(f'{r:g}' for r in grid)}/s, {'the baselines' if plan.light else 'every system'}")
     share.get(DVA, share[systems[0].label])(
-        "stepping", lambda: measure_sustained(server.grpc_url, systems, data, plan, grid, progress))
-    rates, of = fixed_rates([s for s in systems if is_baseline(s.label)] or systems[-1:])
+        "stepping", lambda: measure_sustained(server.grpc_url, stepping, data, plan, grid, progress))
+    rates, of = fixed_rates([s for s in systems if is_baseline(s.label)] or systems[-1:], plan.fixed_loads)
     schedules = {load.key: write_gamma_intervals(data.with_name(f"intervals-{i}.txt"), rates[load.key], load.cv)
-                 for i, load in enumerate(FIXED_LOADS) if load.cv != 1}
+                 for i, load in enumerate(plan.fixed_loads) if load.cv != 1}
     for r in range(plan.load_rounds):
-        for i, load in enumerate(FIXED_LOADS):
+        for i, load in enumerate(plan.fixed_loads):
             key, rate = load.key, rates[load.key]
             shape = f"Gamma CV {load.cv:g}" if load.cv != 1 else "Poisson"
             for system in alternating(systems, i + r):
@@ -545,12 +587,14 @@ def spreads_overlap(mine: Sequence[float] | None, theirs: Sequence[float] | None
     return mine[0] <= theirs[1] and theirs[0] <= mine[1]
 
 
-def verdicts(systems: Sequence[SystemResult]) -> dict[str, dict[str, Any]]:
+def verdicts(systems: Sequence[SystemResult], light: bool = False) -> dict[str, dict[str, Any]]:
     """DVABatch against the better baseline for each figure: {figure: {value, better baseline, target, met}}.
     Latencies: the lower baseline; rates: the higher. A figure some system lacks is left out. Figures
     measured in rounds (concurrency 1, the fixed loads) also say whether DVABatch's rounds and the
     better baseline's overlap (`within_spread`; None when either has no spread): a ratio whose
-    rounds overlap is within the machine's noise, whichever side of the target it falls."""
+    rounds overlap is within the machine's noise, whichever side of the target it falls. `light`: the
+    `--light` loads and targets."""
+    targets, loads = (LIGHT_TARGETS, LIGHT_LOADS) if light else (TARGETS, FIXED_LOADS)
     by_label = {s.label: s for s in systems}
     dva, baselines = by_label.get(DVA), [s for s in systems if is_baseline(s.label)]
     if dva is None or not baselines:
@@ -567,7 +611,7 @@ def verdicts(systems: Sequence[SystemResult]) -> dict[str, dict[str, Any]]:
     base = best({b.label: b.c1_mean_ms for b in baselines}, lower=True)
     if base and dva.c1_mean_ms is not None:
         diff = dva.c1_mean_ms - base[1]
-        allowed = max(TARGETS["c1_mean_plus_ms"], 0.01 * base[1])  # +0.1 ms, or +1 % past 10 ms a query
+        allowed = max(targets["c1_mean_plus_ms"], 0.01 * base[1])  # +0.1 ms, or +1 % past 10 ms a query
         out["c1 mean (ms over)"] = {"value": round(diff, 3), "baseline": base[0], "target": round(allowed, 3),
                                     "met": diff <= allowed, "within_spread": spreads_overlap(
                                         dva.c1_mean_spread_ms, by_label[base[0]].c1_mean_spread_ms)}
@@ -576,10 +620,10 @@ def verdicts(systems: Sequence[SystemResult]) -> dict[str, dict[str, Any]]:
         if base and base[1] > 0:
             ratio = mine / base[1]
             out[f"closed loop c{clients}"] = {"value": round(ratio, 3), "baseline": base[0],
-                                              "target": TARGETS["closed loop"], "met": ratio >= TARGETS["closed loop"]}
-    for key in (load.key for load in FIXED_LOADS):
+                                              "target": targets["closed loop"], "met": ratio >= targets["closed loop"]}
+    for key in (load.key for load in loads):
         for stat in ("mean", "p99"):
-            target = TARGETS.get(f"{key} {stat}")
+            target = targets.get(f"{key} {stat}")
             base = best({b.label: b.loads.get(key, {}).get(f"{stat}_ms") for b in baselines}, lower=True)
             mine = dva.loads.get(key, {}).get(f"{stat}_ms")
             if target is None or base is None or mine is None or base[1] <= 0:
@@ -590,7 +634,7 @@ def verdicts(systems: Sequence[SystemResult]) -> dict[str, dict[str, Any]]:
                                         dva.loads[key].get(f"{stat}_spread"),
                                         by_label[base[0]].loads[key].get(f"{stat}_spread"))}
     base = best({b.label: b.sustained_rate for b in baselines}, lower=False)
-    if base and dva.sustained_rate:
+    if base and dva.sustained_rate and "sustained" in targets:
         ratio = dva.sustained_rate / base[1]
         out["sustained"] = {"value": round(ratio, 3), "baseline": base[0], "target": TARGETS["sustained"],
                             "met": ratio >= TARGETS["sustained"]}
@@ -601,14 +645,14 @@ def verdicts(systems: Sequence[SystemResult]) -> dict[str, dict[str, Any]]:
 # the report
 
 
-def table(systems: Sequence[SystemResult], latency_target_ms: float) -> list[str]:
+def table(systems: Sequence[SystemResult], latency_target_ms: float, light: bool = False) -> list[str]:
     def num(value: float | None, digits: int = 1) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     def spread(pair: Any) -> str:
         return "" if not pair else f" [{pair[0]:.1f}-{pair[1]:.1f}]"
 
-    keys = [load.key for load in FIXED_LOADS]
+    keys = [load.key for load in (LIGHT_LOADS if light else FIXED_LOADS)]
     lines = [f"{'system':<16} {'c=1 mean':>8} {'c=1 p99':>8} {'closed peak/s':>13} {'sustained/s':>11} "
              + " ".join(f"{k + ' mean/p99 ms':>18}" for k in keys) + f" {'ok/failed':>12}"]
     for s in systems:
@@ -634,7 +678,16 @@ def table(systems: Sequence[SystemResult], latency_target_ms: float) -> list[str
             lines.append(f"{s.label} batch sizes at {key} (executions): mean {mean:.1f}; "
                          + ", ".join(f"{b}: {n}" for b, n in counts.items()))
     lines += overhead_lines(systems)
-    for figure, v in verdicts(systems).items():
+    for s in systems:
+        if s.c1_rounds:
+            lines.append(f"{s.label} concurrency-1 rounds (mean/p99 ms): "
+                         + ", ".join(f"{r['mean_ms']:.2f}/{r['p99_ms']:.1f}" for r in s.c1_rounds))
+        for key, rounds in s.load_rounds.items():
+            lines.append(f"{s.label} {key} rounds (mean/p99 ms): "
+                         + ", ".join(f"{r['mean_ms']:.2f}/{r['p99_ms']:.1f}" for r in rounds))
+        for clients, rounds in s.closed_loop_rounds.items():
+            lines.append(f"{s.label} closed loop c{clients} rounds (requests/s): " + ", ".join(f"{t:.0f}" for t in rounds))
+    for figure, v in verdicts(systems, light).items():
         sign = ">=" if figure == "sustained" or figure.startswith("closed loop") else "<="
         noise: dict[bool | None, str] = {True: " (the rounds overlap: within the spread)",
                                          False: " (the rounds do not overlap)", None: ""}
@@ -692,7 +745,8 @@ def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str, model_dir:
         zoo_name, size = manifest.name, "own"
     with tempfile.TemporaryDirectory(prefix="dvabatch-pa-side-by-side-") as tmp:
         scratch = Path(tmp)
-        names = build_repository(scratch / "repo", model_dir, overhead=overhead, delays_us=delays_us, sliced=sliced)
+        names = build_repository(scratch / "repo", model_dir, overhead=overhead, delays_us=delays_us, sliced=sliced,
+                                 spinning=plan.light)
         data = write_queries(scratch / "input_data.json", model_dir, int_high, preset)
         with TritonServer(scratch / "repo") as server:
             for name in names.values():
@@ -707,7 +761,7 @@ def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str, model_dir:
             "bs_max": manifest.max_batch_size, "max_length": manifest.max_length, "plan": asdict(plan),
             "baseline_threads": available_cores(), "policy": _policy(model_dir / "config.pbtxt"),
             "delay_batch_delay_us": list(delays_us) or delay_batch_delay_us(manifest), "fixed_rates_of": fixed_of,
-            "verdicts": verdicts(systems), "sliced": str(sliced) if sliced else None,
+            "verdicts": verdicts(systems, plan.light), "sliced": str(sliced) if sliced else None,
             "stage_count": manifest.extra.get("slicing", {}).get("stage_count")}
     return systems, info
 
@@ -726,7 +780,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="any sliced model folder (config.pbtxt and 1/), instead of a zoo model")
     parser.add_argument("--size", default="bench", help="zoo size preset (default: %(default)s)")
     parser.add_argument("--lengths", default="rte", help="perf.load.lengths preset (default: %(default)s)")
-    parser.add_argument("--latency-target-ms", type=float, default=LATENCY_TARGET_MS)
+    parser.add_argument("--latency-target-ms", type=float, default=None,
+                        help=f"the p99 a sustained rate keeps (default {LATENCY_TARGET_MS:g}; --light {LIGHT_LATENCY_TARGET_MS:g})")
     parser.add_argument("--measurement-interval", type=int, default=None, metavar="MS",
                         help=f"perf_analyzer's window (default {MEASUREMENT_INTERVAL_MS}, --quick "
                              f"{QUICK_MEASUREMENT_INTERVAL_MS})")
@@ -749,6 +804,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="one DelayBatch per queue delay (microseconds), e.g. 500,1000,2000,4000; the better "
                              "baseline at each figure is the best of them and ZeroBatch (default: one DelayBatch, "
                              "delayed by a lone query's profiled time)")
+    parser.add_argument("--light", action="store_true",
+                        help=f"light load: concurrency 1, Poisson at {', '.join(l.key for l in LIGHT_LOADS)} the better "
+                             f"baseline's sustained rate (p99 <= {LIGHT_LATENCY_TARGET_MS:g} ms unless "
+                             "--latency-target-ms), the closed-loop sweep; each baseline also with onnxruntime's "
+                             f"threads spinning; {LIGHT_ROUNDS} rounds, {LIGHT_INTERVAL_MS} ms windows")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="slices and results (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
@@ -757,17 +817,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--delays takes microseconds separated by commas, got {args.delays!r}")
     if args.rate_step is not None and args.rate_step <= 0:
         parser.error(f"--rate-step must be > 0, got {args.rate_step}")
-    plan = Plan.for_args(args.quick, args.latency_target_ms, args.measurement_interval, args.rounds,
-                         not args.no_closed_loop_sweep, args.rate_step)
+    target = args.latency_target_ms or (LIGHT_LATENCY_TARGET_MS if args.light else LATENCY_TARGET_MS)
+    plan = Plan.for_args(args.quick, target, args.measurement_interval, args.rounds,
+                         not args.no_closed_loop_sweep, args.rate_step, args.light)
     began = time.perf_counter()
     systems, info = run(args.model, args.size, args.out, plan, args.lengths, args.model_dir, args.overhead, delays_us,
                         args.sliced)
-    for line in table(systems, plan.latency_target_ms):
+    for line in table(systems, plan.latency_target_ms, plan.light):
         print(line)
     if info["stage_count"]:
         print(f"the slicer's choice: {info['stage_count']['chosen']} stage(s), policy {info['policy']}: "
               f"{info['stage_count']['why']}")
-    results = args.out / "perf_analyzer_side_by_side" / info["model"] / info["size"] / "results.json"
+    results = (args.out / "perf_analyzer_side_by_side" / info["model"] / info["size"]
+               / ("light.json" if plan.light else "results.json"))
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps({**info, "systems": [asdict(s) for s in systems]}, indent=2) + "\n")
     print(f"took {time.perf_counter() - began:.0f} s; results in {results}")
