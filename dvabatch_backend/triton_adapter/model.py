@@ -275,13 +275,17 @@ CANCEL_POLL_MAX = 64  # requests asked per round: each `is_cancelled` is a round
 class _CancelWatch:
     """A thread that asks Triton whether queued requests were cancelled (a gRPC client's deadline
     or cancel), and has the scheduler drop their queries before a stage runs them. Only requests
-    with a query not yet taken by stage 0 are asked, at most `CANCEL_POLL_MAX` a round, round robin."""
+    with a query not yet taken by stage 0 are asked, at most `CANCEL_POLL_MAX` a round, round robin.
+    With none to ask it sleeps until one is added: a light load answered on the fast path adds none,
+    and a thread that woke every `CANCEL_POLL_SECONDS` for nothing would take the GIL and a core
+    from the queries it serves."""
 
     def __init__(self, pipeline: Pipeline) -> None:
         self._pipeline = pipeline
         self._open: dict[int, tuple[Any, _RequestAnswer, list[int]]] = {}  # first query id -> (request, answer, ids)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._added = threading.Event()  # set by `add` (and `close`): the watch has something to ask
         self._thread = threading.Thread(target=self._loop, name="dvabatch-cancel-watch", daemon=True)
         self._thread.start()
 
@@ -289,9 +293,18 @@ class _CancelWatch:
         if ids:
             with self._lock:
                 self._open[ids[0]] = (request, answer, ids)
+            self._added.set()
 
     def _loop(self) -> None:
-        while not self._stop.wait(CANCEL_POLL_SECONDS):
+        while not self._stop.is_set():
+            with self._lock:
+                idle = not self._open
+            if idle:  # cleared before the next look: an `add` after that look sets it again
+                self._added.wait()
+                self._added.clear()
+                continue
+            if self._stop.wait(CANCEL_POLL_SECONDS):
+                break
             try:
                 self._poll()
             except Exception as exc:  # noqa: BLE001 - the watch must outlive one failed round trip
@@ -319,6 +332,7 @@ class _CancelWatch:
 
     def close(self) -> None:
         self._stop.set()
+        self._added.set()
         self._thread.join()
         with self._lock:
             self._open.clear()

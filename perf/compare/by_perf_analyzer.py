@@ -39,7 +39,7 @@ lone query's profiled time; the better baseline at each figure is then the best 
 `--light` measures the loads most services see most of the day: each baseline is served twice, its
 onnxruntime threads sleeping between runs (the runtime's setting) and spinning (onnxruntime's own
 default, what a user's model does), and the better baseline at each figure is the faster of all of
-them; the baselines alone step to their sustained rate (p99 <= 100 ms); the fixed loads are Poisson
+them; the baselines alone step to their sustained rate (p99 <= 100 ms, one round a step); the fixed loads are Poisson
 at 0.25x, 0.5x and 0.9x of it; 5 rounds each of concurrency 1, the closed-loop sweep and the fixed
 loads, every round reported, the median deciding; targets: concurrency-1 mean within +0.1 ms, at
 0.25x and 0.5x mean and p99 <= 1.0x, closed loop >= 0.95x at every point (results: light.json).
@@ -135,6 +135,7 @@ LIGHT_LOADS = (FixedLoad(0.25), FixedLoad(0.5), FixedLoad(0.9))
 LIGHT_TARGETS = {"c1_mean_plus_ms": 0.1, "0.25x mean": 1.0, "0.25x p99": 1.0, "0.5x mean": 1.0, "0.5x p99": 1.0,
                  "closed loop": 0.95}
 LIGHT_ROUNDS, LIGHT_LATENCY_TARGET_MS, LIGHT_INTERVAL_MS = 5, 100.0, 1500
+LIGHT_STEP_ROUNDS = 1  # the baselines' steps to their sustained rate: what the loads are fractions of, not a figure
 GAMMA_SEED, GAMMA_SENDS = 0, 20_000  # perf_analyzer loops the schedule past its end
 
 
@@ -450,7 +451,7 @@ def median_row(rows: Sequence[PerfRow]) -> PerfRow:
 
 
 def measure_sustained(url: str, systems: Sequence[SystemResult], data: Path, plan: Plan, rates: Sequence[float],
-                      progress: Any = print) -> None:
+                      progress: Any = print, rounds: int | None = None) -> None:
     """Poisson at each of `rates` (one grid for every system), lowest first, each level the median of
     the plan's rounds with the systems' order alternating; a system stops at its first level past the
     target or not kept up (`sustained`). Fills each system's `steps` and sustained rate."""
@@ -458,7 +459,7 @@ def measure_sustained(url: str, systems: Sequence[SystemResult], data: Path, pla
     active = list(systems)
     for i, rate in enumerate(rates):
         rounds: dict[str, list[PerfRow]] = {s.label: [] for s in active}
-        for r in range(plan.load_rounds):
+        for r in range(rounds or plan.load_rounds):
             for system in alternating(active, i + r):
                 progress(f"{system.label}: Poisson at {rate:g}/s, round {r + 1}")
                 result = _run(url, system.model, data, plan, async_mode=True, **arrivals(rate, None))
@@ -561,7 +562,8 @@ def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: 
     stepping = [s for s in systems if is_baseline(s.label)] if plan.light else systems
     progress(f"Poisson request rates {', '.join(f'{r:g}' for r in grid)}/s, {'the baselines' if plan.light else 'every system'}")
     share.get(DVA, share[systems[0].label])(
-        "stepping", lambda: measure_sustained(server.grpc_url, stepping, data, plan, grid, progress))
+        "stepping", lambda: measure_sustained(server.grpc_url, stepping, data, plan, grid, progress,
+                                              LIGHT_STEP_ROUNDS if plan.light else None))
     rates, of = fixed_rates([s for s in systems if is_baseline(s.label)] or systems[-1:], plan.fixed_loads)
     schedules = {load.key: write_gamma_intervals(data.with_name(f"intervals-{i}.txt"), rates[load.key], load.cv)
                  for i, load in enumerate(plan.fixed_loads) if load.cv != 1}

@@ -171,6 +171,27 @@ def test_every_delaybatch_of_the_sweep_is_a_baseline() -> None:
     assert v["sustained"]["baseline"] == "DelayBatch-2ms" and v["sustained"]["value"] == round(100 / 120, 3)
 
 
+def test_light_verdicts_take_the_fastest_baseline_spinning_or_not_at_each_load() -> None:
+    """`--light`: the spinning baselines count as baselines; 0.25x and 0.5x are judged at 1.0x on the
+    mean and the p99, each against the lowest baseline; closed loop at 0.95x; no sustained verdict."""
+    assert sbs.is_baseline("ZeroBatch-spin") and sbs.is_baseline("DelayBatch-2ms-spin")
+    assert not sbs.is_baseline("DVABatch-spin")
+    dva = sbs.SystemResult("DVABatch", "m", c1_mean_ms=1.65, sustained_rate=100.0, closed_loop={"1": 96.0},
+                           loads={"0.25x": {"mean_ms": 3.0, "p99_ms": 9.0}, "0.5x": {"mean_ms": 4.0, "p99_ms": 12.0}})
+    zero = sbs.SystemResult("ZeroBatch", "z", c1_mean_ms=2.0, sustained_rate=50.0, closed_loop={"1": 90.0},
+                            loads={"0.25x": {"mean_ms": 2.9, "p99_ms": 20.0}, "0.5x": {"mean_ms": 5.0, "p99_ms": 11.0}})
+    spin = sbs.SystemResult("ZeroBatch-spin", "zs", c1_mean_ms=1.5, closed_loop={"1": 100.0},
+                            loads={"0.25x": {"mean_ms": 3.5, "p99_ms": 8.0}, "0.5x": {"mean_ms": 4.5, "p99_ms": 15.0}})
+    v = sbs.verdicts([dva, zero, spin], light=True)
+    assert v["c1 mean (ms over)"]["baseline"] == "ZeroBatch-spin" and not v["c1 mean (ms over)"]["met"]  # +0.15 ms
+    assert v["closed loop c1"] == {"value": 0.96, "baseline": "ZeroBatch-spin", "target": 0.95, "met": True}
+    assert v["0.25x mean"]["baseline"] == "ZeroBatch" and not v["0.25x mean"]["met"]  # 3.0 / 2.9
+    assert v["0.25x p99"]["baseline"] == "ZeroBatch-spin" and not v["0.25x p99"]["met"]  # 9 / 8
+    assert v["0.5x mean"]["met"] and v["0.5x p99"]["baseline"] == "ZeroBatch" and not v["0.5x p99"]["met"]
+    assert "sustained" not in v and "0.9x mean" not in v
+    assert "0.25x mean" not in sbs.verdicts([dva, zero, spin])  # the default plan's loads and targets
+
+
 def test_batch_histograms_are_the_executions_between_two_readings() -> None:
     assert sbs.histogram_delta({1: 10, 4: 7, 16: 3}, {1: 8, 4: 7}) == {"1": 2, "16": 3}
 
