@@ -451,15 +451,15 @@ def median_row(rows: Sequence[PerfRow]) -> PerfRow:
 
 
 def measure_sustained(url: str, systems: Sequence[SystemResult], data: Path, plan: Plan, rates: Sequence[float],
-                      progress: Any = print, rounds: int | None = None) -> None:
+                      progress: Any = print, step_rounds: int | None = None) -> None:
     """Poisson at each of `rates` (one grid for every system), lowest first, each level the median of
-    the plan's rounds with the systems' order alternating; a system stops at its first level past the
+    the plan's rounds (or `step_rounds`) with the systems' order alternating; a system stops at its first level past the
     target or not kept up (`sustained`). Fills each system's `steps` and sustained rate."""
     levels: dict[str, list[PerfRow]] = {s.label: [] for s in systems}
     active = list(systems)
     for i, rate in enumerate(rates):
         rounds: dict[str, list[PerfRow]] = {s.label: [] for s in active}
-        for r in range(rounds or plan.load_rounds):
+        for r in range(step_rounds or plan.load_rounds):
             for system in alternating(active, i + r):
                 progress(f"{system.label}: Poisson at {rate:g}/s, round {r + 1}")
                 result = _run(url, system.model, data, plan, async_mode=True, **arrivals(rate, None))
