@@ -90,7 +90,7 @@ def parse_parameters(params: Mapping[str, str], version_dir: Path) -> Settings:
     engine, device = values["engine"], values["device"]
     if device == "cuda" and engine != "torch":
         raise ValueError("parameter 'device': 'cuda' needs engine 'torch' (onnxruntime runs on the CPU here)")
-    spinning = values["spinning"] if isinstance(values["spinning"], bool) else values["spinning"] == "true"
+    spinning = values["spinning"] is True  # parsed where given; the default "false" otherwise
     return Settings(files["onnx_model"], files["manifest"], int(values["threads"]), engine, device, values["respond"],
                     spinning)
 
