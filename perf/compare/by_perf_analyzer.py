@@ -139,6 +139,11 @@ LIGHT_STEP_ROUNDS = 1  # the baselines' steps to their sustained rate: what the 
 GAMMA_SEED, GAMMA_SENDS = 0, 20_000  # perf_analyzer loops the schedule past its end
 
 
+def loads_and_targets(light: bool) -> tuple[tuple[FixedLoad, ...], dict[str, float]]:
+    """The fixed loads and the targets of a plan: `--light`'s, or the default's."""
+    return (LIGHT_LOADS, LIGHT_TARGETS) if light else (FIXED_LOADS, TARGETS)
+
+
 @dataclass(frozen=True)
 class Plan:
     """How long and how far each measurement goes."""
@@ -152,11 +157,7 @@ class Plan:
 
     @property
     def fixed_loads(self) -> tuple[FixedLoad, ...]:
-        return LIGHT_LOADS if self.light else FIXED_LOADS
-
-    @property
-    def targets(self) -> dict[str, float]:
-        return LIGHT_TARGETS if self.light else TARGETS
+        return loads_and_targets(self.light)[0]
 
     @classmethod
     def for_args(cls, quick: bool, latency_target_ms: float, interval_ms: int | None = None,
@@ -596,7 +597,7 @@ def verdicts(systems: Sequence[SystemResult], light: bool = False) -> dict[str, 
     better baseline's overlap (`within_spread`; None when either has no spread): a ratio whose
     rounds overlap is within the machine's noise, whichever side of the target it falls. `light`: the
     `--light` loads and targets."""
-    targets, loads = (LIGHT_TARGETS, LIGHT_LOADS) if light else (TARGETS, FIXED_LOADS)
+    loads, targets = loads_and_targets(light)
     by_label = {s.label: s for s in systems}
     dva, baselines = by_label.get(DVA), [s for s in systems if is_baseline(s.label)]
     if dva is None or not baselines:
@@ -638,8 +639,8 @@ def verdicts(systems: Sequence[SystemResult], light: bool = False) -> dict[str, 
     base = best({b.label: b.sustained_rate for b in baselines}, lower=False)
     if base and dva.sustained_rate and "sustained" in targets:
         ratio = dva.sustained_rate / base[1]
-        out["sustained"] = {"value": round(ratio, 3), "baseline": base[0], "target": TARGETS["sustained"],
-                            "met": ratio >= TARGETS["sustained"]}
+        out["sustained"] = {"value": round(ratio, 3), "baseline": base[0], "target": targets["sustained"],
+                            "met": ratio >= targets["sustained"]}
     return out
 
 
@@ -654,7 +655,7 @@ def table(systems: Sequence[SystemResult], latency_target_ms: float, light: bool
     def spread(pair: Any) -> str:
         return "" if not pair else f" [{pair[0]:.1f}-{pair[1]:.1f}]"
 
-    keys = [load.key for load in (LIGHT_LOADS if light else FIXED_LOADS)]
+    keys = [load.key for load in loads_and_targets(light)[0]]
     lines = [f"{'system':<16} {'c=1 mean':>8} {'c=1 p99':>8} {'closed peak/s':>13} {'sustained/s':>11} "
              + " ".join(f"{k + ' mean/p99 ms':>18}" for k in keys) + f" {'ok/failed':>12}"]
     for s in systems:
