@@ -24,7 +24,7 @@ import onnx
 import onnxruntime as ort
 
 from dvabatch_backend.runtime.engine import available_cores
-from dvabatch_backend.runtime.loading import MODEL_SPINNING, STAGE_SPINNING
+from dvabatch_backend.runtime.loading import MODEL_SPINNING, stage_spinning
 from dvabatch_backend.runtime.manifest import Manifest
 
 from .analysis import CutPoint, legal_cut_points, name_nodes, with_length_carrier
@@ -450,10 +450,10 @@ def fast_path_choice(folder: Path, manifest: Manifest, lengths: Sequence[int], t
     """Which engine runs a lone query on the fast path (runtime/fast_path.py): the unsliced model
     (`model.onnx`, loaded beside the stages) or the stages in a row, each as served (the model's
     session spinning as onnxruntime's do by default, the stages' within a run:
-    `loading.fast_path_spinning`), from one query at each profiled length `LIGHT_LOAD_GAP` after
+    `loading.stage_spinning`), from one query at each profiled length `LIGHT_LOAD_GAP` after
     the last (`profiler.time_after_gaps`). {"engine": "model" | "stages", "why", "seconds"}."""
     model_file = folder / (manifest.full_model or "model.onnx")
-    stage_files = [(folder / st.file, STAGE_SPINNING) for st in manifest.stages]
+    stage_files = [(folder / st.file, stage_spinning(manifest)) for st in manifest.stages]
     specs = [[manifest.inputs], [st.inputs for st in manifest.stages]]
     seconds = {}
     for length in lengths:

@@ -30,6 +30,12 @@ EngineWrapper = Callable[[int, StageEngine], StageEngine]
 MODEL_SPINNING, STAGE_SPINNING = ON, IN_RUN
 
 
+def stage_spinning(manifest: Manifest) -> str:
+    """How a stage's threads spin: a one-stage model's only stage runs the fast path's lone queries
+    and has no next stage to spin through, so it spins as the unsliced model does."""
+    return MODEL_SPINNING if manifest.num_stages == 1 else STAGE_SPINNING
+
+
 def make_engine(path: Path, settings: RuntimeSettings, manifest: Manifest | None = None,
                 spinning: str = STAGE_SPINNING) -> StageEngine:
     """An engine over one ONNX file (a stage, or the unsliced model), of the kind `settings` names;
@@ -62,7 +68,8 @@ def reads_model_inputs(path: Path, manifest: Manifest) -> bool:
 
 def make_engines(version_dir: Path, manifest: Manifest, settings: RuntimeSettings) -> list[StageEngine]:
     """One engine per stage, of the kind `settings` names."""
-    return [make_engine(version_dir / s.file, settings, manifest) for s in manifest.stages]
+    spinning = stage_spinning(manifest)
+    return [make_engine(version_dir / s.file, settings, manifest, spinning) for s in manifest.stages]
 
 
 def load_pipeline(model_dir: str | Path, policy: Policy, settings: RuntimeSettings = RuntimeSettings(),

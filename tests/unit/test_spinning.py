@@ -70,3 +70,16 @@ def test_the_fast_paths_model_and_the_stages_spin_as_set(zoo, tmp_path: Path, mo
     made = dict(_Recorder.made)
     assert made.pop("model.onnx") == model
     assert made and set(made.values()) == {stages}
+
+
+def test_a_one_stage_models_stage_spins_as_the_unsliced_model(zoo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model cut into one stage runs its fast path on that stage, with no next stage to spin
+    through: it spins as the unsliced model does; two stages spin only within a run."""
+    import dvabatch_backend.runtime.loading as loading
+
+    monkeypatch.setattr(loading, "OrtStageEngine", _Recorder)
+    for stages, spinning in ((1, MODEL_SPINNING), (2, STAGE_SPINNING)):
+        sliced = zoo.stages("dense", stages)
+        _Recorder.made = []
+        load_pipeline(sliced.dir, load_policy("load", {}, sliced.dir), RuntimeSettings()).stop()
+        assert len(_Recorder.made) == stages and {s for _, s in _Recorder.made} == {spinning}
