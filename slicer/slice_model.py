@@ -234,6 +234,9 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
         if external_data_dir(model) is not None:  # over 2 GB: a second copy of the weights is not offered
             fast_path = {"engine": "stages", "why": "the model is over 2 GB: the stages in a row, no second copy of "
                                                     "its weights beside them", "seconds": {}}
+        elif chosen.manifest.num_stages == 1:  # the one stage is the whole model: nothing to choose
+            fast_path = {"engine": "stages", "why": "one stage, the whole model, spinning as a user's model would "
+                                                    "(`loading.stage_spinning`)", "seconds": {}}
         else:
             say("timing the unsliced model beside the stages in a row (the fast path's engine)")
             fast_path = fast_path_choice(chosen.dir, chosen.manifest, lengths, served_threads, int_bounds(model))

@@ -61,6 +61,9 @@ def test_stages_auto_tries_one_stage_for_a_fixed_shape_model_and_says_why(tmp_pa
     fastest = max(measured.values())
     assert record["chosen"] == min(n for n, q in measured.items() if q >= (1 - STAGE_COUNT_TIE) * fastest)
     assert report.manifest.num_stages == record["chosen"]
+    # one stage is the whole model: nothing to time against it, and no second copy loaded
+    if record["chosen"] == 1:
+        assert report.manifest.fast_path_engine == "stages" and report.manifest.extra["fast_path"]["seconds"] == {}
     pipeline = load_pipeline(tmp_path / "mlp", load_policy("auto", {}, report.chosen.dir))
     pipeline.stop()
 
