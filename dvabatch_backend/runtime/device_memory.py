@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .buffers import HOST_MEMORY, BufferMemory, MemoryFactory
-from .fences import FenceFactory, StreamLike, as_torch_stream, cuda_fences
+from .fences import FenceFactory, StreamLike, as_torch_stream, cuda_fences, is_simulated
 
 
 def _torch_dtype(dtype: np.dtype) -> Any:
@@ -81,6 +81,10 @@ def stream_memory(streams: Sequence[StreamLike]) -> MemoryFactory:
     def memory(boundary: int, pair: int) -> BufferMemory:
         writer = stages[boundary - 1] if boundary > 0 else None
         reader = stages[boundary] if boundary < len(stages) else None
+        stage = writer if writer is not None else reader
+        if is_simulated(stage):  # the GPU stand-in: its own device memory; host memory is host memory
+            both = writer is not None and reader is not None and writer.device is reader.device
+            return stage.device.memory if both else HOST_MEMORY
         if writer is not None and reader is not None and writer.device == reader.device:
             return TorchMemory(writer.device)
         return HOST_MEMORY if writer is None and reader is None else PinnedMemory()
@@ -94,6 +98,8 @@ def place_on_streams(pipeline: Any, streams: Sequence[StreamLike]) -> None:
     buffers too. A stage shown with no stream (None: a wrapped engine) reads and writes host memory."""
     fences: FenceFactory = cuda_fences(streams)
     pipeline.install_buffers(fences, stream_memory(streams))
+    if any(is_simulated(s) for s in streams):
+        return  # the stand-in's buffers are numpy zeros, written already
     import torch
 
     torch.cuda.synchronize()  # the new buffers' zeros are written before any stage's stream reads them

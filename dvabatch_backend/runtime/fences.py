@@ -12,7 +12,7 @@ A fence belongs to one buffer (one boundary, one buffer pair). The `BufferPool` 
 
 On the CPU every engine finishes before `run` returns, so `HostFence` only keeps the flag the
 self-check needs. With engines on CUDA streams (`TorchStageEngine` on "cuda", TensorRT),
-`CudaEventFence` records a torch.cuda.Event on the writer's stream; the reader's stream waits on
+`CudaEventFence` records a torch.cuda.Event (or the GPU stand-in's, runtime/simulated.py) on the writer's stream; the reader's stream waits on
 it (`Stream.wait_event`: the GPU orders the work, the host does not block); on legitimation the
 writer's stream waits likewise for the reader's read. The host waits only where it reads or
 writes a boundary itself: the answers, a host reader's copy, and the gather into boundary 0.
@@ -95,11 +95,16 @@ def _torch_cuda() -> Any:
     return torch
 
 
+def is_simulated(stream: StreamLike) -> bool:
+    """Whether `stream` is the GPU stand-in's (runtime/simulated.py: torch.cuda's names, its own events)."""
+    return bool(getattr(stream, "simulated", False))
+
+
 def as_torch_stream(stream: StreamLike) -> StreamLike:
     """A torch stream for `stream`: None stays None (the host), a torch.cuda.Stream stays as it is, a
     raw cudaStream_t handle (an int, or cuda-python's object: TensorRT's path) is wrapped."""
-    if stream is None:
-        return None
+    if stream is None or is_simulated(stream):
+        return stream
     torch = _torch_cuda()
     if isinstance(stream, torch.cuda.Stream):
         return stream
@@ -124,11 +129,13 @@ class CudaEventFence:
     """
 
     def __init__(self, writer_stream: StreamLike = None, reader_stream: StreamLike = None) -> None:
-        torch = _torch_cuda()
         self.writer_stream = as_torch_stream(writer_stream)
         self.reader_stream = as_torch_stream(reader_stream)
-        self._written = torch.cuda.Event()  # no timing: cheaper to record and wait on
-        self._read = torch.cuda.Event()
+        simulated = next((s for s in (self.writer_stream, self.reader_stream) if is_simulated(s)), None)
+        # the stand-in's streams take its own events; torch's, torch.cuda's (no timing: cheaper)
+        new_event = simulated.device.event if simulated is not None else _torch_cuda().cuda.Event
+        self._written = new_event()
+        self._read = new_event()
         self._recorded = True  # like HostFence: a fresh buffer holds nothing to wait for
         self._written_on_gpu = False  # whether `_written` was ever recorded on a stream
         self._read_on_gpu = False

@@ -8,7 +8,7 @@ from .decisions import Policy
 from .engine import IN_RUN, ON, PER_STAGE, OrtStageEngine, StageEngine, available_cores
 from .manifest import Manifest
 from .pipeline import Pipeline
-from .settings import RuntimeSettings, graph_buckets
+from .settings import ENGINES, SIMULATED, RuntimeSettings, graph_buckets
 
 
 def find_version_dir(model_dir: str | Path, manifest_file: str = "manifest.json") -> Path:
@@ -44,13 +44,21 @@ def make_engine(path: Path, settings: RuntimeSettings, manifest: Manifest | None
     (`settings.cuda_graphs`): one per batch-size and length bucket, so a batch's kernels are one
     replay instead of one Python call per node."""
     threads = settings.threads_per_stage or available_cores()  # EVERY_CORE (0): every available core
+    if settings.engine not in ENGINES:
+        raise ValueError(f"engine {settings.engine!r} is not one this runtime knows: {', '.join(ENGINES)}")
+    if settings.engine == SIMULATED:  # a GPU stand-in, for measuring (runtime/simulated.py)
+        from .simulated import simulated_engine
+
+        if manifest is None:
+            raise ValueError("engine 'simulated' needs the model's manifest (its stages and graph buckets)")
+        return simulated_engine(path, settings.device_profile, manifest, engine_buckets(settings, manifest),
+                                manifest.pad_safe and reads_model_inputs(path, manifest))
     if settings.engine == "torch":  # imported only here: the runtime runs without torch
         from .torch_engine import TorchStageEngine
 
         engine = TorchStageEngine(path, settings.device, threads)
         if settings.device == "cuda" and settings.cuda_graphs and manifest is not None:
-            sizes, lengths = graph_buckets(settings.bs_max or manifest.max_batch_size, manifest.max_length,
-                                           manifest.has_seq)
+            sizes, lengths = engine_buckets(settings, manifest)
             # zero-padding the length is safe only on the model's own inputs (a mask of zeros hides
             # it); a later stage's (an additive mask) is not: the scheduler pads a batch to a bucket
             # before stage 0 instead (`graph_length`), so that later stages meet their lengths exactly
@@ -59,6 +67,12 @@ def make_engine(path: Path, settings: RuntimeSettings, manifest: Manifest | None
     # per_stage: `threads` each; global: one pool of every available core (0)
     return OrtStageEngine(path, threads if settings.thread_pool == PER_STAGE else 0, thread_pool=settings.thread_pool,
                           spinning=settings.spinning or spinning)
+
+
+def engine_buckets(settings: RuntimeSettings, manifest: Manifest) -> tuple[list[int], list[int]]:
+    """The (batch sizes, lengths) a model's engines capture CUDA graphs at (`graph_buckets`): the
+    same for the stages, the unsliced model and the baselines beside them."""
+    return graph_buckets(settings.bs_max or manifest.max_batch_size, manifest.max_length, manifest.has_seq)
 
 
 def reads_model_inputs(path: Path, manifest: Manifest) -> bool:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SIMULATED = "simulated"  # the GPU stand-in engine kind (runtime/simulated.py)
 MIN_WAKE_DELAY = 1e-4  # seconds: the earliest a wake-up asked for "now or before" comes (never at once, forever)
 
 
@@ -38,8 +39,10 @@ class RuntimeSettings:
     bs_max: int | None = None  # None: the manifest's max_batch_size
     threads_per_stage: int = 1  # EVERY_CORE (0): each stage on every available core
     record_trace: bool = False
-    engine: str = "onnxruntime"  # "onnxruntime" | "torch"
+    engine: str = "onnxruntime"  # ENGINES: "onnxruntime" | "torch" | "simulated" (a GPU stand-in, runtime/simulated.py)
     device: str = "cpu"  # "cpu" | "cuda"
+    # the simulated engine's device profile (a JSON file of stage times and device parameters)
+    device_profile: str | None = None
     # the torch engine on CUDA replays CUDA graphs captured at load, per batch-size and length bucket
     # (runtime/torch_engine.py): eagerly, a stage is one Python call per node, which bounds a GPU
     cuda_graphs: bool = True
@@ -75,6 +78,8 @@ class RuntimeSettings:
     slo: SloPolicy = SloPolicy()
 
 
+ENGINES = ("onnxruntime", "torch", SIMULATED)
+
 EVERY_CORE = 0  # threads_per_stage: each stage on every available core (the served default)
 
 
@@ -97,8 +102,10 @@ def default_buffer_pairs(device: str, thread_pool: str, threads_per_stage: int =
 
 
 def replays_graphs(settings: RuntimeSettings) -> bool:
-    """Whether the stages replay CUDA graphs captured per batch-size and length bucket."""
-    return settings.engine == "torch" and settings.device == "cuda" and settings.cuda_graphs
+    """Whether the stages replay CUDA graphs captured per batch-size and length bucket (the
+    simulated engine stands for such stages, and is charged at their buckets)."""
+    return (settings.engine == "torch" and settings.device == "cuda" and settings.cuda_graphs
+            or settings.engine == SIMULATED)
 
 
 def graph_buckets(bs_max: int, max_length: int, has_seq: bool) -> tuple[list[int], list[int]]:

@@ -1,0 +1,140 @@
+"""The GPU stand-in (runtime/simulated.py): streams and events ordered on a manual clock (no
+timing), a run charged at its graph bucket, the runtime's device path (fences on its events,
+boundaries in its device memory) answering as the unsliced model, and unknown engine kinds refused."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dvabatch_backend.runtime.fences import CudaEventFence
+from dvabatch_backend.runtime.loading import load_pipeline, make_engine
+from dvabatch_backend.runtime.manifest import TensorSpec
+from dvabatch_backend.runtime.settings import RuntimeSettings
+from dvabatch_backend.runtime.simulated import (DeviceArray, DeviceParameters, DeviceProfile, ManualClock, SimEvent,
+                                                SimulatedDevice, SimulatedMemory, SimulatedStageEngine)
+from policies import load_policy
+from tests.conftest import Collector, assert_all_answered_correctly
+
+
+def _profile(stages: int = 2, launch_s: float = 0.0, **extra: object) -> dict:
+    by_length = {str(n): [{"1": 1e-3 * n / 16, "2": 1.5e-3 * n / 16, "4": 2.5e-3 * n / 16} for _ in range(stages)]
+                 for n in (16, 32)}
+    return {"measured_on": "a test device", "stage_times": by_length["32"], "stage_times_by_length": by_length,
+            "parameters": {"launch_s": launch_s, "copy_latency_s": 1e-5, "copy_bytes_per_s": 1e9}, **extra}
+
+
+def _device(**params: float) -> tuple[SimulatedDevice, ManualClock]:
+    clock = ManualClock()
+    profile = DeviceProfile.from_json(_profile(**params))
+    return SimulatedDevice(profile, clock, clock.sleep), clock
+
+
+def test_a_stream_runs_after_the_event_it_waits_on_and_the_host_waits_only_where_it_synchronizes() -> None:
+    device, clock = _device()
+    a, b = device.stream(), device.stream()
+    assert device.enqueue(a, 1.0) == 1.0
+    written = device.event()
+    written.record(a)
+    b.wait_event(written)
+    assert device.enqueue(b, 0.5, "out") == 1.5  # a copy engine is free, but b waits for a's event
+    assert clock.now == 0.0  # launches returned at once: no host time spent
+    assert not written.query() and not b.query()
+    written.synchronize()
+    assert clock.now == 1.0 and written.query() and not b.query()
+    b.synchronize()
+    assert clock.now == 1.5 and b.query()
+
+
+def test_two_streams_share_the_compute_one_at_a_time_while_copies_overlap() -> None:
+    device, clock = _device(launch_s=0.25)
+    a, b = device.stream(), device.stream()
+    assert device.enqueue(a, 1.0) == 1.25  # launched at 0, started after the launch latency
+    assert device.enqueue(b, 1.0) == 2.25  # another stream's replay waits for the device
+    assert device.enqueue(device.stream(), 0.5, "in") == 0.75  # a copy runs beside them
+    device.synchronize()
+    assert clock.now == 2.25
+
+
+def test_an_event_never_recorded_orders_nothing() -> None:
+    device, _ = _device()
+    s = device.stream()
+    s.wait_event(SimEvent(device))
+    assert s.tail == 0.0
+
+
+def test_a_run_is_charged_at_its_graph_bucket_less_the_copies_its_profile_made() -> None:
+    device, clock = _device(launch_s=1e-5)
+    specs = [TensorSpec("x", "float32", ("batch", "seq", 8))]
+    out_specs = [TensorSpec("y", "float32", ("batch", "seq", 8))]
+    engine = SimulatedStageEngine(device, specs, [(1, specs, out_specs)], ([1, 2, 4], [16, 32]), pad_length=True)
+    assert engine.bucket(3, 20) == (4, 32) and engine.bucket(1, 16) == (1, 16)
+    params = device.profile.parameters
+    bucket_bytes = 4 * 32 * 8 * 4
+    expected = device.profile.run_seconds(1, 4, 32) - params.launch_s - 2 * params.copy_seconds(bucket_bytes)
+    assert engine.compute_seconds(4, 32) == pytest.approx(expected)
+    inputs, outputs = {"x": np.ones((3, 20, 8), np.float32)}, {"y": np.zeros((3, 20, 8), np.float32)}
+    engine.run(inputs, outputs)  # host outputs: returns once they are copied out
+    copies = params.copy_seconds(inputs["x"].nbytes) + params.copy_seconds(outputs["y"].nbytes)
+    # the copy in starts after the launch latency; compute and copy out each launch after it
+    assert clock.now == pytest.approx(params.launch_s + copies + expected)
+    assert engine.replays == 1 and np.all(outputs["y"] == 0)  # a measuring run computes no values
+
+    device_out = {"y": SimulatedMemory(device).zeros(3 * 20 * 8, np.dtype("float32")).reshape(3, 20, 8)}
+    assert isinstance(device_out["y"], DeviceArray)
+    before = clock.now
+    engine.run(inputs, device_out)  # device outputs: queued, not waited for
+    assert clock.now == before and engine.stream.tail > before
+
+
+def test_the_unsliced_model_costs_its_stages_summed_until_a_device_measures_it() -> None:
+    profile = DeviceProfile.from_json(_profile())
+    assert profile.run_seconds(None, 2, 32) == pytest.approx(profile.run_seconds(0, 2, 32) + profile.run_seconds(1, 2, 32))
+    measured = DeviceProfile.from_json(_profile(model_times={"stage_times": [{"1": 0.5, "4": 2.0}]}))
+    assert measured.run_seconds(None, 2, 0) == pytest.approx(1.0)
+    assert measured.run_seconds(0, 8, 0) > measured.run_seconds(0, 4, 0)  # past the profile: along the last two
+
+
+def _profile_file(tmp_path: Path, stages: int, **extra: object) -> Path:
+    path = tmp_path / "device.json"
+    path.write_text(json.dumps(_profile(stages, 1e-5, **extra)))
+    return path
+
+
+def test_a_pipeline_on_the_stand_in_crosses_its_device_memory_and_answers_as_the_unsliced_model(zoo, tmp_path: Path) -> None:
+    model = zoo.stages("token", 3)
+    settings = RuntimeSettings(engine="simulated", device_profile=str(_profile_file(tmp_path, 3, values="computed")),
+                               num_buffer_pairs=2)
+    pipeline = load_pipeline(model.dir, load_policy("pipelined", {}, model.dir), settings)
+    buffers = pipeline.scheduler.board.buffers.buffers
+    assert all(isinstance(b.memory, SimulatedMemory) for row in buffers[1:-1] for b in row)  # between stages
+    assert not any(isinstance(b.memory, SimulatedMemory) for b in buffers[0] + buffers[-1])  # the host's
+    assert all(isinstance(b.fence, CudaEventFence) for row in buffers for b in row)
+    collector = Collector()
+    pipeline.start()
+    try:
+        rng = np.random.default_rng(3)
+        sent = {}
+        for _ in range(24):
+            query = model.query(rng)
+            sent[pipeline.submit(query, collector)] = query
+        assert_all_answered_correctly(model, pipeline, collector, sent)
+    finally:
+        pipeline.stop()
+
+
+def test_the_stand_in_needs_a_profile_of_the_models_stages_and_unknown_engines_are_refused(zoo, tmp_path: Path) -> None:
+    model = zoo.stages("token", 2)
+    stage = model.dir / model.manifest.stages[0].file
+    with pytest.raises(ValueError, match="needs a device profile"):
+        make_engine(stage, RuntimeSettings(engine="simulated"), model.manifest)
+    with pytest.raises(ValueError, match="has 3 stage"):
+        make_engine(stage, RuntimeSettings(engine="simulated", device_profile=str(_profile_file(tmp_path, 3))),
+                    model.manifest)
+    with pytest.raises(ValueError, match="not one this runtime knows"):
+        make_engine(stage, RuntimeSettings(engine="tensorrt"), model.manifest)
+    with pytest.raises(ValueError, match="unknown parameters"):
+        DeviceProfile.from_json({**_profile(), "parameters": {"warp_speed": 9}})
+    assert DeviceParameters().concurrent_kernels == 1  # streams share the device until measured
