@@ -308,6 +308,8 @@ class SimulatedStageEngine:
         self.device = device
         self.input_specs = tuple(inputs)  # what `run` is given: where it reads the batch's rows and length
         self._parts = tuple(parts)
+        self.input_names = [s.name for s in self.input_specs]
+        self.output_names = [s.name for s in parts[-1][2]]
         self.sizes, self.lengths = sorted(buckets[0]), sorted(buckets[1])
         self.pad_length = pad_length
         self.stream = device.stream()

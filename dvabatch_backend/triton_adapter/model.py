@@ -19,7 +19,8 @@ Settings come from `config.pbtxt` parameters, each checked at load with the bad 
 (`_PARSERS` lists them): manifest (default manifest.json), policy (default pipelined),
 num_buffer_pairs (1 on the CPU where each stage runs on every core, else 2: `default_buffer_pairs`),
 bs_max (the manifest's), thread_pool (per_stage), threads_per_stage (0: every available core), spinning
-(the unsliced model's on, the stages' in_run), engine,
+(the unsliced model's on, the stages' in_run), engine (onnxruntime, torch, or simulated: the GPU
+stand-in, with device_profile, a file in the model's folder),
 device, run_on, fast_path, cuda_graphs (true), device_buffers (true),
 entry_waits_for_device (true), engine_wrapper; Triton's
 queue policy (max_queue_size, default_timeout_microseconds, allow_timeout_override,
@@ -44,7 +45,8 @@ from ..runtime.manifest import Manifest
 from ..runtime.query import Answer
 from ..runtime.loading import load_pipeline
 from ..runtime.pipeline import Pipeline
-from ..runtime.settings import EVERY_CORE, QueuePolicy, RuntimeSettings, SloPolicy, default_buffer_pairs
+from ..runtime.settings import (ENGINES, EVERY_CORE, SIMULATED, QueuePolicy, RuntimeSettings, SloPolicy,
+                                default_buffer_pairs)
 from . import parameters
 from .metrics import StageMetrics
 
@@ -65,7 +67,8 @@ _PARSERS: dict[str, parameters.Parser] = {
     "num_buffer_pairs": parameters.integer(1),
     "bs_max": parameters.integer(1),
     "threads_per_stage": parameters.integer(0),
-    "engine": parameters.choice("onnxruntime", "torch"),
+    "engine": parameters.choice(*ENGINES),
+    "device_profile": parameters.text,
     "device": parameters.choice("cpu", "cuda"),
     "thread_pool": parameters.choice("global", "per_stage"),
     "spinning": parameters.choice(*SPINNING),
@@ -103,14 +106,23 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path,
     defaults = RuntimeSettings()
     queue_defaults = queue_defaults or defaults.queue
     device = values.get("device", defaults.device)
+    engine = values.get("engine", defaults.engine)
     thread_pool = values.get("thread_pool", SERVED_THREAD_POOL)
     threads = values.get("threads_per_stage", SERVED_THREADS_PER_STAGE)
+    profile = values.get("device_profile")
+    if profile is not None:  # relative to the model's folder
+        profile = str(model_dir / profile)
+        if not Path(profile).is_file():
+            raise ValueError(f"parameter 'device_profile': {profile} not found")
+    # the GPU stand-in's stages run on (simulated) streams of their own, as a GPU's do
+    pairs_device = "cuda" if engine == SIMULATED else device
     runtime = RuntimeSettings(
-        num_buffer_pairs=values.get("num_buffer_pairs", default_buffer_pairs(device, thread_pool, threads)),
+        num_buffer_pairs=values.get("num_buffer_pairs", default_buffer_pairs(pairs_device, thread_pool, threads)),
         bs_max=values.get("bs_max"),
         threads_per_stage=threads,
-        engine=values.get("engine", defaults.engine),
+        engine=engine,
         device=device,
+        device_profile=profile,
         thread_pool=thread_pool,
         spinning=values.get("spinning", defaults.spinning),
         run_on=values.get("run_on", defaults.run_on),

@@ -15,8 +15,11 @@ batch; a failed run answers every request of the batch with the error.
 Config parameters: `onnx_model` (file in the version folder, default model.onnx), `manifest`
 (default manifest.json: which dims are batch and seq, and the longest length), `threads`
 (intra-op threads, default 1), `spinning` (onnxruntime's threads spin-wait for work, its own
-default; default false: they sleep, as the runtime's do), `engine` ("onnxruntime", the default, or "torch"), `device`
-("cpu", the default, or "cuda": torch only) and `respond` (`RESPONDS`: how the answers go back).
+default; default false: they sleep, as the runtime's do), `engine` ("onnxruntime", the default, "torch", or
+"simulated": the GPU stand-in, with `device_profile`, a file relative to the version folder or absolute),
+`device` ("cpu", the default, or "cuda": torch only) and `respond` (`RESPONDS`: how the answers go back).
+The torch engine and the stand-in are made as the runtime makes the dvabatch model's unsliced model
+(`EngineRunner`): the same CUDA-graph buckets.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from dvabatch_backend.runtime.engine import OFF, ON, ort_session_options
+from dvabatch_backend.runtime.loading import make_engine
+from dvabatch_backend.runtime.settings import SIMULATED, RuntimeSettings
 from dvabatch_backend.triton_adapter import parameters
 from dvabatch_backend.runtime.manifest import SEQ, Manifest, TensorSpec, dim_size, is_length_dim
 
@@ -46,7 +51,7 @@ PARAMETERS = {"onnx_model": "model.onnx", "manifest": "manifest.json", "threads"
 # hands the requests to; or "echo": no model at all, zeros of the outputs' shapes returned (the least
 # any Python-backend model pays here)
 RESPONDS = ("return", "sender", "thread", "echo")
-ENGINES = ("onnxruntime", "torch")
+ENGINES = ("onnxruntime", "torch", SIMULATED)
 DEVICES = ("cpu", "cuda")
 
 
@@ -63,6 +68,7 @@ class Settings:
     device: str = "cpu"
     respond: str = "return"
     spinning: bool = False  # onnxruntime's threads spin-wait for work (its default), or sleep (the runtime's)
+    device_profile: Path | None = None  # the GPU stand-in's (engine "simulated")
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,8 @@ def parse_parameters(params: Mapping[str, str], version_dir: Path) -> Settings:
     values.update(parameters.read(params, {
         "onnx_model": parameters.text, "manifest": parameters.text, "threads": parameters.integer(1),
         "engine": parameters.choice(*ENGINES), "device": parameters.choice(*DEVICES),
-        "respond": parameters.choice(*RESPONDS), "spinning": parameters.boolean}))
+        "respond": parameters.choice(*RESPONDS), "spinning": parameters.boolean,
+        "device_profile": parameters.text}))
     files = {}
     for key in ("onnx_model", "manifest"):
         files[key] = version_dir / values[key]
@@ -91,8 +98,11 @@ def parse_parameters(params: Mapping[str, str], version_dir: Path) -> Settings:
     if device == "cuda" and engine != "torch":
         raise ValueError("parameter 'device': 'cuda' needs engine 'torch' (onnxruntime runs on the CPU here)")
     spinning = values["spinning"] is True  # parsed where given; the default "false" otherwise
+    profile = version_dir / values["device_profile"] if values.get("device_profile") else None
+    if engine == SIMULATED and (profile is None or not profile.is_file()):
+        raise ValueError(f"parameter 'device_profile': engine 'simulated' needs a device profile file, got {profile}")
     return Settings(files["onnx_model"], files["manifest"], int(values["threads"]), engine, device, values["respond"],
-                    spinning)
+                    spinning, profile)
 
 
 def load_manifest(path: Path) -> Manifest:
@@ -184,16 +194,21 @@ class OrtRunner:
         return dict(zip(names, self._session.run(names, dict(batch))))
 
 
-class TorchRunner:
-    """The unsliced model on the runtime's torch engine, as one stage: outputs are allocated at the
-    shapes the manifest gives for the batch's rows and length, and the engine writes them."""
+class EngineRunner:
+    """The unsliced model on one of the runtime's engines (torch, or the GPU stand-in), loaded as the
+    runtime loads the dvabatch model's unsliced model (`loading.make_engine` with the same bs_max):
+    on CUDA the torch engine captures the same CUDA-graph buckets, warmed up by the capture; the
+    stand-in is charged at the same buckets. Outputs are allocated at the shapes the manifest gives
+    for the batch's rows and length, and the engine writes them."""
 
-    def __init__(self, path: Path, threads: int, device: str) -> None:
-        from dvabatch_backend.runtime.torch_engine import TorchStageEngine
-
-        self._engine = TorchStageEngine(path, device=device, threads=threads)
+    def __init__(self, path: Path, manifest: Manifest, settings: RuntimeSettings) -> None:
+        self._engine = make_engine(path, settings, manifest)
         self.input_names = set(self._engine.input_names)
         self.output_names = set(self._engine.output_names)
+
+    @property
+    def engine(self) -> Any:
+        return self._engine
 
     def run(self, batch: Mapping[str, np.ndarray], outputs: Sequence[TensorSpec], rows: int,
             length: int) -> dict[str, np.ndarray]:
@@ -202,12 +217,20 @@ class TorchRunner:
         return results
 
 
-def make_runner(settings: Settings) -> OrtRunner | TorchRunner:
+def engine_settings(settings: Settings, manifest: Manifest) -> RuntimeSettings:
+    """The runtime's settings the baseline's engine is made with: the engine, device and threads of
+    the baseline's, the batch buckets of its manifest's bs_max (the dvabatch model's default)."""
+    return RuntimeSettings(engine=settings.engine, device=settings.device, threads_per_stage=settings.threads,
+                           bs_max=manifest.max_batch_size,
+                           device_profile=str(settings.device_profile) if settings.device_profile else None)
+
+
+def make_runner(settings: Settings, manifest: Manifest) -> OrtRunner | EngineRunner:
     # resolved: the file is a link into the sliced model's folder, where its external data would lie
     path = settings.onnx_model.resolve()
-    if settings.engine == "torch":
-        return TorchRunner(path, settings.threads, settings.device)
-    return OrtRunner(path, settings.threads, settings.spinning)
+    if settings.engine == "onnxruntime":
+        return OrtRunner(path, settings.threads, settings.spinning)
+    return EngineRunner(path, manifest, engine_settings(settings, manifest))
 
 
 class TritonPythonModel:
@@ -216,7 +239,7 @@ class TritonPythonModel:
         version_dir = Path(args["model_repository"]) / args["model_version"]
         settings = parse_parameters(parameters.string_parameters(config), version_dir)
         self._manifest = load_manifest(settings.manifest)
-        self._runner = make_runner(settings)
+        self._runner = make_runner(settings, self._manifest)
         session_inputs, session_outputs = self._runner.input_names, self._runner.output_names
         wanted_in = {t.name for t in self._manifest.inputs}
         wanted_out = {t.name for t in self._manifest.outputs}

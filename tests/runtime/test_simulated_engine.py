@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dvabatch_backend.runtime.fences import CudaEventFence
-from dvabatch_backend.runtime.loading import load_pipeline, make_engine
+from dvabatch_backend.runtime.loading import load_pipeline, make_engine, make_engines
 from dvabatch_backend.runtime.manifest import TensorSpec
 from dvabatch_backend.runtime.settings import RuntimeSettings
 from dvabatch_backend.runtime.simulated import (DeviceArray, DeviceParameters, DeviceProfile, ManualClock, SimEvent,
@@ -138,3 +138,20 @@ def test_the_stand_in_needs_a_profile_of_the_models_stages_and_unknown_engines_a
     with pytest.raises(ValueError, match="unknown parameters"):
         DeviceProfile.from_json({**_profile(), "parameters": {"warp_speed": 9}})
     assert DeviceParameters().concurrent_kernels == 1  # streams share the device until measured
+
+
+def test_the_baselines_run_on_the_stand_in_at_the_dvabatch_models_buckets(zoo, tmp_path: Path) -> None:
+    """ZeroBatch's engine on the stand-in (perf/baselines/model.py, engine "simulated") is charged at
+    the graph buckets the dvabatch model's engines are, and costs its stages summed."""
+    from perf.baselines import model as baseline_model
+
+    model = zoo.stages("token", 2)
+    profile = _profile_file(tmp_path, 2)
+    settings = baseline_model.parse_parameters({"engine": "simulated", "device_profile": str(profile)}, model.dir)
+    runner = baseline_model.make_runner(settings, model.manifest)
+    engines = make_engines(model.dir, model.manifest, RuntimeSettings(engine="simulated", device_profile=str(profile)))
+    assert all(e.buckets == runner.engine.buckets for e in engines)
+    stages = sum(e.compute_seconds(4, 32) for e in engines)
+    assert runner.engine.compute_seconds(4, 32) == pytest.approx(stages)
+    with pytest.raises(ValueError, match="needs a device profile"):
+        baseline_model.parse_parameters({"engine": "simulated"}, model.dir)

@@ -167,9 +167,9 @@ def test_the_baselines_run_the_unsliced_model_on_either_engine(sliced: SlicedCac
                 for k, n in ((1, 5), (2, 16), (1, 9))]
     batch = baseline_model.pad_batch(requests, manifest.inputs)
     answers = {}
-    for engine in baseline_model.ENGINES:
+    for engine in ("onnxruntime", "torch"):
         settings = baseline_model.parse_parameters({"engine": engine}, model.folder)
-        runner = baseline_model.make_runner(settings)
+        runner = baseline_model.make_runner(settings, manifest)
         answers[engine] = runner.run(batch, manifest.outputs, 4, 16)
     for name, expected in answers["onnxruntime"].items():
         np.testing.assert_allclose(answers["torch"][name], expected, atol=1e-4, rtol=1e-3, err_msg=name)
@@ -177,6 +177,46 @@ def test_the_baselines_run_the_unsliced_model_on_either_engine(sliced: SlicedCac
         baseline_model.parse_parameters({"device": "cuda"}, model.folder)
     config = (add_baseline(tmp_path, model.folder, "b", 0, engine="torch") / "config.pbtxt").read_text()
     assert parameters(config)["engine"] == "torch"
+
+
+class _CaptureRecorder:
+    """Stands in for `TorchStageEngine` on "cuda" (no GPU here) only to record the graph buckets
+    each engine is asked to capture."""
+
+    captured: dict[str, tuple] = {}
+
+    def __init__(self, path: Path, device: str = "cpu", threads: int = 1) -> None:
+        self.path = Path(path)
+        onnx_model = onnx.load(str(path), load_external_data=False)
+        self.input_names = [i.name for i in onnx_model.graph.input]
+        self.output_names = [o.name for o in onnx_model.graph.output]
+
+    def capture_buckets(self, batch_sizes, lengths, pad_length: bool) -> int:
+        _CaptureRecorder.captured[self.path.name] = (list(batch_sizes), list(lengths))
+        return len(batch_sizes) * len(lengths)
+
+
+def test_the_baselines_capture_the_graph_buckets_the_dvabatch_model_captures(sliced: SlicedCache,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Served on CUDA, ZeroBatch's unsliced model replays graphs at the buckets dvabatch's stages
+    and unsliced model capture (the manifest's bs_max and lengths), not eagerly."""
+    import dvabatch_backend.runtime.torch_engine as torch_engine
+    from dvabatch_backend.runtime.loading import load_pipeline
+    from perf.baselines import model as baseline_model
+    from policies import load_policy
+
+    model = sliced.get("bert")
+    folder = model.folder
+    monkeypatch.setattr(torch_engine, "TorchStageEngine", _CaptureRecorder)
+    _CaptureRecorder.captured = {}
+    settings = baseline_model.parse_parameters({"engine": "torch", "device": "cuda"}, folder)
+    baseline_model.make_runner(settings, baseline_model.load_manifest(settings.manifest))
+    baseline = _CaptureRecorder.captured.pop("model.onnx")
+    load_pipeline(folder, load_policy("load", {}, folder), RuntimeSettings(engine="torch", device="cuda")).stop()
+    stages = _CaptureRecorder.captured
+    assert set(stages) >= {s.file for s in model.manifest.stages}  # and the fast path's unsliced model, if loaded
+    assert all(buckets == baseline for buckets in stages.values())
+    assert baseline == graph_buckets(model.manifest.max_batch_size, model.manifest.max_length, True)
 
 
 def test_graph_buckets_cover_every_batch_size_and_length() -> None:
