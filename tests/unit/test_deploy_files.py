@@ -97,9 +97,11 @@ def test_gpu_config_replaces_what_was_set() -> None:
     (group,) = out.instance_group
     assert group.kind == model_config.pb.ModelInstanceGroup.KIND_GPU and list(group.gpus) == [0, 1]
     written = model_config.parameters(out)
-    # the CPU's one pair becomes two: stages on their own streams overlap; the engine is replaced
-    assert written["num_buffer_pairs"] == "2" and written["engine"] == "torch"
+    # the CPU's one pair is dropped for the adapter's GPU default; the engine is replaced
+    assert "num_buffer_pairs" not in written and written["engine"] == "torch"
     assert written["policy"] == "input"  # kept
+    chosen = {"slicing": {"buffer_pairs": {"chosen": 1, "why": "measured on the device"}}}
+    assert model_config.parameters(gpu_config(text, manifest=chosen))["num_buffer_pairs"] == "1"
     with pytest.raises(ValueError):
         gpu_config('name: "m"\n')
 
