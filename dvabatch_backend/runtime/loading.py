@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .decisions import Policy
+from .device_times import on_serving_device
 from .engine import IN_RUN, ON, PER_STAGE, OrtStageEngine, StageEngine, available_cores
 from .manifest import Manifest
 from .pipeline import Pipeline
@@ -97,6 +98,8 @@ def load_pipeline(model_dir: str | Path, policy: Policy, settings: RuntimeSettin
     version_dir = find_version_dir(model_dir, manifest_file)
     manifest = Manifest.load(version_dir / manifest_file)
     engines = make_engines(version_dir, manifest, settings)
+    # policies and admission plan with the serving device's stage times (runtime/device_times.py)
+    manifest = on_serving_device(version_dir, manifest, engines, engine_buckets(settings, manifest))
     if wrap is not None:
         engines = [wrap(stage, engine) for stage, engine in enumerate(engines)]
     whole = None

@@ -12,7 +12,6 @@ that is the fence plumbing the GPU runs exercise. The engine is the runtime's
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -20,12 +19,13 @@ import numpy as np
 
 from dvabatch_backend.runtime.decisions import Policy
 from dvabatch_backend.runtime.device_memory import place_on_streams
+from dvabatch_backend.runtime.device_times import serving_device, time_stages, with_stage_times
 from dvabatch_backend.runtime.fences import cuda_fences, install_fences
 from dvabatch_backend.runtime.loading import make_engine, wait_at_entry
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.runtime.pipeline import Pipeline
 from dvabatch_backend.runtime.scheduler import Scheduler
-from dvabatch_backend.runtime.settings import RuntimeSettings
+from dvabatch_backend.runtime.settings import SIMULATED, RuntimeSettings
 from slicer import cut, toy
 from slicer.profiler import int_bounds, random_inputs
 
@@ -44,11 +44,25 @@ def sliced_token_mlp(out_dir: Path, hidden: int, layers: int, stages: int, bs_ma
     return out_dir, manifest
 
 
+DEVICES = ("cuda", "cpu", SIMULATED)  # the torch engine on CUDA or the CPU, or the GPU stand-in
+
+
+def engine_settings(device: str, cuda_graphs: bool = False, bs_max: int | None = None,
+                    device_profile: str | None = None) -> RuntimeSettings:
+    """The runtime's engine settings for `device`: the torch engine on "cuda" or "cpu" (CUDA graphs
+    only on CUDA), or the GPU stand-in ("simulated", charged from `device_profile`), which stands
+    for the torch engine replaying graphs."""
+    if device == SIMULATED:
+        return RuntimeSettings(engine=SIMULATED, device_profile=device_profile, bs_max=bs_max)
+    return RuntimeSettings(engine="torch", device=device, cuda_graphs=cuda_graphs and device == "cuda", bs_max=bs_max)
+
+
 def torch_engines(model_dir: Path, manifest: Manifest, device: str, cuda_graphs: bool = False,
-                  bs_max: int | None = None) -> list[Any]:
-    """One `TorchStageEngine` per stage, loaded as the runtime loads them (`loading.make_engine`):
-    with `cuda_graphs` on CUDA, each captures its graphs per batch-size and length bucket."""
-    settings = RuntimeSettings(engine="torch", device=device, cuda_graphs=cuda_graphs, bs_max=bs_max)
+                  bs_max: int | None = None, device_profile: str | None = None) -> list[Any]:
+    """One engine per stage, loaded as the runtime loads them (`loading.make_engine`): a
+    `TorchStageEngine` (with `cuda_graphs` on CUDA, each captures its graphs per batch-size and
+    length bucket), or on device "simulated" the GPU stand-in's."""
+    settings = engine_settings(device, cuda_graphs, bs_max, device_profile)
     return [make_engine(model_dir / s.file, settings, manifest) for s in manifest.stages]
 
 
@@ -105,29 +119,16 @@ def sliced_zoo_model(name: str, out_dir: Path, stages: int, bs_max: int, max_len
 def profile_on_device(model_dir: Path, manifest: Manifest, engines: Sequence[Any], batch_sizes: Sequence[int],
                       lengths: Sequence[int], int_high: Mapping[str, int], repeats: int = 3) -> Manifest:
     """Each stage engine timed where it serves (its `run`: inputs in, compute, outputs out) at every
-    batch size and length; the times go into the manifest as the slicer's `stage_times` (at the
-    longest length) and `stage_times_by_length`, so the policies plan with the device's costs.
+    batch size and length (`device_times.time_stages`, on random queries); the times go into the
+    manifest as the slicer's `stage_times` (at the longest length) and `stage_times_by_length`,
+    recorded as measured on the engines' device, so the policies plan with the device's costs.
     Rewrites model_dir/manifest.json and returns that manifest."""
     rng = np.random.default_rng(0)
-    by_length: dict[str, list[dict[str, float]]] = {}
-    for length in lengths:
-        per_stage = []
-        for spec, engine in zip(manifest.stages, engines):
-            row = {}
-            for bs in batch_sizes:
-                inputs = random_inputs(spec.inputs, bs, length, rng, dict(int_high))
-                outputs = {o.name: np.empty(o.shape(bs, length), o.np_dtype) for o in spec.outputs}
-                engine.run(inputs, outputs)  # warm-up: kernels chosen, allocations made
-                t0 = time.perf_counter()
-                for _ in range(repeats):
-                    engine.run(inputs, outputs)
-                row[str(bs)] = (time.perf_counter() - t0) / repeats
-            per_stage.append(row)
-        by_length[str(length)] = per_stage
+    by_length = time_stages(manifest, engines, batch_sizes, lengths,
+                            lambda spec, bs, length: random_inputs([spec], bs, length, rng, dict(int_high))[spec.name],
+                            repeats)
+    manifest = with_stage_times(manifest, by_length, serving_device(engines) or "cpu")
     doc = manifest.to_json()
-    doc["stage_times"] = by_length[str(max(lengths))]
-    if manifest.has_seq:
-        doc["stage_times_by_length"] = by_length
     doc["input_bounds"] = {k: v for k, v in int_high.items() if k in {t.name for t in manifest.inputs}}
     manifest = Manifest.from_json(doc)
     manifest.dump(model_dir / "manifest.json")

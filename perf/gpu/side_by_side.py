@@ -43,13 +43,13 @@ from typing import Any
 import numpy as np
 
 from dvabatch_backend.runtime.manifest import Manifest
-from dvabatch_backend.runtime.settings import RuntimeSettings
 from dvabatch_backend.runtime.loading import make_engine
 from dvabatch_backend.runtime.query import validate_inputs
 from perf.load.arrivals import paced, poisson
 from perf.load.stats import latency_stats
 from perf.baselines.bench import sample_queries
-from perf.gpu.pipelines import cuda_pipeline, profile_on_device, sliced_token_mlp, sliced_zoo_model, torch_engines
+from perf.gpu.pipelines import (DEVICES, cuda_pipeline, engine_settings, profile_on_device, sliced_token_mlp,
+                                sliced_zoo_model, torch_engines)
 
 Inputs = Mapping[str, np.ndarray]
 Done = Callable[[bool], None]  # called once per query: True with its result, False with an error
@@ -88,6 +88,7 @@ class Setup:
     c1_queries: int = 90  # queries at concurrency 1, per system
     p99_target_factor: float = 5.0  # the sustained rate's p99 target: this many times ZeroBatch's c1 mean
     cuda_graphs: bool = True  # every system's engines replay CUDA graphs (on CUDA), or none do
+    device_profile: str = ""  # the GPU stand-in's (device "simulated"): a device profile file
 
 
 QUICK = Setup(hidden=64, layers=4, stages=2, bs_max=4, max_length=16, fractions=(0.5,), seconds_per_load=0.5,
@@ -312,7 +313,7 @@ def prepare(out_dir: Path, setup: Setup, device: str) -> tuple[Path, Manifest, d
                                                      setup.max_length, setup.size)
     lengths = [n for n in (16, 32, 64, 128) if n <= setup.max_length] or [0]
     batch_sizes = [bs for bs in (1, 2, 4, 8, 16, 32) if bs <= setup.bs_max]
-    engines = torch_engines(model_dir, manifest, device, setup.cuda_graphs and device == "cuda", setup.bs_max)
+    engines = torch_engines(model_dir, manifest, device, setup.cuda_graphs, setup.bs_max, setup.device_profile)
     manifest = profile_on_device(model_dir, manifest, engines, batch_sizes,
                                  lengths, int_high)
     return model_dir, manifest, int_high
@@ -365,8 +366,8 @@ def run(out_dir: Path, setup: Setup, device: str) -> dict[str, Any]:
     model_dir, manifest, int_high = prepare(out_dir, setup, device)
     memory: dict[str, Any] = {"before_mib": device_mib(device)}
     graphs = setup.cuda_graphs and device == "cuda"
-    whole = make_engine(model_dir / "model.onnx", RuntimeSettings(engine="torch", device=device, cuda_graphs=graphs,
-                                                                  bs_max=setup.bs_max), manifest)
+    engine = engine_settings(device, setup.cuda_graphs, setup.bs_max, setup.device_profile)
+    whole = make_engine(model_dir / "model.onnx", engine, manifest)
     memory["unsliced_engine_mib"] = device_mib(device) - memory["before_mib"]
     zero = DynamicBatcher(whole, manifest, setup.bs_max).start()
     systems: dict[str, Any] = {"ZeroBatch": zero}
@@ -374,16 +375,15 @@ def run(out_dir: Path, setup: Setup, device: str) -> dict[str, Any]:
         systems[f"DelayBatch-{delay:g}ms"] = DynamicBatcher(whole, manifest, setup.bs_max, delay / 1e3).start()
     for variant in variants(setup):
         name = variant.name
-        settings = RuntimeSettings(num_buffer_pairs=variant.pairs, bs_max=setup.bs_max, engine="torch", device=device,
-                                   cuda_graphs=graphs, device_buffers=variant.device_buffers,
-                                   entry_waits_for_device=variant.entry_waits)
+        settings = replace(engine, num_buffer_pairs=variant.pairs, device_buffers=variant.device_buffers,
+                           entry_waits_for_device=variant.entry_waits)
         fast_whole = whole if variant.fast_path_model else None
         before = device_mib(device)
-        engines = torch_engines(model_dir, manifest, device, graphs, setup.bs_max)
+        engines = torch_engines(model_dir, manifest, device, graphs, setup.bs_max, setup.device_profile)
         memory[f"{name}_engines_mib"] = device_mib(device) - before
         before = device_mib(device)
         pipeline = (cuda_pipeline(manifest, engines, create_policy(variant.policy), settings, fast_whole)
-                    if device == "cuda" else None)
+                    if device != "cpu" else None)
         memory[f"{name}_buffers_mib"] = device_mib(device) - before  # the middle boundaries, where on the device
         if pipeline is None:  # the CPU (the smoke run here): host fences, same runtime
             from dvabatch_backend.runtime.pipeline import Pipeline
@@ -427,7 +427,7 @@ def run(out_dir: Path, setup: Setup, device: str) -> dict[str, Any]:
         for system in systems.values():
             system.stop()
     memory["serving_peak_above_resident_mib"] = peaks
-    result = {"device": device, "gpu": _gpu_name(device), "setup": setup.__dict__, "zerobatch_peak_qps": peak,
+    result = {"device": device, "gpu": _gpu_name(device, whole), "setup": setup.__dict__, "zerobatch_peak_qps": peak,
               "lone": lone, "overhead_c1_ms": {name: s.get("mean", float("nan")) - lone["ZeroBatch"].get("mean", 0.0)
                                                for name, s in lone.items()},
               "p99_target_ms": target_ms, "sustained_qps": {name: sustained(loads, name, target_ms) for name in systems},
@@ -437,7 +437,9 @@ def run(out_dir: Path, setup: Setup, device: str) -> dict[str, Any]:
     return result
 
 
-def _gpu_name(device: str) -> str | None:
+def _gpu_name(device: str, engine: Any = None) -> str | None:
+    if device == "simulated":
+        return str(engine.device.name)
     if device != "cuda":
         return None
     import torch
@@ -482,7 +484,10 @@ def _names(text: str) -> tuple[str, ...]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--device", default="cuda", choices=DEVICES,
+                        help="cuda; cpu (a smoke run); simulated: the GPU stand-in, with --device-profile")
+    parser.add_argument("--device-profile", type=Path,
+                        help="the stand-in's device profile (stage times as ../shared/gpu-profiles/ holds them)")
     parser.add_argument("--model", default="token_mlp", choices=sorted(SETUPS))
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs for any system (default: all replay them)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and one short load (a smoke run)")
@@ -513,6 +518,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup = replace(setup, fast_path_model=True)
     if args.run_ahead is not None:
         setup = replace(setup, run_ahead=_names(args.run_ahead))
+    if args.device == "simulated":
+        if args.device_profile is None:
+            parser.error("--device simulated needs --device-profile")
+        setup = replace(setup, device_profile=str(args.device_profile.resolve()))
     result = run(args.out, replace(setup, cuda_graphs=not args.eager), args.device)
     print(f"{result['setup']['model']} on {result['gpu'] or result['device']} (CUDA graphs "
           f"{'on' if result['setup']['cuda_graphs'] else 'off'}): ZeroBatch peak "

@@ -155,3 +155,42 @@ def test_the_baselines_run_on_the_stand_in_at_the_dvabatch_models_buckets(zoo, t
     assert runner.engine.compute_seconds(4, 32) == pytest.approx(stages)
     with pytest.raises(ValueError, match="needs a device profile"):
         baseline_model.parse_parameters({"engine": "simulated"}, model.dir)
+
+
+def test_a_manifest_profiled_elsewhere_is_re_profiled_on_the_serving_device_once(zoo, tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loaded on the stand-in, a CPU-profiled manifest's stage times are timed on the device at each
+    graph bucket, kept beside the manifest by the device's name, and read back by the next load;
+    the pipeline's policies plan with them. A read-only model folder keeps them in the cache."""
+    import shutil
+
+    from dvabatch_backend.runtime import device_times
+    from dvabatch_backend.runtime.loading import engine_buckets
+
+    model = zoo.stages("token", 2)
+    folder = tmp_path / "m"
+    shutil.copytree(model.dir, folder)
+    settings = RuntimeSettings(engine="simulated", device_profile=str(_profile_file(tmp_path, 2)))
+    pipeline = load_pipeline(folder, load_policy("load", {}, folder), settings)
+    pipeline.stop()
+    manifest = pipeline.manifest
+    assert device_times.profiled_on(model.manifest) == "cpu"
+    assert manifest.extra["profiled_on"] == "a test device (simulated)"
+    sizes, lengths = engine_buckets(settings, model.manifest)
+    assert set(manifest.stage_times_by_length()) == set(lengths)
+    assert all(set(stage) == set(sizes) for stage in manifest.stage_times())
+    kept = folder / "stage_times.a-test-device-simulated.json"
+    assert kept.is_file()
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the kept stage times were timed again")
+
+    monkeypatch.setattr(device_times, "time_stages", never)
+    again = load_pipeline(folder, load_policy("load", {}, folder), settings)
+    again.stop()
+    assert again.manifest.stage_times() == manifest.stage_times()
+
+    monkeypatch.setattr(device_times.os, "access", lambda path, mode: False)  # a read-only model repository
+    monkeypatch.setenv(device_times.CACHE_ENV, str(tmp_path / "cache"))
+    elsewhere = device_times.cache_file(folder, model.manifest, "a test device (simulated)")
+    assert elsewhere.parent.parent == tmp_path / "cache" and elsewhere.name == kept.name

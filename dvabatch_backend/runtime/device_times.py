@@ -1,0 +1,137 @@
+"""Stage times from the device that serves: a manifest profiled elsewhere is re-profiled at load.
+
+The slicer times the stages where it runs (the manifest's `profiled_on`; a manifest without one was
+profiled on the CPU). Policies and admission plan with those times (`PolicyContext.for_model`,
+`Admission`), so a pipeline whose stages run on a device (a GPU, or the GPU stand-in) of another
+name times its stages there at load, each stage's `run` (inputs in, compute, outputs out, as the
+slicer's profile is) at every graph bucket (batch sizes x lengths), and plans with those. The
+times are kept by the device's name, and a later load on the same device reads them:
+
+- beside the manifest, `stage_times.<device>.json`, where the version folder is writable;
+- else (a read-only model repository: an image, a volume) under `$DVABATCH_PROFILE_CACHE`, or
+  `~/.cache/dvabatch/profiles`, in a folder named after the model and its manifest's digest.
+
+What it costs at load: one warm-up and `REPEATS` timed runs per stage and bucket (BERT-base in 4
+stages on an H100, 20 buckets: about 0.5 s, from the stage times in ../shared/gpu-profiles/).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from .manifest import Manifest, TensorSpec
+
+log = logging.getLogger(__name__)
+
+CPU = "cpu"  # what a manifest without `profiled_on` was profiled on
+REPEATS = 3
+CACHE_ENV = "DVABATCH_PROFILE_CACHE"
+
+
+def profiled_on(manifest: Manifest) -> str:
+    """The device the manifest's stage times were measured on."""
+    return str(manifest.extra.get("profiled_on") or CPU)
+
+
+def serving_device(engines: Sequence[Any]) -> str | None:
+    """The name of the device the stage engines run on: the GPU's (torch.cuda's name for it), the
+    stand-in's (its profile's device, marked simulated), or None for engines on the CPU."""
+    engine = engines[0] if engines else None
+    device = getattr(engine, "device", None)
+    if device is None:
+        return None
+    name = getattr(device, "name", None)
+    if isinstance(name, str) and name:  # the GPU stand-in's device
+        return name
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        return str(torch.cuda.get_device_name(device))
+    return None
+
+
+def time_stages(manifest: Manifest, engines: Sequence[Any], batch_sizes: Sequence[int], lengths: Sequence[int],
+                make_input: Callable[[TensorSpec, int, int], np.ndarray] | None = None,
+                repeats: int = REPEATS) -> dict[str, list[dict[str, float]]]:
+    """Each stage engine's `run` at every batch size and length (0: fixed shape), the mean of
+    `repeats` after one warm-up: {str(length): per stage {str(batch size): seconds}}. Inputs are
+    `make_input(spec, batch, length)`, zeros by default (a valid token id, a mask hiding all)."""
+    make_input = make_input or (lambda spec, bs, length: np.zeros(spec.shape(bs, length), spec.np_dtype))
+    by_length: dict[str, list[dict[str, float]]] = {}
+    for length in lengths:
+        per_stage = []
+        for spec, engine in zip(manifest.stages, engines):
+            row = {}
+            for bs in batch_sizes:
+                inputs = {t.name: make_input(t, bs, length) for t in spec.inputs}
+                outputs = {t.name: np.empty(t.shape(bs, length), t.np_dtype) for t in spec.outputs}
+                engine.run(inputs, outputs)  # warm-up: kernels chosen, allocations made
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    engine.run(inputs, outputs)
+                row[str(bs)] = (time.perf_counter() - t0) / repeats
+            per_stage.append(row)
+        by_length[str(length)] = per_stage
+    return by_length
+
+
+def with_stage_times(manifest: Manifest, by_length: Mapping[str, list[dict[str, float]]], device: str) -> Manifest:
+    """`manifest` with these stage times (`stage_times` at the longest length, `stage_times_by_length`
+    where the model has a length) recorded as measured on `device`."""
+    doc = manifest.to_json()
+    doc["stage_times"] = by_length[str(max(int(n) for n in by_length))]
+    if manifest.has_seq:
+        doc["stage_times_by_length"] = dict(by_length)
+    doc["profiled_on"] = device
+    return Manifest.from_json(doc)
+
+
+def cache_file(version_dir: Path, manifest: Manifest, device: str) -> Path:
+    """Where the stage times measured on `device` are kept (module docstring)."""
+    name = f"stage_times.{_slug(device)}.json"
+    if os.access(version_dir, os.W_OK):
+        return version_dir / name
+    digest = hashlib.sha256(json.dumps(manifest.to_json(), sort_keys=True).encode()).hexdigest()[:12]
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dvabatch" / "profiles")
+    return root / f"{_slug(manifest.name)}-{digest}" / name
+
+
+def on_serving_device(version_dir: Path, manifest: Manifest, engines: Sequence[Any],
+                      buckets: tuple[Sequence[int], Sequence[int]]) -> Manifest:
+    """The manifest with stage times from the device the engines run on: as it is where it was
+    profiled there (or the engines are on the CPU); else read from where an earlier load kept them,
+    or timed now at the graph `buckets` and kept (module docstring). Logged either way."""
+    device = serving_device(engines)
+    if device is None or device == profiled_on(manifest):
+        return manifest
+    path = cache_file(version_dir, manifest, device)
+    if path.is_file():
+        by_length = json.loads(path.read_text())["stage_times_by_length"]
+        log.info("%s: stage times profiled on %s, serving on %s: read from %s", manifest.name, profiled_on(manifest),
+                 device, path)
+        return with_stage_times(manifest, by_length, device)
+    started = time.perf_counter()
+    by_length = time_stages(manifest, engines, buckets[0], buckets[1] if manifest.has_seq else [0])
+    seconds = time.perf_counter() - started
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"device": device, "seconds_to_profile": seconds,
+                                    "stage_times_by_length": by_length}, indent=1))
+        kept = f"kept in {path}"
+    except OSError as exc:  # nowhere writable: the times serve this load only
+        kept = f"not kept ({exc})"
+    log.warning("%s: stage times profiled on %s, serving on %s: re-profiled at load in %.1f s, %s",
+                manifest.name, profiled_on(manifest), device, seconds, kept)
+    return with_stage_times(manifest, by_length, device)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "device"
