@@ -40,18 +40,21 @@ MakeQuery = Callable[[np.random.Generator], Mapping[str, np.ndarray]]
 
 def config_pbtxt(manifest: Manifest, name: str, delay_us: int, threads: int, bs_max: int,
                  onnx_model: str, manifest_file: str = "manifest.json", engine: str = "onnxruntime",
-                 device: str = "cpu", respond: str = "return", spinning: bool = False) -> str:
+                 device: str = "cpu", respond: str = "return", spinning: bool = False,
+                 device_profile: str | None = None) -> str:
     parameters = {"onnx_model": onnx_model, "manifest": manifest_file, "threads": str(threads), "engine": engine,
-                  "device": device, "respond": respond, "spinning": str(spinning).lower()}
+                  "device": device, "respond": respond, "spinning": str(spinning).lower(),
+                  **({"device_profile": str(device_profile)} if device_profile else {})}
     return python_model_config(manifest, name, parameters, bs_max=bs_max, delay_us=delay_us)
 
 
 def add_baseline(repository: Path, version_dir: Path, name: str, delay_us: int, threads: int = 1,
                  bs_max: int | None = None, engine: str = "onnxruntime", device: str = "cpu",
-                 respond: str = "return", spinning: bool = False) -> Path:
+                 respond: str = "return", spinning: bool = False, device_profile: str | None = None) -> Path:
     """repository/name/: config.pbtxt, and 1/ with model.py and links to the version folder's
     unsliced model and manifest. Replaces an earlier baseline of that name. Returns the model dir.
-    `engine`/`device`: what runs the model (onnxruntime on the CPU, or torch on "cpu"/"cuda");
+    `engine`/`device`: what runs the model (onnxruntime on the CPU, torch on "cpu"/"cuda", or
+    "simulated": the GPU stand-in, charged from `device_profile`, an absolute path);
     `respond`: how answers go back (`baseline_model.RESPONDS`; "echo" runs no model); `spinning`:
     onnxruntime's threads spin-wait for work (its default; the runtime's sleep)."""
     version_dir = Path(version_dir).resolve()
@@ -84,24 +87,26 @@ def add_baseline(repository: Path, version_dir: Path, name: str, delay_us: int, 
         (target / file).symlink_to(version_dir / file)
     (model_dir / "config.pbtxt").write_text(config_pbtxt(manifest, name, delay_us, threads, bs_max, onnx_model,
                                                          engine=engine, device=device, respond=respond,
-                                                         spinning=spinning))
+                                                         spinning=spinning, device_profile=device_profile))
     return model_dir
 
 
 def zero_batch(repository: Path, version_dir: Path, name: str | None = None, threads: int = 1,
                bs_max: int | None = None, engine: str = "onnxruntime", device: str = "cpu",
-               spinning: bool = False) -> Path:
+               spinning: bool = False, device_profile: str | None = None) -> Path:
     """ZeroBatch: Triton's dynamic batcher with no queue delay. Default name: MANIFEST_NAME_zerobatch."""
     name = name or f"{_manifest_name(version_dir)}_zerobatch"
-    return add_baseline(repository, version_dir, name, 0, threads, bs_max, engine, device, spinning=spinning)
+    return add_baseline(repository, version_dir, name, 0, threads, bs_max, engine, device, spinning=spinning,
+                        device_profile=device_profile)
 
 
 def delay_batch(repository: Path, version_dir: Path, delay_us: int, name: str | None = None, threads: int = 1,
                 bs_max: int | None = None, engine: str = "onnxruntime", device: str = "cpu",
-                spinning: bool = False) -> Path:
+                spinning: bool = False, device_profile: str | None = None) -> Path:
     """DelayBatch at `delay_us` (tuned by `tune_delay`). Default name: MANIFEST_NAME_delaybatch."""
     name = name or f"{_manifest_name(version_dir)}_delaybatch"
-    return add_baseline(repository, version_dir, name, delay_us, threads, bs_max, engine, device, spinning=spinning)
+    return add_baseline(repository, version_dir, name, delay_us, threads, bs_max, engine, device, spinning=spinning,
+                        device_profile=device_profile)
 
 
 def delay_candidates(repository: Path, version_dir: Path, delays_us: Sequence[int] = DEFAULT_DELAYS_US,

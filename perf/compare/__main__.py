@@ -17,6 +17,10 @@ unsliced model, the same onnxruntime threads for all. Two drivers send the load:
 - `own` (the default for `--demo`; `perf.compare.by_own_driver`): our own open-loop generator
   (`perf.load.drivers`), DVABatch beside ZeroBatch at 0.5x and 0.9x of ZeroBatch's peak with every
   answer checked for errors, in about `--seconds`. OPTIONS: `--seconds`, `--baseline-threads`.
+
+`--device cuda|simulated` (`perf.compare.on_device`) serves the model with the GPU config the Docker
+image writes, on a GPU or on the GPU stand-in (`--device-profile FILE`), beside ZeroBatch and
+DelayBatch on the same engine, driven by our own open-loop generator.
 """
 from __future__ import annotations
 
@@ -37,7 +41,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     which.add_argument("--demo", type=Path, help="the model repository `dvabatch demo --out DIR` wrote")
     parser.add_argument("--driver", choices=DRIVERS, default=None,
                         help="perf_analyzer (default) or our own load generator (the default for --demo)")
+    parser.add_argument("--device", choices=("cuda", "simulated"),
+                        help="serve on a GPU (the Docker image's GPU config) or on the GPU stand-in "
+                             "(with --device-profile FILE), beside ZeroBatch and DelayBatch on the same engine "
+                             "(perf.compare.on_device)")
     args, rest = parser.parse_known_args(argv)
+    if args.device:
+        from perf.compare import on_device
+
+        if not args.model_dir:
+            parser.error("--device takes --model-dir")
+        return on_device.main(["--model-dir", str(args.model_dir), "--device", args.device, *rest])
     driver = args.driver or ("own" if args.demo else "perf_analyzer")
     if driver == "own":
         from perf.compare import by_own_driver

@@ -148,3 +148,21 @@ def test_deploy_files_name_only_files_that_exist() -> None:
         assert named, path
         for name in named:
             assert (REPO / name).exists(), f"{path.name} names {name}, which does not exist"
+
+
+def test_the_stand_ins_served_config_is_the_gpu_config_on_its_engine() -> None:
+    """`perf.compare --device simulated` serves the Docker image's GPU config, its engine the
+    stand-in's and its instance on the CPU; `--device cuda` the GPU config itself."""
+    from perf.compare.on_device import device_config
+
+    text = ('name: "m"\ninstance_group [ { kind: KIND_CPU count: 1 } ]\n'
+            'parameters: { key: "policy" value: { string_value: "input" } }\n'
+            'parameters: { key: "num_buffer_pairs" value: { string_value: "1" } }\n')
+    simulated = model_config.parse(device_config(text, {}, "simulated", "/profiles/h100.json"))
+    written = model_config.parameters(simulated)
+    assert (written["engine"], written["device"], written["device_profile"]) == ("simulated", "cpu", "/profiles/h100.json")
+    assert written["threads_per_stage"] == "1" and "num_buffer_pairs" not in written and written["policy"] == "input"
+    assert [g.kind for g in simulated.instance_group] == [model_config.pb.ModelInstanceGroup.KIND_CPU]
+    cuda = model_config.parse(device_config(text, {}, "cuda", None))
+    assert model_config.parameters(cuda)["engine"] == "torch"
+    assert [g.kind for g in cuda.instance_group] == [model_config.pb.ModelInstanceGroup.KIND_GPU]

@@ -1,0 +1,208 @@
+"""DVABatch beside Triton's batcher on a GPU, or on the GPU stand-in, served as a user serves it:
+
+    python -m perf.compare --model-dir DIR --device cuda
+    python -m perf.compare --model-dir DIR --device simulated --device-profile FILE
+
+The sliced model with the GPU config the Docker image writes (`docker/gpu_config.py`: KIND_GPU,
+engine torch, device cuda, one CPU thread, the buffer pairs the manifest chose or the GPU default);
+on the stand-in the same config with `engine: simulated`, its `device_profile` and a CPU instance
+(there is no GPU to place it on). Beside it, in one tritonserver, ZeroBatch and one DelayBatch per
+delay in `DELAYS_US` (0.1 to 2 ms) over the unsliced model on the same engine: the torch engine
+capturing the same CUDA-graph buckets, or the stand-in charged at them (perf/baselines/model.py).
+
+Our own open-loop generator drives it (`perf.load.drivers`; perf_analyzer does not go to the GPU
+machine). Measured: each system's lone-query mean; ZeroBatch's closed-loop peak (bs_max clients),
+which sets the loads (`LOADS`: fractions of it); then at each load the same seeded Poisson
+schedule of RTE-like queries (at least `--queries`) to every system, in `--rounds` rounds, the
+order alternating; each figure is the median of the rounds. A refusal or an error is an
+unanswered query. Prints the table (mean / p99 ms per system and load, DVABatch's ratios to
+ZeroBatch and to the better baseline) and writes OUT/on_device.json.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dvabatch_backend.runtime.manifest import Manifest
+from dvabatch_backend.tools.serve import TritonServer
+from perf.baselines import add_baseline
+from perf.baselines.bench import sample_queries
+from perf.compare.by_own_driver import lone_latency, warm_up_and_peak
+from perf.load.arrivals import poisson
+from perf.load.drivers import alternating, run_open_loop
+from slicer import model_config
+from slicer.triton_files import add_model_copy
+
+REPO = Path(__file__).resolve().parents[2]
+DEVICES = ("cuda", "simulated")
+LOADS = (0.25, 0.6, 0.9, 1.1)  # fractions of ZeroBatch's closed-loop peak
+DELAYS_US = (100, 250, 500, 1000, 2000)  # DelayBatch's queue delays, swept
+QUERIES = 1000  # per system, load and round
+ROUNDS = 2
+PEAK_SECONDS = 4.0
+TIMEOUT_S = 30.0
+DVA = "DVABatch"
+
+
+def gpu_config_module() -> Any:
+    """docker/gpu_config.py, the file the Docker image runs (not a package: loaded by path)."""
+    spec = importlib.util.spec_from_file_location("gpu_config", REPO / "docker" / "gpu_config.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def device_config(text: str, manifest: Mapping[str, Any], device: str, device_profile: str | None) -> str:
+    """config.pbtxt for serving on `device`: the Docker image's GPU config; on the stand-in, that
+    config on its engine, with a CPU instance."""
+    gpu = gpu_config_module().gpu_config(text, 1, manifest)
+    if device == "cuda":
+        return gpu
+    config = model_config.parse(gpu)
+    del config.instance_group[:]
+    config.instance_group.add(kind=model_config.pb.ModelInstanceGroup.KIND_CPU, count=1)
+    return model_config.dump(model_config.set_parameters(
+        config, {"engine": "simulated", "device": "cpu", "device_profile": str(device_profile)}))
+
+
+def build_repository(scratch: Path, model_dir: Path, device: str, device_profile: str | None) -> dict[str, str]:
+    """The scratch repository: the sliced model on the device config, ZeroBatch and the DelayBatches
+    on the same engine. {system: model name}, DVABatch first."""
+    version_dir = (model_dir / "1").resolve()
+    manifest = json.loads((version_dir / "manifest.json").read_text())
+    name = manifest["name"]
+    add_model_copy(scratch, model_dir, name)
+    config = scratch / name / "config.pbtxt"
+    config.write_text(device_config(config.read_text(), manifest, device, device_profile))
+    engine = ("torch", "cuda") if device == "cuda" else ("simulated", "cpu")
+    systems = {DVA: name}
+    for delay in (0, *DELAYS_US):
+        label = "ZeroBatch" if delay == 0 else f"DelayBatch-{delay / 1000:g}ms"
+        systems[label] = f"{name}_{'zerobatch' if delay == 0 else f'delay{delay}'}"
+        add_baseline(scratch, version_dir, systems[label], delay, threads=1, engine=engine[0], device=engine[1],
+                     device_profile=device_profile)
+    return systems
+
+
+def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: Mapping[str, int], queries: int,
+            rounds: int, loads: Sequence[float], seed: int = 0) -> dict[str, Any]:
+    """c1, ZeroBatch's peak, then every load's rounds (module docstring)."""
+    names = list(systems.values())
+    labels = {model: label for label, model in systems.items()}
+    zero = systems["ZeroBatch"]
+    peak = warm_up_and_peak(url, [m for m in names if m != zero] + [zero], manifest, int_high, PEAK_SECONDS, seed,
+                            TIMEOUT_S)
+    print(f"ZeroBatch peak {peak:.1f} qps (closed loop, {manifest.max_batch_size} clients)", flush=True)
+    lone = {labels[m]: r.summary() for m, r in lone_latency(url, names, manifest, int_high, seed, TIMEOUT_S).items()}
+    print("concurrency 1, mean ms: " + ", ".join(f"{k} {v['latency_mean_ms']:.2f}" for k, v in lone.items()), flush=True)
+    result: dict[str, Any] = {"zerobatch_peak_qps": peak, "lone": lone, "loads": []}
+    for k, fraction in enumerate(loads):
+        rate = fraction * peak
+        n = max(queries, int(rate * 2))
+        sample, lengths = sample_queries(manifest, int_high, n, seed + 200 + k)
+        offsets = poisson(rate, n, rng=seed + 100 + k)
+        per_round: dict[str, list[dict[str, Any]]] = {label: [] for label in systems}
+        for turn in range(rounds):
+            for model in alternating(names, k + turn):
+                run = run_open_loop(url, model, sample, offsets, timeout=TIMEOUT_S, lengths=lengths)
+                per_round[labels[model]].append(run.summary())
+        load = {"fraction": fraction, "rate_qps": rate, "queries": n,
+                "systems": {label: median_summary(runs) for label, runs in per_round.items()}}
+        result["loads"].append(load)
+        print(row_line(load), flush=True)
+    return result
+
+
+def median_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The rounds' median mean and p99, the fewest answered, and every round's figures."""
+    def med(key: str) -> float | None:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    return {"mean_ms": med("latency_mean_ms"), "p99_ms": med("latency_p99_ms"),
+            "answered": min(r["answered"] for r in runs), "queries": runs[0]["queries"],
+            "rounds": [{"mean_ms": r.get("latency_mean_ms"), "p99_ms": r.get("latency_p99_ms"),
+                        "answered": r["answered"]} for r in runs]}
+
+
+def better_baseline(systems: Mapping[str, Mapping[str, Any]], key: str) -> tuple[str, float | None]:
+    """The baseline with the lowest `key` among those that answered every query."""
+    whole = {k: v[key] for k, v in systems.items() if k != DVA and v[key] is not None and v["answered"] == v["queries"]}
+    if not whole:
+        return "-", None
+    best = min(whole, key=whole.__getitem__)
+    return best, whole[best]
+
+
+def row_line(load: Mapping[str, Any]) -> str:
+    systems = load["systems"]
+    dva, zero = systems[DVA], systems["ZeroBatch"]
+    best_name, best_mean = better_baseline(systems, "mean_ms")
+    _, best_p99 = better_baseline(systems, "p99_ms")
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}x" if a is not None and b else "-"
+
+    cells = "; ".join(f"{k} {v['mean_ms'] or float('nan'):.2f}/{v['p99_ms'] or float('nan'):.1f} "
+                      f"({v['answered']}/{v['queries']})" for k, v in systems.items())
+    return (f"{load['fraction']:g}x ({load['rate_qps']:.0f} qps), mean/p99 ms: {cells}\n"
+            f"  DVABatch / ZeroBatch: mean {ratio(dva['mean_ms'], zero['mean_ms'])}, p99 "
+            f"{ratio(dva['p99_ms'], zero['p99_ms'])}; / the better baseline ({best_name}): mean "
+            f"{ratio(dva['mean_ms'], best_mean)}, p99 {ratio(dva['p99_ms'], best_p99)}")
+
+
+def run(model_dir: Path, device: str, device_profile: str | None, out: Path, queries: int = QUERIES,
+        rounds: int = ROUNDS, loads: Sequence[float] = LOADS) -> int:
+    import onnx
+
+    from slicer.profiler import int_bounds
+
+    version_dir = (model_dir / "1").resolve()
+    manifest = Manifest.load(version_dir / "manifest.json")
+    full = onnx.load(str(version_dir / (manifest.full_model or "model.onnx")), load_external_data=False)
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="dvabatch-on-device-") as tmp:
+        systems = build_repository(Path(tmp), model_dir, device, device_profile)
+        with TritonServer(Path(tmp)) as server:
+            print(f"tritonserver up; {len(systems)} models on {device}"
+                  + (f" (the GPU stand-in, {device_profile})" if device == "simulated" else "")
+                  + "; driven by our own open-loop generator (perf_analyzer does not go to the GPU machine)", flush=True)
+            for name in systems.values():
+                server.wait_model_ready(name, timeout=600)
+            result = measure(server.grpc_url, systems, manifest, int_bounds(full), queries, rounds, loads)
+    result.update({"device": device, "device_profile": device_profile, "model": manifest.name, "systems": systems,
+                   "queries_per_load": queries, "rounds": rounds, "seconds": time.perf_counter() - began})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "on_device.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {out / 'on_device.json'} ({result['seconds']:.0f} s)")
+    unanswered = sum(v["queries"] - v["answered"] for load in result["loads"] for v in load["systems"].values())
+    return 1 if unanswered else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.compare --device", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", type=Path, required=True, help="a sliced model folder (config.pbtxt and 1/)")
+    parser.add_argument("--device", choices=DEVICES, required=True)
+    parser.add_argument("--device-profile", type=Path, help="the stand-in's device profile (--device simulated)")
+    parser.add_argument("--queries", type=int, default=QUERIES, help="queries per system, load and round")
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--loads", default=",".join(f"{f:g}" for f in LOADS), help="fractions of ZeroBatch's peak")
+    parser.add_argument("--out", type=Path, default=REPO / "work" / "perf" / "on_device")
+    args = parser.parse_args(argv)
+    if args.device == "simulated" and args.device_profile is None:
+        parser.error("--device simulated needs --device-profile")
+    profile = str(args.device_profile.resolve()) if args.device_profile else None
+    return run(args.model_dir, args.device, profile, args.out / args.model_dir.name, args.queries, args.rounds,
+               tuple(float(f) for f in args.loads.split(",")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
