@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .manifest import Manifest, TensorSpec
+from .manifest import Manifest, StageSpec, TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +58,18 @@ def serving_device(engines: Sequence[Any]) -> str | None:
     return None
 
 
-def time_stages(manifest: Manifest, engines: Sequence[Any], batch_sizes: Sequence[int], lengths: Sequence[int],
+def time_engines(stages: Sequence[StageSpec], engines: Sequence[Any], batch_sizes: Sequence[int], lengths: Sequence[int],
                 make_input: Callable[[TensorSpec, int, int], np.ndarray] | None = None,
                 repeats: int = REPEATS) -> dict[str, list[dict[str, float]]]:
-    """Each stage engine's `run` at every batch size and length (0: fixed shape), the mean of
+    """Each stage engine's `run` (`stages[i]`'s inputs and outputs: a manifest's stages, or the
+    unsliced model as one) at every batch size and length (0: fixed shape), the mean of
     `repeats` after one warm-up: {str(length): per stage {str(batch size): seconds}}. Inputs are
     `make_input(spec, batch, length)`, zeros by default (a valid token id, a mask hiding all)."""
     make_input = make_input or (lambda spec, bs, length: np.zeros(spec.shape(bs, length), spec.np_dtype))
     by_length: dict[str, list[dict[str, float]]] = {}
     for length in lengths:
         per_stage = []
-        for spec, engine in zip(manifest.stages, engines):
+        for spec, engine in zip(stages, engines):
             row = {}
             for bs in batch_sizes:
                 inputs = {t.name: make_input(t, bs, length) for t in spec.inputs}
@@ -119,7 +120,7 @@ def on_serving_device(version_dir: Path, manifest: Manifest, engines: Sequence[A
                  device, path)
         return with_stage_times(manifest, by_length, device)
     started = time.perf_counter()
-    by_length = time_stages(manifest, engines, buckets[0], buckets[1] if manifest.has_seq else [0])
+    by_length = time_engines(manifest.stages, engines, buckets[0], buckets[1] if manifest.has_seq else [0])
     seconds = time.perf_counter() - started
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ import numpy as np
 
 from dvabatch_backend.runtime.decisions import Policy
 from dvabatch_backend.runtime.device_memory import place_on_streams
-from dvabatch_backend.runtime.device_times import serving_device, time_stages, with_stage_times
+from dvabatch_backend.runtime.device_times import serving_device, time_engines, with_stage_times
 from dvabatch_backend.runtime.fences import cuda_fences, install_fences
 from dvabatch_backend.runtime.loading import make_engine, wait_at_entry
 from dvabatch_backend.runtime.manifest import Manifest
@@ -119,12 +119,12 @@ def sliced_zoo_model(name: str, out_dir: Path, stages: int, bs_max: int, max_len
 def profile_on_device(model_dir: Path, manifest: Manifest, engines: Sequence[Any], batch_sizes: Sequence[int],
                       lengths: Sequence[int], int_high: Mapping[str, int], repeats: int = 3) -> Manifest:
     """Each stage engine timed where it serves (its `run`: inputs in, compute, outputs out) at every
-    batch size and length (`device_times.time_stages`, on random queries); the times go into the
+    batch size and length (`device_times.time_engines`, on random queries); the times go into the
     manifest as the slicer's `stage_times` (at the longest length) and `stage_times_by_length`,
     recorded as measured on the engines' device, so the policies plan with the device's costs.
     Rewrites model_dir/manifest.json and returns that manifest."""
     rng = np.random.default_rng(0)
-    by_length = time_stages(manifest, engines, batch_sizes, lengths,
+    by_length = time_engines(manifest.stages, engines, batch_sizes, lengths,
                             lambda spec, bs, length: random_inputs([spec], bs, length, rng, dict(int_high))[spec.name],
                             repeats)
     manifest = with_stage_times(manifest, by_length, serving_device(engines) or "cpu")

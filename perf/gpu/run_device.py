@@ -13,7 +13,11 @@ There (the `device` tool's `run`, once per call the dry run prints; perf/README.
 
 Steps:
 
-- `tests`: nvidia-smi and the versions in use, then the GPU test module (tests/gpu: the torch
+- `served` (the first GPU at hand, before any other): the stand-in's device profile measured
+  (perf.gpu.device_profile), then BERT-base sliced and served with the Docker image's GPU config
+  beside ZeroBatch and DelayBatch on the same engine (perf.compare --device cuda), every process
+  of the server under py-spy;
+- `gpu` (formerly `tests`): nvidia-smi and the versions in use, then the GPU test module (tests/gpu: the torch
   engine on CUDA against onnxruntime, CUDA graphs, the fence, the property test on CUDA, the
   overlap check), then the runtime's own property test and the fence plumbing tests (on the
   machine's CPU, with its numpy 2 and onnx 1.23);
@@ -86,12 +90,14 @@ def capped(seconds: int, *argv: str) -> tuple[str, ...]:
 PY_SPY = "/tmp/site/bin/py-spy"  # the carried py-spy wheel's program, once installed there
 
 
-def profiled(out: str, *argv: str) -> tuple[str, ...]:
-    """argv under py-spy (raw stacks of every thread into `out`, 50 samples a second), or alone
-    where py-spy cannot run: the figures come back either way."""
+def profiled(out: str, *argv: str, subprocesses: bool = False) -> tuple[str, ...]:
+    """argv under py-spy (raw stacks of every thread into `out`, 50 samples a second; with
+    `subprocesses`, of its child processes too: the tritonserver's backend stubs), or alone where
+    py-spy cannot run: the figures come back either way."""
     plain = shlex.join(argv)
-    return ("bash", "-c", f"if {PY_SPY} --version >/dev/null 2>&1; then exec {PY_SPY} record -r 50 --nonblocking "
-            f"-f raw -o {out} -- {plain}; else exec {plain}; fi")
+    children = " --subprocesses" if subprocesses else ""
+    return ("bash", "-c", f"if {PY_SPY} --version >/dev/null 2>&1; then exec {PY_SPY} record -r 50 --nonblocking"
+            f"{children} -f raw -o {out} -- {plain}; else exec {plain}; fi")
 
 
 # One call: the device time of a session (15 minutes) holds one machine start and one full call.
@@ -99,6 +105,22 @@ def profiled(out: str, *argv: str) -> tuple[str, ...]:
 # overlap) with the CPU property tests beside them, the overlap figures, the real server, then the
 # two experiments (BERT under py-spy).
 STEPS: tuple[Step, ...] = (
+    # the first GPU at hand, before any other device work: what the stand-in assumes, measured
+    # (its device profile, committed afterwards under perf/gpu/profiles/), then BERT-base served
+    # as a user serves it (the slicer's CPU profile re-profiled at load on the device, the Docker
+    # image's GPU config) beside ZeroBatch and DelayBatch on the same engine and graphs, every
+    # process of the server under py-spy: the served collapse reproduced, and where its time goes
+    Step("served", 585, (
+        capped(20, "nvidia-smi"),
+        capped(130, PY, "-m", "perf.gpu.device_profile", "--model", "bert", "--out", "{work}/profile"),
+        capped(150, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo bert --size real --out {{work}}/bert.onnx && "
+               f"{PY} -m dvabatch_backend.tools.cli slice {{work}}/bert.onnx --stages 4 --bs-max 16 --max-length 128 "
+               "--repeats 3 --out {work}/repo/bert_base"),
+        capped(260, *profiled("{work}/served/py-spy.txt", PY, "-m", "perf.compare", "--model-dir", "{work}/repo/bert_base",
+                              "--device", "cuda", "--queries", "1000", "--rounds", "2", "--out", "{work}/served",
+                              subprocesses=True)),
+    ), needs=("perf/gpu/device_profile.py", "perf/compare/on_device.py", "perf/compare/__main__.py",
+              "docker/gpu_config.py")),
     Step("gpu", 585, (
         capped(20, "nvidia-smi"),
         capped(40, PY, "-c", ENV_REPORT),
@@ -117,7 +139,7 @@ STEPS: tuple[Step, ...] = (
                "--out", "{work}/resnet152"),
     ), needs=("tests/gpu/test_gpu.py", "perf/gpu/overlap.py", "perf/gpu/side_by_side.py", "perf/gpu/serve_check.py",
               "tests/runtime/test_property.py", "tests/runtime/test_property_torch.py", "tests/unit/test_fences.py",
-              "docker/gpu_config.py", "pytest.ini")),
+              "docker/gpu_config.py", "pytest.ini"), rerun=True),
     Step("experiments", 500, (
         capped(90, PY, "-m", "pytest", "-q", "-rs", "-o", "timeout=80", "tests/gpu/test_gpu.py",
                "--junitxml={out}/junit-gpu.xml"),

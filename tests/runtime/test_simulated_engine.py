@@ -185,7 +185,7 @@ def test_a_manifest_profiled_elsewhere_is_re_profiled_on_the_serving_device_once
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("the kept stage times were timed again")
 
-    monkeypatch.setattr(device_times, "time_stages", never)
+    monkeypatch.setattr(device_times, "time_engines", never)
     again = load_pipeline(folder, load_policy("load", {}, folder), settings)
     again.stop()
     assert again.manifest.stage_times() == manifest.stage_times()
