@@ -28,8 +28,8 @@ the host waiting only where it reads (an answer, the entry's `wait_for_device`).
   profile says `"values": "computed"`, where a CPU engine also computes them (tests: answers equal
   to the unsliced model's through the stand-in's streams).
 
-The clock and the sleep are injectable (`SimulatedDevice(profile, clock, sleep)`), so that tests
-order streams and events on a manual clock, with no timing.
+The clock and the sleep are injectable (`SimulatedDevice(profile, clock, sleep, spin_s=0)`), so that
+tests order streams and events on a manual clock, with no timing.
 """
 from __future__ import annotations
 
@@ -157,6 +157,9 @@ def _lookup(times: tuple[Times, ...], by_length: Mapping[int, tuple[Times, ...]]
     return _interpolate({n: _interpolate(stages[stage], batch) for n, stages in by_length.items()}, length)
 
 
+SPIN_S = 150e-6  # how long before a deadline the host stops sleeping and spins (`SimulatedDevice.wait_until`)
+
+
 class ManualClock:
     """A clock that moves only when slept on: for tests that order streams and events without timing."""
 
@@ -174,10 +177,10 @@ class SimulatedDevice:
     """One device's engines (module docstring). Thread-safe: stages launch from their own threads."""
 
     def __init__(self, profile: DeviceProfile, clock: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, spin_s: float = SPIN_S) -> None:
         self.profile = profile
         self.name = profile.name
-        self.clock, self._sleep = clock, sleep
+        self.clock, self._sleep, self._spin_s = clock, sleep, spin_s
         self._lock = threading.Lock()
         # when each engine is next free: compute (one slot per concurrent kernel), copies each way
         self._compute_free = [0.0] * max(1, profile.parameters.concurrent_kernels)
@@ -214,7 +217,9 @@ class SimulatedDevice:
             left = deadline - self.clock()
             if left <= 0:
                 return
-            self._sleep(left)
+            # the last `spin_s` spun, yielding the GIL: a sleep wakes 60-100 us late here, where
+            # CUDA's synchronize spins on the host and notices the end within microseconds
+            self._sleep(left - self._spin_s if left > self._spin_s else 0.0)
 
     def synchronize(self) -> None:
         """Wait for everything queued on the device (torch.cuda.synchronize)."""

@@ -29,7 +29,7 @@ def _profile(stages: int = 2, launch_s: float = 0.0, **extra: object) -> dict:
 def _device(**params: float) -> tuple[SimulatedDevice, ManualClock]:
     clock = ManualClock()
     profile = DeviceProfile.from_json(_profile(**params))
-    return SimulatedDevice(profile, clock, clock.sleep), clock
+    return SimulatedDevice(profile, clock, clock.sleep, spin_s=0.0), clock
 
 
 def test_a_stream_runs_after_the_event_it_waits_on_and_the_host_waits_only_where_it_synchronizes() -> None:
