@@ -56,8 +56,13 @@ class DeviceParameters:
       latency, a few µs on Hopper: NVIDIA's CUDA Graphs posts report 2-3 µs per graph launch on
       recent GPUs; 8 µs here, to cover the stream's ordering and event work around it);
     - copy_latency_s, copy_bytes_per_s: one copy between pageable host memory and the device
-      (the profile's runs used numpy arrays: pageable), 10 µs and 20 GB/s (PCIe Gen5 x16 carries
-      64 GB/s a direction; staged pageable copies reach about a third of it);
+      (the profile's runs used numpy arrays: pageable, staged through a pinned buffer by the
+      driver), 10 µs and 8 GB/s: pinned copies on PCIe Gen5 x16 reach about 50 GB/s of its 64,
+      and pageable ones a sixth of pinned (DeepSpeed measured 6x from pinning its host-to-device
+      copies, microsoft/DeepSpeed#5301). The first set (20 GB/s, "a third of the link") replayed
+      the H100's BERT side by side too slow under load on every system (README, GPU); the
+      profile's stage at batch 2 costs more than the H100's pipeline could have spent per stage
+      run at 1.1x load, so copies are a larger share of a profiled run than 20 GB/s makes them;
     - concurrent_kernels: graph replays of different streams running at once (1: one at a time,
       until two streams at once are measured on the device);
     - sync_wake_s: how late the host notices work done (CUDA's default spin-then-yield sync wakes
@@ -65,7 +70,7 @@ class DeviceParameters:
 
     launch_s: float = 8e-6
     copy_latency_s: float = 10e-6
-    copy_bytes_per_s: float = 20e9
+    copy_bytes_per_s: float = 8e9
     concurrent_kernels: int = 1
     sync_wake_s: float = 0.0
 
