@@ -24,7 +24,7 @@ import onnx
 import onnxruntime as ort
 
 from dvabatch_backend.runtime.engine import available_cores
-from dvabatch_backend.runtime.loading import MODEL_SPINNING, stage_spinning
+from dvabatch_backend.runtime.loading import MODEL_SPINNING, STAGE_SPINNING
 from dvabatch_backend.runtime.manifest import Manifest
 
 from .analysis import CutPoint, legal_cut_points, name_nodes, with_length_carrier
@@ -235,8 +235,8 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
             fast_path = {"engine": "stages", "why": "the model is over 2 GB: the stages in a row, no second copy of "
                                                     "its weights beside them", "seconds": {}}
         elif chosen.manifest.num_stages == 1:  # the one stage is the whole model: nothing to choose
-            fast_path = {"engine": "stages", "why": "one stage, the whole model, spinning as a user's model would "
-                                                    "(`loading.stage_spinning`)", "seconds": {}}
+            fast_path = {"engine": "stages", "why": "one stage, the whole model: nothing to time against it",
+                         "seconds": {}}
         else:
             say("timing the unsliced model beside the stages in a row (the fast path's engine)")
             fast_path = fast_path_choice(chosen.dir, chosen.manifest, lengths, served_threads, int_bounds(model))
@@ -453,10 +453,10 @@ def fast_path_choice(folder: Path, manifest: Manifest, lengths: Sequence[int], t
     """Which engine runs a lone query on the fast path (runtime/fast_path.py): the unsliced model
     (`model.onnx`, loaded beside the stages) or the stages in a row, each as served (the model's
     session spinning as onnxruntime's do by default, the stages' within a run:
-    `loading.stage_spinning`), from one query at each profiled length `LIGHT_LOAD_GAP` after
+    `loading.STAGE_SPINNING`), from one query at each profiled length `LIGHT_LOAD_GAP` after
     the last (`profiler.time_after_gaps`). {"engine": "model" | "stages", "why", "seconds"}."""
     model_file = folder / (manifest.full_model or "model.onnx")
-    stage_files = [(folder / st.file, stage_spinning(manifest)) for st in manifest.stages]
+    stage_files = [(folder / st.file, STAGE_SPINNING) for st in manifest.stages]
     specs = [[manifest.inputs], [st.inputs for st in manifest.stages]]
     seconds = {}
     for length in lengths:
