@@ -73,18 +73,27 @@ def device_config(text: str, manifest: Mapping[str, Any], device: str, device_pr
         config, {"engine": "simulated", "device": "cpu", "device_profile": str(device_profile)}))
 
 
-def build_repository(scratch: Path, model_dir: Path, device: str, device_profile: str | None) -> dict[str, str]:
+def build_repository(scratch: Path, model_dir: Path, device: str, device_profile: str | None,
+                     delays_us: Sequence[int] = DELAYS_US, variants: Mapping[str, Mapping[str, str]] | None = None
+                     ) -> dict[str, str]:
     """The scratch repository: the sliced model on the device config, ZeroBatch and the DelayBatches
-    on the same engine. {system: model name}, DVABatch first."""
+    on the same engine; each of `variants` ({label: parameters}) the device config with those
+    parameters set, as a system of its own. {system: model name}, DVABatch first."""
     version_dir = (model_dir / "1").resolve()
     manifest = json.loads((version_dir / "manifest.json").read_text())
     name = manifest["name"]
     add_model_copy(scratch, model_dir, name)
     config = scratch / name / "config.pbtxt"
-    config.write_text(device_config(config.read_text(), manifest, device, device_profile))
+    text = device_config(config.read_text(), manifest, device, device_profile)
+    config.write_text(text)
     engine = ("torch", "cuda") if device == "cuda" else ("simulated", "cpu")
     systems = {DVA: name}
-    for delay in (0, *DELAYS_US):
+    for label, values in (variants or {}).items():
+        systems[label] = f"{name}_{label.lower().replace('-', '_')}"
+        add_model_copy(scratch, model_dir, systems[label])
+        (scratch / systems[label] / "config.pbtxt").write_text(model_config.with_parameters(text, values,
+                                                                                           systems[label]))
+    for delay in (0, *delays_us):
         label = "ZeroBatch" if delay == 0 else f"DelayBatch-{delay / 1000:g}ms"
         systems[label] = f"{name}_{'zerobatch' if delay == 0 else f'delay{delay}'}"
         add_baseline(scratch, version_dir, systems[label], delay, threads=1, engine=engine[0], device=engine[1],
@@ -133,9 +142,14 @@ def median_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                         "answered": r["answered"]} for r in runs]}
 
 
+def is_baseline(label: str) -> bool:
+    return label.startswith(("ZeroBatch", "DelayBatch"))
+
+
 def better_baseline(systems: Mapping[str, Mapping[str, Any]], key: str) -> tuple[str, float | None]:
     """The baseline with the lowest `key` among those that answered every query."""
-    whole = {k: v[key] for k, v in systems.items() if k != DVA and v[key] is not None and v["answered"] == v["queries"]}
+    whole = {k: v[key] for k, v in systems.items()
+             if is_baseline(k) and v[key] is not None and v["answered"] == v["queries"]}
     if not whole:
         return "-", None
     best = min(whole, key=whole.__getitem__)
@@ -160,7 +174,8 @@ def row_line(load: Mapping[str, Any]) -> str:
 
 
 def run(model_dir: Path, device: str, device_profile: str | None, out: Path, queries: int = QUERIES,
-        rounds: int = ROUNDS, loads: Sequence[float] = LOADS) -> int:
+        rounds: int = ROUNDS, loads: Sequence[float] = LOADS, delays_us: Sequence[int] = DELAYS_US,
+        variants: Mapping[str, Mapping[str, str]] | None = None) -> int:
     import onnx
 
     from slicer.profiler import int_bounds
@@ -170,7 +185,7 @@ def run(model_dir: Path, device: str, device_profile: str | None, out: Path, que
     full = onnx.load(str(version_dir / (manifest.full_model or "model.onnx")), load_external_data=False)
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dvabatch-on-device-") as tmp:
-        systems = build_repository(Path(tmp), model_dir, device, device_profile)
+        systems = build_repository(Path(tmp), model_dir, device, device_profile, delays_us, variants)
         with TritonServer(Path(tmp)) as server:
             print(f"tritonserver up; {len(systems)} models on {device}"
                   + (f" (the GPU stand-in, {device_profile})" if device == "simulated" else "")
@@ -195,13 +210,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--queries", type=int, default=QUERIES, help="queries per system, load and round")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--loads", default=",".join(f"{f:g}" for f in LOADS), help="fractions of ZeroBatch's peak")
+    parser.add_argument("--delays", default=",".join(str(d) for d in DELAYS_US),
+                        help="DelayBatch's queue delays (us), comma-separated ('' for ZeroBatch alone)")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL:KEY=VALUE,...",
+                        help="also serve the model with these config parameters set, as the system LABEL")
     parser.add_argument("--out", type=Path, default=REPO / "work" / "perf" / "on_device")
     args = parser.parse_args(argv)
+    variants = {}
+    for spec in args.variant:
+        label, _, pairs = spec.partition(":")
+        variants[label] = dict(pair.split("=", 1) for pair in pairs.split(",") if pair)
     if args.device == "simulated" and args.device_profile is None:
         parser.error("--device simulated needs --device-profile")
     profile = str(args.device_profile.resolve()) if args.device_profile else None
     return run(args.model_dir, args.device, profile, args.out / args.model_dir.name, args.queries, args.rounds,
-               tuple(float(f) for f in args.loads.split(",")))
+               tuple(float(f) for f in args.loads.split(",")), tuple(int(d) for d in args.delays.split(",") if d),
+               variants)
 
 
 if __name__ == "__main__":
