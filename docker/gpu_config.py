@@ -10,7 +10,7 @@
 - `num_buffer_pairs`: the count the manifest records as chosen on the device
   (`slicing.buffer_pairs`, where the stages were profiled there), else the CPU's count the slicer
   wrote (1: each stage in turn on every core) is dropped, and the adapter's GPU default applies
-  (`default_buffer_pairs`: 2, stages on their own streams overlap);
+  (`default_buffer_pairs`: 1, the stages share the device: a batch at a time grows with the load);
 - `threads_per_stage: 1`: a stage's work is the GPU's; torch's CPU threads (one process-wide
   setting) stay at one, not every core as on the CPU.
 

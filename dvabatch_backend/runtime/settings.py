@@ -96,9 +96,19 @@ def default_buffer_pairs(device: str, thread_pool: str, threads_per_stage: int =
     and contend for them, so overlapping batches buys nothing and costs latency. One pair runs the
     batches through the stages one at a time, each stage on every core, while later queries gather
     for the next batch (measured on MiniLM, 2 cores, perf_analyzer: lower latency at concurrency 1,
-    at 0.5x and 0.9x load, and a higher closed-loop peak than 2 pairs). Stages with cores or a
-    device stream of their own (per-stage threads of a few cores each, a GPU) overlap: 2 pairs."""
-    return 1 if device == "cpu" and stages_share_cores(thread_pool, threads_per_stage) else 2
+    at 0.5x and 0.9x load, and a higher closed-loop peak than 2 pairs). Stages with cores of
+    their own (per-stage threads of a few cores each) overlap: 2 pairs.
+
+    On a GPU the stages' streams share one device, which runs one stage's graph at a time until
+    two streams at once are measured (runtime/simulated.py): a second pair overlaps only the host
+    with the device, and it lets stage 0 start a new batch of 1-2 queries behind the later stages'
+    work, so batches never grow and each pays every stage's fixed cost. One pair runs what queued
+    as one batch, stages in a row, as Triton's batcher runs the unsliced model. Measured: BERT-base
+    served on the GPU stand-in (4 stages, the H100's stage times, `perf.compare --device
+    simulated`): 2 pairs 113-139 ms mean at 0.6-0.9x ZeroBatch's peak (a queue that runs away),
+    1 pair 8.9 / 14.1 ms (ZeroBatch 8.0 / 13.0); on the H100 in process, 1 pair ahead of 2 at
+    every load up to 0.9x on BERT-base and at every load on ResNet-152 (README, GPU)."""
+    return 1 if device != "cpu" or stages_share_cores(thread_pool, threads_per_stage) else 2
 
 
 def replays_graphs(settings: RuntimeSettings) -> bool:

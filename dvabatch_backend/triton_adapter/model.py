@@ -17,7 +17,7 @@ last stage would otherwise stand idle through one per query of its batch.
 
 Settings come from `config.pbtxt` parameters, each checked at load with the bad value named
 (`_PARSERS` lists them): manifest (default manifest.json), policy (default pipelined),
-num_buffer_pairs (1 on the CPU where each stage runs on every core, else 2: `default_buffer_pairs`),
+num_buffer_pairs (1 on the CPU where each stage runs on every core and on a GPU, else 2: `default_buffer_pairs`),
 bs_max (the manifest's), thread_pool (per_stage), threads_per_stage (0: every available core), spinning
 (the unsliced model's on, the stages' in_run), engine (onnxruntime, torch, or simulated: the GPU
 stand-in, with device_profile, a file in the model's folder),

@@ -4,7 +4,7 @@
 
 The zoo BERT (test size) is sliced here (onnxruntime on the CPU profiles it), its config switched to
 the GPU by docker/gpu_config.py exactly as the Docker image does it (KIND_GPU, engine torch, device
-cuda, two buffer pairs), and served by the pytriton wheel's tritonserver. Queries of mixed lengths go
+cuda, the GPU's default buffer pairs), and served by the pytriton wheel's tritonserver. Queries of mixed lengths go
 through tritonclient's gRPC client, in a burst and then one at a time; each answer is compared with
 the unsliced model run alone on onnxruntime (CPU). Writes DIR/serve_check.json (every answer's error
 and latency, the dvabatch_* metrics) and DIR/tritonserver.log. If the server does not start or the
