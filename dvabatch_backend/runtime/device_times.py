@@ -4,7 +4,8 @@ The slicer times the stages where it runs (the manifest's `profiled_on`; a manif
 profiled on the CPU). Policies and admission plan with those times (`PolicyContext.for_model`,
 `Admission`), so a pipeline whose stages run on a device (a GPU, or the GPU stand-in) of another
 name times its stages there at load, each stage's `run` (inputs in, compute, outputs out, as the
-slicer's profile is) at every graph bucket (batch sizes x lengths), and plans with those. The
+slicer's profile is, but reading and writing the boundaries between stages where they serve: in
+device memory) at every graph bucket (batch sizes x lengths), and plans with those. The
 times are kept by the device's name, and a later load on the same device reads them:
 
 - beside the manifest, `stage_times.<device>.json`, where the version folder is writable;
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import logging
 import os
 import re
@@ -27,6 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from .buffers import BufferMemory
 from .manifest import Manifest, StageSpec, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -59,25 +62,39 @@ def serving_device(engines: Sequence[Any]) -> str | None:
 
 
 def time_engines(stages: Sequence[StageSpec], engines: Sequence[Any], batch_sizes: Sequence[int], lengths: Sequence[int],
-                make_input: Callable[[TensorSpec, int, int], np.ndarray] | None = None,
-                repeats: int = REPEATS) -> dict[str, list[dict[str, float]]]:
+                 make_input: Callable[[TensorSpec, int, int], np.ndarray] | None = None, repeats: int = REPEATS,
+                 memory: Callable[[int], BufferMemory] | None = None) -> dict[str, list[dict[str, float]]]:
     """Each stage engine's `run` (`stages[i]`'s inputs and outputs: a manifest's stages, or the
     unsliced model as one) at every batch size and length (0: fixed shape), the mean of
-    `repeats` after one warm-up: {str(length): per stage {str(batch size): seconds}}. Inputs are
-    `make_input(spec, batch, length)`, zeros by default (a valid token id, a mask hiding all)."""
+    `repeats` after one warm-up, until the device finished them: {str(length): per stage
+    {str(batch size): seconds}}. Inputs are `make_input(spec, batch, length)`, zeros by default (a
+    valid token id, a mask hiding all). `memory(boundary)`: where each boundary lives as served
+    (`device_memory.stream_memory`): a stage reading and writing device memory is timed so, not
+    with the copies from and to the host it does not make when it serves."""
     make_input = make_input or (lambda spec, bs, length: np.zeros(spec.shape(bs, length), spec.np_dtype))
+
+    def tensor(boundary: int, spec: TensorSpec, bs: int, length: int, given: bool) -> Any:
+        where = memory(boundary) if memory is not None else None
+        if where is not None and where.on_device:
+            shape = spec.shape(bs, length)
+            return where.zeros(math.prod(shape), spec.np_dtype).reshape(shape)
+        return make_input(spec, bs, length) if given else np.empty(spec.shape(bs, length), spec.np_dtype)
+
     by_length: dict[str, list[dict[str, float]]] = {}
     for length in lengths:
         per_stage = []
-        for spec, engine in zip(stages, engines):
+        for k, (spec, engine) in enumerate(zip(stages, engines)):
+            wait = getattr(engine, "wait_for_device", lambda: None)
             row = {}
             for bs in batch_sizes:
-                inputs = {t.name: make_input(t, bs, length) for t in spec.inputs}
-                outputs = {t.name: np.empty(t.shape(bs, length), t.np_dtype) for t in spec.outputs}
+                inputs = {t.name: tensor(k, t, bs, length, True) for t in spec.inputs}
+                outputs = {t.name: tensor(k + 1, t, bs, length, False) for t in spec.outputs}
                 engine.run(inputs, outputs)  # warm-up: kernels chosen, allocations made
+                wait()
                 t0 = time.perf_counter()
                 for _ in range(repeats):
                     engine.run(inputs, outputs)
+                wait()  # device outputs: the runs were queued
                 row[str(bs)] = (time.perf_counter() - t0) / repeats
             per_stage.append(row)
         by_length[str(length)] = per_stage
@@ -120,7 +137,15 @@ def on_serving_device(version_dir: Path, manifest: Manifest, engines: Sequence[A
                  device, path)
         return with_stage_times(manifest, by_length, device)
     started = time.perf_counter()
-    by_length = time_engines(manifest.stages, engines, buckets[0], buckets[1] if manifest.has_seq else [0])
+    streams = [getattr(e, "stream", None) for e in engines]
+    memory = None
+    if any(stream is not None for stream in streams):  # as served: boundaries between stages on the device
+        from .device_memory import stream_memory
+
+        boundaries = stream_memory(streams)
+        memory = lambda boundary: boundaries(boundary, 0)  # noqa: E731
+    by_length = time_engines(manifest.stages, engines, buckets[0], buckets[1] if manifest.has_seq else [0],
+                             memory=memory)
     seconds = time.perf_counter() - started
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
