@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 CPU = "cpu"  # what a manifest without `profiled_on` was profiled on
 REPEATS = 3
+# how the kept times were measured: a kept file of another method is timed again
+METHOD = "each stage's run at every graph bucket, its boundaries where they serve, 1 warm-up and 3 timed"
 CACHE_ENV = "DVABATCH_PROFILE_CACHE"
 
 
@@ -131,8 +133,9 @@ def on_serving_device(version_dir: Path, manifest: Manifest, engines: Sequence[A
     if device is None or device == profiled_on(manifest):
         return manifest
     path = cache_file(version_dir, manifest, device)
-    if path.is_file():
-        by_length = json.loads(path.read_text())["stage_times_by_length"]
+    kept = _read_kept(path)
+    if kept is not None:
+        by_length = kept
         log.info("%s: stage times profiled on %s, serving on %s: read from %s", manifest.name, profiled_on(manifest),
                  device, path)
         return with_stage_times(manifest, by_length, device)
@@ -149,7 +152,7 @@ def on_serving_device(version_dir: Path, manifest: Manifest, engines: Sequence[A
     seconds = time.perf_counter() - started
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"device": device, "seconds_to_profile": seconds,
+        path.write_text(json.dumps({"device": device, "method": METHOD, "seconds_to_profile": seconds,
                                     "stage_times_by_length": by_length}, indent=1))
         kept = f"kept in {path}"
     except OSError as exc:  # nowhere writable: the times serve this load only
@@ -157,6 +160,15 @@ def on_serving_device(version_dir: Path, manifest: Manifest, engines: Sequence[A
     log.warning("%s: stage times profiled on %s, serving on %s: re-profiled at load in %.1f s, %s",
                 manifest.name, profiled_on(manifest), device, seconds, kept)
     return with_stage_times(manifest, by_length, device)
+
+
+def _read_kept(path: Path) -> dict[str, list[dict[str, float]]] | None:
+    """The stage times an earlier load kept at `path`, if it measured them as this one would."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc["stage_times_by_length"] if doc.get("method") == METHOD and "stage_times_by_length" in doc else None
 
 
 def _slug(text: str) -> str:

@@ -1,0 +1,44 @@
+"""Served from the real tritonserver on the GPU stand-in (`engine: simulated`), as `perf.compare
+--device simulated` serves it: the sliced model with the Docker image's GPU config on the
+stand-in's engine, ZeroBatch and a DelayBatch beside it on the same engine. With a device profile
+that has the values computed, every system answers concurrent queries of mixed lengths as the
+unsliced model; the dvabatch model re-profiled its CPU-profiled stages on the stand-in at load and
+kept the times beside its manifest."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+
+from dvabatch_backend.tools.serve import TritonServer
+from perf.compare.on_device import build_repository
+from slicer.model_config import parameters
+
+from ..triton_support import Clients, ServedModel, slice_zoo_model, unequal_answers
+
+STAGES = 3
+
+
+def test_a_model_and_its_baselines_served_on_the_stand_in_answer_as_the_unsliced_model(tmp_path) -> None:
+    base = slice_zoo_model(tmp_path / "sliced", "bert", STAGES)
+    profile = tmp_path / "device.json"
+    times = [{"1": 2e-4, "2": 3e-4, "4": 5e-4, "8": 9e-4} for _ in range(STAGES)]
+    profile.write_text(json.dumps({"measured_on": "a served test device", "stage_times": times,
+                                   "stage_times_by_length": {"16": times, "32": times}, "values": "computed"}))
+    repo = tmp_path / "repository"
+    systems = build_repository(repo, base.version_dir.parent, "simulated", str(profile), delays_us=(500,))
+    written = parameters((repo / systems["DVABatch"] / "config.pbtxt").read_text())
+    assert (written["engine"], written["device_profile"]) == ("simulated", str(profile))
+    with TritonServer(repo) as server:
+        for name in systems.values():
+            server.wait_model_ready(name, timeout=180)
+        clients = Clients(server.http_url, server.grpc_url)
+        modes = clients.modes()
+        rng = np.random.default_rng(11)
+        for name in systems.values():
+            model: ServedModel = replace(base, name=name)
+            work = [(mode, model.query(rng)) for mode in modes for _ in range(3)]  # 12 queries, mixed lengths
+            assert unequal_answers(modes, model, work, rtol=1e-3) == [], name
+    kept = list(base.version_dir.glob("stage_times.a-served-test-device-simulated.json"))
+    assert kept and json.loads(kept[0].read_text())["device"] == "a served test device (simulated)"
