@@ -20,7 +20,7 @@ Settings come from `config.pbtxt` parameters, each checked at load with the bad 
 num_buffer_pairs (1 on the CPU where each stage runs on every core and on a GPU, else 2: `default_buffer_pairs`),
 bs_max (the manifest's), thread_pool (per_stage), threads_per_stage (0: every available core), spinning
 (the unsliced model's on, the stages' in_run), engine (onnxruntime, torch, or simulated: the GPU
-stand-in, with device_profile, a file in the model's folder),
+stand-in, with device_profile, a file in the version folder or an absolute path),
 device, run_on, fast_path, cuda_graphs (true), device_buffers (true),
 entry_waits_for_device (true), engine_wrapper; Triton's
 queue policy (max_queue_size, default_timeout_microseconds, allow_timeout_override,
@@ -110,7 +110,7 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path,
     thread_pool = values.get("thread_pool", SERVED_THREAD_POOL)
     threads = values.get("threads_per_stage", SERVED_THREADS_PER_STAGE)
     profile = values.get("device_profile")
-    if profile is not None:  # relative to the model's folder
+    if profile is not None:  # relative to the version folder, or absolute
         profile = str(model_dir / profile)
         if not Path(profile).is_file():
             raise ValueError(f"parameter 'device_profile': {profile} not found")
