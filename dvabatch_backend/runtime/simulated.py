@@ -39,11 +39,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from .cost import StageCost
 from .manifest import Manifest, TensorSpec, dim_size, is_length_dim
 from .settings import SIMULATED  # noqa: F401 - the engine kind, named where the engine is
 
@@ -132,35 +134,26 @@ class DeviceProfile:
         """A run's time as profiled (copies in and out included) at `batch` rows and `length`
         (0: fixed shape); `stage` None is the unsliced model: measured, else its stages summed."""
         if stage is None:
-            if self.model_times is None:
+            if self._model_cost is None:
                 return sum(self.run_seconds(k, batch, length) for k in range(self.num_stages))
-            return _lookup(self.model_times, self.model_times_by_length, 0, batch, length)
-        return _lookup(self.stage_times, self.stage_times_by_length, stage, batch, length)
+            return self._model_cost.time(0, batch, length or None)
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"the device profile has {self.num_stages} stage(s); stage {stage} was asked for")
+        return self._stage_cost.time(stage, batch, length or None)
+
+    # read by the runtime's one rule for profiled times (runtime/cost.py): linear between profiled
+    # points, flat below the smallest, proportional beyond the largest
+    @cached_property
+    def _stage_cost(self) -> StageCost:
+        return StageCost(self.stage_times, self.num_stages, self.stage_times_by_length)
+
+    @cached_property
+    def _model_cost(self) -> StageCost | None:
+        return None if self.model_times is None else StageCost(self.model_times, 1, self.model_times_by_length)
 
 
 def _stages(raw: Sequence[Mapping[str, float]]) -> tuple[Times, ...]:
     return tuple({int(bs): float(t) for bs, t in stage.items()} for stage in raw)
-
-
-def _interpolate(points: Mapping[int, float], x: int) -> float:
-    """Linear through the profiled points; beyond the last, along the last two (batches and lengths
-    cost about linearly there); one point is the cost at every size."""
-    xs = sorted(points)
-    if x in points or len(xs) == 1:
-        return points.get(x, points[xs[0]])
-    if x > xs[-1]:
-        x0, x1 = xs[-2:]
-        return points[x1] + (points[x1] - points[x0]) * (x - x1) / (x1 - x0)
-    return float(np.interp(x, xs, [points[k] for k in xs]))
-
-
-def _lookup(times: tuple[Times, ...], by_length: Mapping[int, tuple[Times, ...]], stage: int, batch: int,
-            length: int) -> float:
-    if stage >= len(times):
-        raise ValueError(f"the device profile has {len(times)} stage(s); stage {stage} was asked for")
-    if length <= 0 or not by_length:
-        return _interpolate(times[stage], batch)
-    return _interpolate({n: _interpolate(stages[stage], batch) for n, stages in by_length.items()}, length)
 
 
 SPIN_S = 150e-6  # how long before a deadline the host stops sleeping and spins (`SimulatedDevice.wait_until`)
