@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .buffers import BufferMemory
+from .buffers import MemoryFactory
 from .manifest import Manifest, StageSpec, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -65,18 +65,18 @@ def serving_device(engines: Sequence[Any]) -> str | None:
 
 def time_engines(stages: Sequence[StageSpec], engines: Sequence[Any], batch_sizes: Sequence[int], lengths: Sequence[int],
                  make_input: Callable[[TensorSpec, int, int], np.ndarray] | None = None, repeats: int = REPEATS,
-                 memory: Callable[[int], BufferMemory] | None = None) -> dict[str, list[dict[str, float]]]:
+                 memory: MemoryFactory | None = None) -> dict[str, list[dict[str, float]]]:
     """Each stage engine's `run` (`stages[i]`'s inputs and outputs: a manifest's stages, or the
     unsliced model as one) at every batch size and length (0: fixed shape), the mean of
     `repeats` after one warm-up, until the device finished them: {str(length): per stage
     {str(batch size): seconds}}. Inputs are `make_input(spec, batch, length)`, zeros by default (a
-    valid token id, a mask hiding all). `memory(boundary)`: where each boundary lives as served
+    valid token id, a mask hiding all). `memory(boundary, pair)`: where each boundary lives as served
     (`device_memory.stream_memory`): a stage reading and writing device memory is timed so, not
     with the copies from and to the host it does not make when it serves."""
     make_input = make_input or (lambda spec, bs, length: np.zeros(spec.shape(bs, length), spec.np_dtype))
 
     def tensor(boundary: int, spec: TensorSpec, bs: int, length: int, given: bool) -> Any:
-        where = memory(boundary) if memory is not None else None
+        where = memory(boundary, 0) if memory is not None else None
         if where is not None and where.on_device:
             shape = spec.shape(bs, length)
             return where.zeros(math.prod(shape), spec.np_dtype).reshape(shape)
@@ -135,18 +135,16 @@ def on_serving_device(version_dir: Path, manifest: Manifest, engines: Sequence[A
     path = cache_file(version_dir, manifest, device)
     kept = _read_kept(path)
     if kept is not None:
-        by_length = kept
         log.info("%s: stage times profiled on %s, serving on %s: read from %s", manifest.name, profiled_on(manifest),
                  device, path)
-        return with_stage_times(manifest, by_length, device)
+        return with_stage_times(manifest, kept, device)
     started = time.perf_counter()
     streams = [getattr(e, "stream", None) for e in engines]
     memory = None
     if any(stream is not None for stream in streams):  # as served: boundaries between stages on the device
         from .device_memory import stream_memory
 
-        boundaries = stream_memory(streams)
-        memory = lambda boundary: boundaries(boundary, 0)  # noqa: E731
+        memory = stream_memory(streams)
     by_length = time_engines(manifest.stages, engines, buckets[0], buckets[1] if manifest.has_seq else [0],
                              memory=memory)
     seconds = time.perf_counter() - started
@@ -154,11 +152,11 @@ def on_serving_device(version_dir: Path, manifest: Manifest, engines: Sequence[A
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"device": device, "method": METHOD, "seconds_to_profile": seconds,
                                     "stage_times_by_length": by_length}, indent=1))
-        kept = f"kept in {path}"
+        where = f"kept in {path}"
     except OSError as exc:  # nowhere writable: the times serve this load only
-        kept = f"not kept ({exc})"
+        where = f"not kept ({exc})"
     log.warning("%s: stage times profiled on %s, serving on %s: re-profiled at load in %.1f s, %s",
-                manifest.name, profiled_on(manifest), device, seconds, kept)
+                manifest.name, profiled_on(manifest), device, seconds, where)
     return with_stage_times(manifest, by_length, device)
 
 

@@ -27,13 +27,12 @@ EngineWrapper = Callable[[int, StageEngine], StageEngine]
 # and spins as onnxruntime does by default, as a user's own model would (a light load's next query
 # finds its threads awake: the small BERT at 100 Poisson queries a second, 2.8 ms on the mean
 # against 4.9 ms on the stages in a row, each stage's threads asleep by then); the stages spin
-# only within a run, so that one stage's threads never spin through the next stage's run
-MODEL_SPINNING, STAGE_SPINNING = ON, IN_RUN
-
-# a one-stage model's only stage spins within a run too, though it runs every lone query: it also
+# only within a run, so that one stage's threads never spin through the next stage's run. A
+# one-stage model's only stage spins within a run too, though it runs every lone query: it also
 # runs every batch under load, where threads spinning between runs take the cores the server's
 # request handling needs (the residual MLP, 1 stage, 2 cores, 0.9x load: 19.5 / 135 ms mean / p99
 # spinning on, against ZeroBatch's 9.0 / 30 not spinning and ZeroBatch-spin's 17.2 / 74)
+MODEL_SPINNING, STAGE_SPINNING = ON, IN_RUN
 
 
 def make_engine(path: Path, settings: RuntimeSettings, manifest: Manifest | None = None,
@@ -82,7 +81,7 @@ def reads_model_inputs(path: Path, manifest: Manifest) -> bool:
 
 def make_engines(version_dir: Path, manifest: Manifest, settings: RuntimeSettings) -> list[StageEngine]:
     """One engine per stage, of the kind `settings` names."""
-    return [make_engine(version_dir / s.file, settings, manifest, STAGE_SPINNING) for s in manifest.stages]
+    return [make_engine(version_dir / s.file, settings, manifest) for s in manifest.stages]
 
 
 def load_pipeline(model_dir: str | Path, policy: Policy, settings: RuntimeSettings = RuntimeSettings(),

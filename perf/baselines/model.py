@@ -202,18 +202,14 @@ class EngineRunner:
     for the batch's rows and length, and the engine writes them."""
 
     def __init__(self, path: Path, manifest: Manifest, settings: RuntimeSettings) -> None:
-        self._engine = make_engine(path, settings, manifest)
-        self.input_names = set(self._engine.input_names)
-        self.output_names = set(self._engine.output_names)
-
-    @property
-    def engine(self) -> Any:
-        return self._engine
+        self.engine = make_engine(path, settings, manifest)
+        self.input_names = set(self.engine.input_names)
+        self.output_names = set(self.engine.output_names)
 
     def run(self, batch: Mapping[str, np.ndarray], outputs: Sequence[TensorSpec], rows: int,
             length: int) -> dict[str, np.ndarray]:
         results = {t.name: np.empty(t.shape(rows, length), dtype=t.np_dtype) for t in outputs}
-        self._engine.run(batch, results)
+        self.engine.run(batch, results)
         return results
 
 
