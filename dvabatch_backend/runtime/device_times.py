@@ -12,11 +12,17 @@ times are kept by the device's name, and a later load on the same device reads t
 - else (a read-only model repository: an image, a volume) under `$DVABATCH_PROFILE_CACHE`, or
   `~/.cache/dvabatch/profiles`, in a folder named after the model and its manifest's digest.
 
+Two models over one version folder (variants of one sliced model) load at once in Triton: the
+first to load times the stages while holding a lock beside the kept file, the other waits and reads
+what it kept, so the device is timed once and never by two at the same time.
+
 What it costs at load: one warm-up and `REPEATS` timed runs per stage and bucket (BERT-base in 4
 stages on an H100, 20 buckets: about 0.5 s, from the stage times in ../shared/gpu-profiles/).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -25,7 +31,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -133,6 +139,27 @@ def on_serving_device(version_dir: Path, manifest: Manifest, engines: Sequence[A
     if device is None or device == profiled_on(manifest):
         return manifest
     path = cache_file(version_dir, manifest, device)
+    with _held(path):
+        return _kept_or_timed(path, manifest, engines, buckets, device)
+
+
+@contextlib.contextmanager
+def _held(path: Path) -> Iterator[None]:
+    """An exclusive lock beside `path` while the times are read or measured (module docstring);
+    none where the folder cannot be written (the times then serve this load only)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_name(path.name + ".lock"), "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _kept_or_timed(path: Path, manifest: Manifest, engines: Sequence[Any],
+                   buckets: tuple[Sequence[int], Sequence[int]], device: str) -> Manifest:
     kept = _read_kept(path)
     if kept is not None:
         log.info("%s: stage times profiled on %s, serving on %s: read from %s", manifest.name, profiled_on(manifest),

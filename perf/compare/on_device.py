@@ -27,7 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from dvabatch_backend.tools.serve import TritonServer
 from perf.baselines import add_baseline
 from perf.baselines.bench import sample_queries
 from perf.compare.by_own_driver import lone_latency, warm_up_and_peak
+from perf.compare.served_metrics import ADAPTER_SAMPLE_S, batch_reports, scrape
 from perf.load.arrivals import poisson
 from perf.load.drivers import alternating, run_open_loop
 from slicer import model_config
@@ -102,8 +103,11 @@ def build_repository(scratch: Path, model_dir: Path, device: str, device_profile
 
 
 def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: Mapping[str, int], queries: int,
-            rounds: int, loads: Sequence[float], seed: int = 0) -> dict[str, Any]:
-    """c1, ZeroBatch's peak, then every load's rounds (module docstring)."""
+            rounds: int, loads: Sequence[float], seed: int = 0, metrics_url: str | None = None,
+            partial: Callable[[dict[str, Any]], None] = lambda result: None) -> dict[str, Any]:
+    """c1, ZeroBatch's peak, then every load's rounds (module docstring), each load's batch sizes
+    from the server's metrics where `metrics_url` is given; `partial` gets the result so far after
+    each part, so a run stopped at its time limit keeps what it measured."""
     names = list(systems.values())
     labels = {model: label for label, model in systems.items()}
     zero = systems["ZeroBatch"]
@@ -113,7 +117,9 @@ def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: 
     lone = {labels[m]: r.summary() for m, r in lone_latency(url, names, manifest, int_high, seed, TIMEOUT_S).items()}
     print("concurrency 1, mean ms: " + ", ".join(f"{k} {v['latency_mean_ms']:.2f}" for k, v in lone.items()), flush=True)
     result: dict[str, Any] = {"zerobatch_peak_qps": peak, "lone": lone, "loads": []}
+    partial(result)
     for k, fraction in enumerate(loads):
+        before = scrape(metrics_url) if metrics_url else None
         rate = fraction * peak
         n = max(queries, int(rate * 2))
         sample, lengths = sample_queries(manifest, int_high, n, seed + 200 + k)
@@ -125,8 +131,14 @@ def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: 
                 per_round[labels[model]].append(run.summary())
         load = {"fraction": fraction, "rate_qps": rate, "queries": n,
                 "systems": {label: median_summary(runs) for label, runs in per_round.items()}}
+        if before is not None:
+            time.sleep(2 * ADAPTER_SAMPLE_S)  # the adapter's last counts reach the server
+            load["batches"] = batch_reports(before, scrape(metrics_url), systems)
         result["loads"].append(load)
         print(row_line(load), flush=True)
+        for label, report in load.get("batches", {}).items():
+            print(f"  {label} batches: {json.dumps(report)}", flush=True)
+        partial(result)
     return result
 
 
@@ -192,11 +204,19 @@ def run(model_dir: Path, device: str, device_profile: str | None, out: Path, que
                   + "; driven by our own open-loop generator (perf_analyzer does not go to the GPU machine)", flush=True)
             for name in systems.values():
                 server.wait_model_ready(name, timeout=600)
-            result = measure(server.grpc_url, systems, manifest, int_bounds(full), queries, rounds, loads)
-    result.update({"device": device, "device_profile": device_profile, "model": manifest.name, "systems": systems,
-                   "queries_per_load": queries, "rounds": rounds, "seconds": time.perf_counter() - began})
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "on_device.json").write_text(json.dumps(result, indent=1))
+            print(f"every model ready {time.perf_counter() - began:.0f} s after the start (the server's start, the "
+                  "stages re-profiled on the device, the graphs captured)", flush=True)
+            header = {"device": device, "device_profile": device_profile, "model": manifest.name, "systems": systems,
+                      "queries_per_load": queries, "rounds": rounds}
+            out.mkdir(parents=True, exist_ok=True)
+
+            def write(result: dict[str, Any]) -> None:
+                result.update(header, seconds=time.perf_counter() - began)
+                (out / "on_device.json").write_text(json.dumps(result, indent=1))
+
+            result = measure(server.grpc_url, systems, manifest, int_bounds(full), queries, rounds, loads,
+                             metrics_url=server.metrics_url, partial=write)
+    write(result)
     print(f"wrote {out / 'on_device.json'} ({result['seconds']:.0f} s)")
     unanswered = sum(v["queries"] - v["answered"] for load in result["loads"] for v in load["systems"].values())
     return 1 if unanswered else 0

@@ -110,17 +110,19 @@ STEPS: tuple[Step, ...] = (
     # as a user serves it (the slicer's CPU profile re-profiled at load on the device, the Docker
     # image's GPU config) beside ZeroBatch and DelayBatch on the same engine and graphs, every
     # process of the server under py-spy: the served collapse reproduced, and where its time goes
-    Step("served", 585, (
+    Step("served", 540, (
         capped(20, "nvidia-smi"),
-        capped(130, PY, "-m", "perf.gpu.device_profile", "--model", "bert", "--out", "{work}/profile"),
         capped(150, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo bert --size real --out {{work}}/bert.onnx && "
                f"{PY} -m dvabatch_backend.tools.cli slice {{work}}/bert.onnx --stages 4 --bs-max 16 --max-length 128 "
                "--repeats 3 --out {work}/repo/bert_base"),
-        capped(260, *profiled("{work}/served/py-spy.txt", PY, "-m", "perf.compare", "--model-dir", "{work}/repo/bert_base",
-                              "--device", "cuda", "--queries", "1000", "--rounds", "2", "--out", "{work}/served",
+        # the default GPU config (one buffer pair) beside the old one (two: the pipeline), which collapsed
+        capped(300, *profiled("{work}/served/py-spy.txt", PY, "-m", "perf.compare", "--model-dir", "{work}/repo/bert_base",
+                              "--device", "cuda", "--queries", "1000", "--rounds", "2", "--loads", "0.25,0.6,0.9",
+                              "--variant", "pairs2:num_buffer_pairs=2", "--out", "{work}/served",
                               subprocesses=True)),
+        capped(110, PY, "-m", "perf.gpu.device_profile", "--model", "bert", "--out", "{work}/profile"),
     ), needs=("perf/gpu/device_profile.py", "perf/compare/on_device.py", "perf/compare/__main__.py",
-              "docker/gpu_config.py")),
+              "perf/compare/served_metrics.py", "docker/gpu_config.py")),
     Step("gpu", 585, (
         capped(20, "nvidia-smi"),
         capped(40, PY, "-c", ENV_REPORT),
