@@ -37,8 +37,9 @@ from perf.baselines import add_baseline
 from perf.baselines.bench import sample_queries
 from perf.compare.by_own_driver import lone_latency, warm_up_and_peak
 from perf.compare.served_metrics import ADAPTER_SAMPLE_S, batch_reports, scrape
+from perf.compare.stub_profile import profiled_stubs
 from perf.load.arrivals import poisson
-from perf.load.drivers import alternating, run_open_loop
+from perf.load.drivers import alternating, run_closed_loop, run_open_loop
 from slicer import model_config
 from slicer.triton_files import add_model_copy
 
@@ -51,6 +52,7 @@ ROUNDS = 2
 PEAK_SECONDS = 4.0
 TIMEOUT_S = 30.0
 DVA = "DVABatch"
+SPIED_LONE = 300  # queries one at a time to each system under py-spy (--py-spy)
 
 
 def gpu_config_module() -> Any:
@@ -104,10 +106,13 @@ def build_repository(scratch: Path, model_dir: Path, device: str, device_profile
 
 def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: Mapping[str, int], queries: int,
             rounds: int, loads: Sequence[float], seed: int = 0, metrics_url: str | None = None,
-            partial: Callable[[dict[str, Any]], None] = lambda result: None) -> dict[str, Any]:
+            partial: Callable[[dict[str, Any]], None] = lambda result: None, spy_out: Path | None = None,
+            spied: Sequence[str] = ()) -> dict[str, Any]:
     """c1, ZeroBatch's peak, then every load's rounds (module docstring), each load's batch sizes
     from the server's metrics where `metrics_url` is given; `partial` gets the result so far after
-    each part, so a run stopped at its time limit keeps what it measured."""
+    each part, so a run stopped at its time limit keeps what it measured. With `spy_out`, the
+    `spied` systems' stubs under py-spy (perf/compare/stub_profile.py): `SPIED_LONE` more queries
+    one at a time, and each of their open-loop runs."""
     names = list(systems.values())
     labels = {model: label for label, model in systems.items()}
     zero = systems["ZeroBatch"]
@@ -117,6 +122,14 @@ def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: 
     lone = {labels[m]: r.summary() for m, r in lone_latency(url, names, manifest, int_high, seed, TIMEOUT_S).items()}
     print("concurrency 1, mean ms: " + ", ".join(f"{k} {v['latency_mean_ms']:.2f}" for k, v in lone.items()), flush=True)
     result: dict[str, Any] = {"zerobatch_peak_qps": peak, "lone": lone, "loads": []}
+    if spy_out is not None:
+        queries_c1, _ = sample_queries(manifest, int_high, SPIED_LONE, seed + 400)
+        for label in spied:
+            with profiled_stubs({label: systems[label]}, spy_out, "c1"):
+                run = run_closed_loop(url, systems[label], queries_c1, concurrency=1, n=SPIED_LONE, timeout=TIMEOUT_S)
+            result.setdefault("lone_spied", {})[label] = run.summary()
+        print("concurrency 1 under py-spy, mean ms: " + ", ".join(
+            f"{k} {v['latency_mean_ms']:.2f}" for k, v in result.get("lone_spied", {}).items()), flush=True)
     partial(result)
     for k, fraction in enumerate(loads):
         before = scrape(metrics_url) if metrics_url else None
@@ -127,7 +140,9 @@ def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: 
         per_round: dict[str, list[dict[str, Any]]] = {label: [] for label in systems}
         for turn in range(rounds):
             for model in alternating(names, k + turn):
-                run = run_open_loop(url, model, sample, offsets, timeout=TIMEOUT_S, lengths=lengths)
+                spy = {labels[model]: model} if labels[model] in spied else {}
+                with profiled_stubs(spy, spy_out, f"load{fraction:g}-r{turn}"):
+                    run = run_open_loop(url, model, sample, offsets, timeout=TIMEOUT_S, lengths=lengths)
                 per_round[labels[model]].append(run.summary())
         load = {"fraction": fraction, "rate_qps": rate, "queries": n,
                 "systems": {label: median_summary(runs) for label, runs in per_round.items()}}
@@ -187,7 +202,7 @@ def row_line(load: Mapping[str, Any]) -> str:
 
 def run(model_dir: Path, device: str, device_profile: str | None, out: Path, queries: int = QUERIES,
         rounds: int = ROUNDS, loads: Sequence[float] = LOADS, delays_us: Sequence[int] = DELAYS_US,
-        variants: Mapping[str, Mapping[str, str]] | None = None) -> int:
+        variants: Mapping[str, Mapping[str, str]] | None = None, spied: Sequence[str] = ()) -> int:
     import onnx
 
     from slicer.profiler import int_bounds
@@ -215,7 +230,8 @@ def run(model_dir: Path, device: str, device_profile: str | None, out: Path, que
                 (out / "on_device.json").write_text(json.dumps(result, indent=1))
 
             result = measure(server.grpc_url, systems, manifest, int_bounds(full), queries, rounds, loads,
-                             metrics_url=server.metrics_url, partial=write)
+                             metrics_url=server.metrics_url, partial=write, spy_out=out / "py-spy" if spied else None,
+                             spied=spied)
     write(result)
     print(f"wrote {out / 'on_device.json'} ({result['seconds']:.0f} s)")
     unanswered = sum(v["queries"] - v["answered"] for load in result["loads"] for v in load["systems"].values())
@@ -234,6 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="DelayBatch's queue delays (us), comma-separated ('' for ZeroBatch alone)")
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL:KEY=VALUE,...",
                         help="also serve the model with these config parameters set, as the system LABEL")
+    parser.add_argument("--py-spy", default="", metavar="LABEL,...",
+                        help="profile these systems' backend stubs with py-spy (OUT/MODEL/py-spy/PHASE.LABEL.txt)")
     parser.add_argument("--out", type=Path, default=REPO / "work" / "perf" / "on_device")
     args = parser.parse_args(argv)
     variants = {}
@@ -245,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     profile = str(args.device_profile.resolve()) if args.device_profile else None
     return run(args.model_dir, args.device, profile, args.out / args.model_dir.name, args.queries, args.rounds,
                tuple(float(f) for f in args.loads.split(",")), tuple(int(d) for d in args.delays.split(",") if d),
-               variants)
+               variants, tuple(label for label in args.py_spy.split(",") if label))
 
 
 if __name__ == "__main__":

@@ -123,6 +123,18 @@ STEPS: tuple[Step, ...] = (
         capped(110, PY, "-m", "perf.gpu.device_profile", "--model", "bert", "--out", "{work}/profile"),
     ), needs=("perf/gpu/device_profile.py", "perf/compare/on_device.py", "perf/compare/__main__.py",
               "perf/compare/served_metrics.py", "docker/gpu_config.py")),
+    # after `served`: the default config beside the same model with the load policy (one batch per
+    # execute call, as ZeroBatch's), and ZeroBatch, each stub under py-spy (every thread, idle too)
+    # one query at a time and at 0.6x and 0.9x: where the served path's time goes
+    Step("diagnose", 300, (
+        capped(150, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo bert --size real --out {{work}}/bert.onnx && "
+               f"{PY} -m dvabatch_backend.tools.cli slice {{work}}/bert.onnx --stages 4 --bs-max 16 --max-length 128 "
+               "--repeats 3 --out {work}/repo/bert_base"),
+        capped(140, "bash", "-c", f"PATH=/tmp/site/bin:$PATH {PY} -m perf.compare --model-dir {{work}}/repo/bert_base "
+               "--device cuda --queries 1000 --rounds 2 --loads 0.6,0.9 --delays '' --variant load:policy=load "
+               "--py-spy DVABatch,load,ZeroBatch --out {work}/served"),
+    ), needs=("perf/compare/on_device.py", "perf/compare/stub_profile.py", "perf/compare/served_metrics.py"),
+       rerun=True),
     Step("gpu", 585, (
         capped(20, "nvidia-smi"),
         capped(40, PY, "-c", ENV_REPORT),
