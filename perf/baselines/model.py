@@ -40,6 +40,10 @@ from dvabatch_backend.runtime.manifest import SEQ, Manifest, TensorSpec, dim_siz
 
 try:
     import triton_python_backend_utils as pb_utils
+
+    # tensors cross the stub as the dvabatch adapter's do (by DLPack under numpy 2, where the stub
+    # reads numpy arrays with no data): a baseline pays for its answers' bytes as the adapter does
+    from dvabatch_backend.triton_adapter.model import input_array, output_tensor
 except ImportError:  # imported outside Triton (tests, tools): the batching functions below still work
     pb_utils = None
 
@@ -283,7 +287,7 @@ class TritonPythonModel:
         if batch and self._respond == "echo":
             for i, request in batch:
                 responses[i] = pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor(t.name, np.zeros(t.shape(request.rows, request.length), t.np_dtype))
+                    output_tensor(t.name, np.zeros(t.shape(request.rows, request.length), t.np_dtype))
                     for t in self._manifest.outputs])
         elif batch:
             parsed = [r for _, r in batch]
@@ -297,7 +301,7 @@ class TritonPythonModel:
                 answers = split_outputs(results, self._manifest.outputs, parsed)
                 for (i, _), answer in zip(batch, answers):
                     responses[i] = pb_utils.InferenceResponse(
-                        output_tensors=[pb_utils.Tensor(name, arr) for name, arr in answer.items()])
+                        output_tensors=[output_tensor(name, arr) for name, arr in answer.items()])
         return responses
 
     def _read(self, request: Any) -> dict[str, np.ndarray]:
@@ -305,7 +309,7 @@ class TritonPythonModel:
         for spec in self._manifest.inputs:
             tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
             if tensor is not None:
-                arrays[spec.name] = tensor.as_numpy()
+                arrays[spec.name] = input_array(tensor)
         return arrays
 
     def finalize(self) -> None:

@@ -135,6 +135,16 @@ STEPS: tuple[Step, ...] = (
                "--py-spy DVABatch,load,ZeroBatch --out {work}/served"),
     ), needs=("perf/compare/on_device.py", "perf/compare/stub_profile.py", "perf/compare/served_metrics.py"),
        rerun=True),
+    # after `diagnose` found the baselines answering with no data under the device's numpy 2 (and
+    # so sending nothing): the served comparison again with fair baselines, both stubs under py-spy
+    Step("confirm", 250, (
+        capped(120, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo bert --size real --out {{work}}/bert.onnx && "
+               f"{PY} -m dvabatch_backend.tools.cli slice {{work}}/bert.onnx --stages 4 --bs-max 16 --max-length 128 "
+               "--repeats 3 --out {work}/repo/bert_base"),
+        capped(150, "bash", "-c", f"PATH=/tmp/site/bin:$PATH {PY} -m perf.compare --model-dir {{work}}/repo/bert_base "
+               "--device cuda --queries 1000 --rounds 2 --loads 0.25,0.6,0.9 --delays 500,2000 "
+               "--py-spy DVABatch,ZeroBatch --out {work}/served"),
+    ), needs=("perf/compare/on_device.py", "perf/compare/stub_profile.py", "perf/baselines/model.py"), rerun=True),
     Step("gpu", 585, (
         capped(20, "nvidia-smi"),
         capped(40, PY, "-c", ENV_REPORT),

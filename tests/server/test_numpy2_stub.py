@@ -1,5 +1,6 @@
 """Served by a backend stub whose numpy is 2.x (as on a GPU image with a recent torch): every answer
-carries its data, equal to the unsliced model's, on the fast path and through the pipeline.
+carries its data, equal to the unsliced model's, on the fast path and through the pipeline, and so
+does a baseline's (ZeroBatch's answers once left with no data, and cost it nothing to send).
 
 The pytriton wheel's stub reads an array's byte size with a pybind11 older than numpy 2; under numpy
 2 it read 0, and every response left with the right shapes and no data.
@@ -22,8 +23,9 @@ import numpy as np
 import pytest
 
 from dvabatch_backend.tools.serve import TritonServer, stub_processes
+from perf.baselines import add_baseline
 
-from ..triton_support import Clients, add_variant, slice_zoo_model, unequal_answers
+from ..triton_support import Clients, ServedModel, add_variant, slice_zoo_model, unequal_answers
 
 NUMPY_2 = "numpy==2.2.6"  # the last 2.x with a wheel for every Python this project runs on
 
@@ -57,17 +59,21 @@ def test_a_stub_on_numpy_2_answers_with_the_data(tmp_path, numpy2_site: Path, mo
     repo = tmp_path / "repository"
     base = slice_zoo_model(repo / ".sliced", "bert")
     model = add_variant(repo, base, "bert_numpy2", policy="input")
+    add_baseline(repo, base.version_dir, "bert_zerobatch", 0)
+    baseline = ServedModel("bert_zerobatch", base.version_dir, base.manifest, base.int_high, base.max_length)
     monkeypatch.syspath_prepend(str(numpy2_site))  # the server's PYTHONPATH: numpy 2 first
     server = TritonServer(repo).start()
     monkeypatch.undo()
     try:
-        server.wait_model_ready(model.name, timeout=180)
-        assert stub_numpy_dirs(model.name) == {str(numpy2_site / "numpy")}, "the stub did not load numpy 2"
-        modes = Clients(server.http_url, server.grpc_url).modes()
-        rng = np.random.default_rng(11)
-        lone = [(mode, model.query(rng)) for mode in modes]  # one at a time: the fast path
-        together = [(mode, model.query(rng)) for mode in modes for _ in range(3)]  # concurrent: the pipeline too
-        failures = unequal_answers(modes, model, lone, concurrent=False) + unequal_answers(modes, model, together)
+        failures = []
+        for served in (model, baseline):
+            server.wait_model_ready(served.name, timeout=180)
+            assert stub_numpy_dirs(served.name) == {str(numpy2_site / "numpy")}, "the stub did not load numpy 2"
+            modes = Clients(server.http_url, server.grpc_url).modes()
+            rng = np.random.default_rng(11)
+            lone = [(mode, served.query(rng)) for mode in modes]  # one at a time: the fast path
+            together = [(mode, served.query(rng)) for mode in modes for _ in range(3)]  # concurrent: the pipeline too
+            failures += unequal_answers(modes, served, lone, concurrent=False) + unequal_answers(modes, served, together)
     finally:
         server.stop()
     assert failures == []
