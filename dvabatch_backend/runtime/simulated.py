@@ -52,28 +52,25 @@ from .settings import SIMULATED  # noqa: F401 - the engine kind, named where the
 
 @dataclass(frozen=True)
 class DeviceParameters:
-    """What a run costs beside its compute. Defaults are the H100's, with their sources; a profile
-    file may give its own (`"parameters"`), and a device run measures them (perf/gpu/run_device.py).
+    """What a run costs beside its compute. Defaults are the H100's, measured there on 2026-11-27 by
+    `perf.gpu.device_profile` (perf/gpu/profiles/h100-bert-device-profile.json); a profile file may
+    give its own (`"parameters"`).
 
-    - launch_s: from the host's launch to the device starting the work (a graph replay's launch
-      latency, a few µs on Hopper: NVIDIA's CUDA Graphs posts report 2-3 µs per graph launch on
-      recent GPUs; 8 µs here, to cover the stream's ordering and event work around it);
-    - copy_latency_s, copy_bytes_per_s: one copy between pageable host memory and the device
-      (the profile's runs used numpy arrays: pageable, staged through a pinned buffer by the
-      driver), 10 µs and 8 GB/s: pinned copies on PCIe Gen5 x16 reach about 50 GB/s of its 64,
-      and pageable ones a sixth of pinned (DeepSpeed measured 6x from pinning its host-to-device
-      copies, microsoft/DeepSpeed#5301). The first set (20 GB/s, "a third of the link") replayed
-      the H100's BERT side by side too slow under load on every system (README, GPU); the
-      profile's stage at batch 2 costs more than the H100's pipeline could have spent per stage
-      run at 1.1x load, so copies are a larger share of a profiled run than 20 GB/s makes them;
-    - concurrent_kernels: graph replays of different streams running at once (1: one at a time,
-      until two streams at once are measured on the device);
+    - launch_s: from the host's launch of a one-kernel CUDA graph to the device's end, less the
+      kernel's own time (host clock, synchronized; CUDA events): 24 µs. (Assumed before it was
+      measured: 8 µs, from NVIDIA's 2-3 µs per graph launch and the stream's event work.)
+    - copy_latency_s, copy_bytes_per_s: one copy between pageable host memory and the device, 4 KiB
+      to 16 MiB each way, fitted as latency + bytes / bandwidth: 4.4 µs and 6.6 GB/s. (Assumed:
+      10 µs and 8 GB/s, a sixth of pinned copies on PCIe Gen5 x16.)
+    - concurrent_kernels: graph replays of different streams running at once: two BERT-base
+      stages replayed on two streams at once took 0.79 of the two one after the other (0.91 against
+      1.16 ms), over the 0.75 under which they count as running together: 1, one at a time;
     - sync_wake_s: how late the host notices work done (CUDA's default spin-then-yield sync wakes
       within microseconds; a sleeping host thread later: the sleep's own lateness is real here)."""
 
-    launch_s: float = 8e-6
-    copy_latency_s: float = 10e-6
-    copy_bytes_per_s: float = 8e9
+    launch_s: float = 24e-6
+    copy_latency_s: float = 4.4e-6
+    copy_bytes_per_s: float = 6.6e9
     concurrent_kernels: int = 1
     sync_wake_s: float = 0.0
 
