@@ -26,6 +26,7 @@ import onnxruntime as ort
 from dvabatch_backend.runtime.engine import available_cores
 from dvabatch_backend.runtime.loading import MODEL_SPINNING, STAGE_SPINNING
 from dvabatch_backend.runtime.manifest import Manifest
+from dvabatch_backend.runtime.settings import RuntimeSettings
 
 from .analysis import CutPoint, legal_cut_points, name_nodes, with_length_carrier
 from .axes import (DENSE_RULE_LENGTHS, AxisOverrides, LengthRule, batch_first_outputs, canonical_model,
@@ -38,6 +39,8 @@ from .preflight import check_proto, full_session, probe_max_length, read_model
 from .sessions import external_data_dir
 from .profiler import Setting, int_bounds, node_costs, random_inputs, time_after_gaps, time_stages
 from .stage_profile import default_batch_sizes, default_lengths, profile_stages, stage_times_at
+from .gpu_config import gpu_config
+from .serving_engine import PAIR_CANDIDATES, ServingEngine
 from .triton_files import VERSION_DIR, write_triton_files
 
 Progress = Callable[[str], None]
@@ -69,6 +72,9 @@ class SliceOptions:
     balance_goal: float = 1.10  # stop re-balancing once the slowest stage is within 10% of the mean
     force: bool = False  # replace an existing output directory
     axes: AxisOverrides = AxisOverrides()  # --batch-axis, --variable-axis, --fixed
+    # the engine and device that will serve, which time the stages (slicer/serving_engine.py); the
+    # default, onnxruntime on the CPU, is timed by slicer/profiler.py
+    serving: ServingEngine = ServingEngine()
 
 
 @dataclass
@@ -125,6 +131,12 @@ class SliceReport:
         fast_path = self.manifest.extra.get("fast_path", {})
         if fast_path:
             lines.append(f"  fast path (a query that meets nobody): {fast_path.get('why')}")
+        slicing = self.manifest.extra.get("slicing", {})
+        if "engine" in slicing:
+            lines.append(f"  timed on {slicing['engine']['engine']}, {slicing['engine']['device']} "
+                         f"({self.manifest.extra.get('profiled_on', 'cpu')})")
+        if "buffer_pairs" in slicing:
+            lines.append(f"  buffer pairs: {slicing['buffer_pairs']['chosen']} ({slicing['buffer_pairs']['why']})")
         if len(self.candidates) > 1:
             lines.append("  stage-count candidates (queries/s as served, closed loop): "
                          + ", ".join(f"{x.stages}: {x.throughput:.0f}" for x in self.candidates)
@@ -220,16 +232,25 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
                              Path(tmp) / f"n{n}", options, say)
             for n in wanted
         ]
+        concurrency = min(16, options.max_batch_size)
         if len(candidates) > 1:
-            measure_candidates(candidates, ref.length, int_bounds(model), min(16, options.max_batch_size), say)
+            measure_candidates(candidates, ref.length, int_bounds(model), concurrency, say, settings=_served(options))
         chosen = choose_stage_count(candidates)
+        pairs = (choose_buffer_pairs(chosen, ref.length, int_bounds(model), concurrency, options, say)
+                 if options.serving.shares_a_device and chosen.stages > 1 else None)
         say("checking that padding leaves answers unchanged")
         # a session of the whole model only while it is used: a large model's weights, once at a time
         pad = check_pad_safety(full_session(model, options.threads), inputs, chosen.manifest.outputs, max_length,
                                options.atol, int_bounds(model))
         served_threads = options.profile_threads or available_cores()
-        profile = profile_stages(chosen.dir, chosen.manifest, batch_sizes, lengths, served_threads,
-                                 max(3, options.repeats // 2), int_bounds(model), say)
+        device = "cpu"
+        if options.serving.is_default:
+            profile = profile_stages(chosen.dir, chosen.manifest, batch_sizes, lengths, served_threads,
+                                     max(3, options.repeats // 2), int_bounds(model), say)
+        else:
+            say(f"profiling the stages on {options.serving.engine}, {options.serving.device}, at its graph buckets")
+            profile, device = options.serving.profile(chosen.dir, chosen.manifest, int_bounds(model),
+                                                      max(3, options.repeats // 2))
         policy = _policy_choice(profile)
         if external_data_dir(model) is not None:  # over 2 GB: a second copy of the weights is not offered
             fast_path = {"engine": "stages", "why": "the model is over 2 GB: the stages in a row, no second copy of "
@@ -239,11 +260,14 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
                          "seconds": {}}
         else:
             say("timing the unsliced model beside the stages in a row (the fast path's engine)")
-            fast_path = fast_path_choice(chosen.dir, chosen.manifest, lengths, served_threads, int_bounds(model))
+            fast_path = (fast_path_choice(chosen.dir, chosen.manifest, lengths, served_threads, int_bounds(model))
+                         if options.serving.is_default else
+                         options.serving.fast_path(chosen.dir, chosen.manifest, int_bounds(model), options.repeats))
         manifest = _final_manifest(chosen, profile, ref, options, pad, int_bounds(model), policy, fast_path,
-                                   _stage_count_record(candidates, chosen, has_seq, options.stages), rule)
+                                   _stage_count_record(candidates, chosen, has_seq, options.stages), rule,
+                                   device=device, buffer_pairs=pairs)
         _write_profile(chosen.dir, manifest, profile)
-        write_triton_files(chosen.dir.parent, manifest, policy=policy["choice"])  # served: every core per stage
+        _write_config(chosen.dir.parent, manifest, policy["choice"], options.serving)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         chosen.dir.parent.rename(out_dir)
@@ -279,8 +303,7 @@ def _build_candidate(model: onnx.ModelProto, name: str, n: int, costs: np.ndarra
         say(f"cutting into {n} stages at {list(part.positions)}")
         folder = work / f"round{round_}" / VERSION_DIR
         manifest = cut_model(model, part.positions, folder, name, options.max_batch_size, max_length)
-        seconds = time_stages([folder / s.file for s in manifest.stages], [s.inputs for s in manifest.stages], ref,
-                              options.threads, options.repeats, int_bounds(model))
+        seconds = _stage_seconds(folder, manifest, ref, options, int_bounds(model), options.repeats)
         cand = Candidate(n, folder, manifest, part, seconds)
         candidates.append(cand)
         if best is None or cand.balance < best.balance:
@@ -305,11 +328,18 @@ def _remeasured(candidates: list[Candidate], ref: Setting, options: SliceOptions
     lower of its two measurements (interference only ever adds time)."""
     say(f"timing the {min(top, len(candidates))} best cuts again")
     for cand in sorted(candidates, key=lambda c: c.balance)[:top]:
-        again = time_stages([cand.dir / s.file for s in cand.manifest.stages],
-                            [s.inputs for s in cand.manifest.stages], ref, options.threads, 3 * options.repeats,
-                            int_high, min_seconds=0.3)
+        again = _stage_seconds(cand.dir, cand.manifest, ref, options, int_high, 3 * options.repeats, min_seconds=0.3)
         cand.stage_seconds = [min(a, b) for a, b in zip(cand.stage_seconds, again)]
     return min(candidates, key=lambda c: c.balance)
+
+
+def _stage_seconds(folder: Path, manifest: Manifest, ref: Setting, options: SliceOptions, int_high: dict[str, int],
+                   repeats: int, min_seconds: float = 0.0) -> list[float]:
+    """Each stage's time at the reference setting, on the engine and device that will serve."""
+    if options.serving.is_default:
+        return time_stages([folder / s.file for s in manifest.stages], [s.inputs for s in manifest.stages], ref,
+                           options.threads, repeats, int_high, min_seconds=min_seconds)
+    return options.serving.stage_seconds(folder, manifest, ref, int_high, repeats)
 
 
 def _calibrated(costs: np.ndarray, evidence: list[tuple[int, int, float]]) -> np.ndarray:
@@ -389,7 +419,8 @@ def choose_stage_count(candidates: Sequence[Candidate]) -> Candidate:
 
 
 def measure_candidates(candidates: Sequence[Candidate], length: int, int_high: dict[str, int], concurrency: int,
-                       say: Callable[[str], None], rounds: int = MEASURE_ROUNDS) -> None:
+                       say: Callable[[str], None], rounds: int = MEASURE_ROUNDS,
+                       settings: RuntimeSettings | None = None) -> None:
     """Each candidate's served throughput (`measure_pipeline`), the median of `rounds` rounds with the
     candidates' order alternating, so a slow moment of the machine does not decide for one of them."""
     seen: dict[int, list[float]] = {c.stages: [] for c in candidates}
@@ -397,20 +428,61 @@ def measure_candidates(candidates: Sequence[Candidate], length: int, int_high: d
         for cand in (candidates if r % 2 == 0 else list(reversed(candidates))):
             say(f"measuring the {cand.stages}-stage pipeline as it is served, round {r + 1} of {rounds}")
             seen[cand.stages].append(measure_pipeline(cand.dir, cand.manifest, length, int_high, seconds=0.4,
-                                                      concurrency=concurrency))
+                                                      concurrency=concurrency, settings=settings))
     for cand in candidates:
         cand.throughput = float(np.median(seen[cand.stages]))
 
 
+def choose_buffer_pairs(chosen: Candidate, length: int, int_high: dict[str, int], concurrency: int,
+                        options: SliceOptions, say: Callable[[str], None], rounds: int = MEASURE_ROUNDS
+                        ) -> dict[str, Any]:
+    """Where the stages share one device: the buffer pairs (`PAIR_CANDIDATES`) with the highest
+    closed-loop throughput as served, the fewest within `STAGE_COUNT_TIE` of it (a second pair lets
+    stage 0 start a batch behind the others' work: it must pay for the smaller batches). The
+    manifest's record (`slicing.buffer_pairs`, which the GPU config serves)."""
+    seen: dict[int, list[float]] = {p: [] for p in PAIR_CANDIDATES}
+    for r in range(rounds):
+        for pairs in (PAIR_CANDIDATES if r % 2 == 0 else tuple(reversed(PAIR_CANDIDATES))):
+            say(f"measuring {pairs} buffer pair(s) on {options.serving.device}, round {r + 1} of {rounds}")
+            seen[pairs].append(measure_pipeline(chosen.dir, chosen.manifest, length, int_high, seconds=0.4,
+                                                concurrency=concurrency, settings=_served(options, pairs)))
+    measured = {p: float(np.median(v)) for p, v in seen.items()}
+    best = max(measured.values())
+    pick = min(p for p, q in measured.items() if q >= (1 - STAGE_COUNT_TIE) * best)
+    return {"chosen": pick, "queries_per_second": {str(p): round(q, 1) for p, q in measured.items()},
+            "why": f"the highest closed-loop throughput on {options.serving.device} ({concurrency} queries in flight, "
+                   f"load policy), the fewest pairs within {STAGE_COUNT_TIE:.0%}: "
+                   + ", ".join(f"{p} pair(s) {q:.0f}/s" for p, q in measured.items())}
+
+
+def _served(options: SliceOptions, pairs: int = 1) -> RuntimeSettings:
+    """The settings the candidates are measured with: as the slicer's config serves them (one
+    buffer pair, each stage on every core) on the CPU; the serving engine's elsewhere."""
+    if options.serving.is_default:
+        return RuntimeSettings(num_buffer_pairs=pairs, threads_per_stage=available_cores(), fast_path=False)
+    return options.serving.settings(options.max_batch_size, pairs)
+
+
+def _write_config(model_dir: Path, manifest: Manifest, policy: str, serving: ServingEngine) -> None:
+    """config.pbtxt and model.py: the CPU config (every core per stage), or on a GPU the GPU
+    config with the buffer pairs measured there (slicer/gpu_config.py)."""
+    extra = {} if serving.is_default else {"engine": serving.engine, "device": serving.device}
+    write_triton_files(model_dir, manifest, policy=policy, extra=extra)
+    if serving.device == "cuda":
+        config = model_dir / "config.pbtxt"
+        config.write_text(gpu_config(config.read_text(), 1, manifest.to_json()))
+
+
 def measure_pipeline(folder: Path, manifest: Manifest, length: int, int_high: dict[str, int],
-                     seconds: float = 0.6, concurrency: int = 8) -> float:
-    """Queries per second through the runtime as the slicer's config serves it on this CPU, closed
-    loop at `concurrency` queries in flight: batches as the load policy makes them, one buffer pair
-    (stages one at a time), each stage on a pool of every core of its own, as served."""
-    from dvabatch_backend.runtime import RuntimeSettings, load_pipeline
+                     seconds: float = 0.6, concurrency: int = 8, settings: RuntimeSettings | None = None) -> float:
+    """Queries per second through the runtime as the slicer's config serves it, closed loop at
+    `concurrency` queries in flight: batches as the load policy makes them; by default on this
+    CPU, one buffer pair (stages one at a time), each stage on a pool of every core of its own, as
+    served; else with `settings` (another engine or device, other pairs)."""
+    from dvabatch_backend.runtime import load_pipeline
     from policies import create_policy
 
-    scheduler = load_pipeline(folder, create_policy("load"), RuntimeSettings(
+    scheduler = load_pipeline(folder, create_policy("load"), settings or RuntimeSettings(
         num_buffer_pairs=1, threads_per_stage=available_cores(), fast_path=False))
     rng = np.random.default_rng(3)
     pool = [{k: v[0] for k, v in random_inputs(manifest.inputs, 1, length, rng, int_high).items()} for _ in range(16)]
@@ -491,7 +563,8 @@ def _stage_count_record(candidates: Sequence[Candidate], chosen: Candidate, has_
 def _final_manifest(chosen: Candidate, profile: dict[str, Any], ref: Setting, options: SliceOptions,
                     pad: PadSafety, input_bounds: dict[str, int], policy: dict[str, str],
                     fast_path: dict[str, Any] | None = None, stage_count: dict[str, Any] | None = None,
-                    rule: LengthRule = LengthRule()) -> Manifest:
+                    rule: LengthRule = LengthRule(), device: str = "cpu",
+                    buffer_pairs: dict[str, Any] | None = None) -> Manifest:
     doc = chosen.manifest.to_json()
     doc["length_multiple"], doc["min_length"], doc["length_rule"] = rule.multiple, rule.min_length, rule.why
     doc["policy"] = policy
@@ -513,6 +586,12 @@ def _final_manifest(chosen: Candidate, profile: dict[str, Any], ref: Setting, op
     }
     if stage_count is not None:
         doc["slicing"]["stage_count"] = stage_count
+    if not options.serving.is_default:
+        doc["slicing"]["engine"] = {"engine": options.serving.engine, "device": options.serving.device}
+    if device != "cpu":  # where the stage times were measured (runtime/device_times.py)
+        doc["profiled_on"] = device
+    if buffer_pairs is not None:
+        doc["slicing"]["buffer_pairs"] = buffer_pairs
     manifest = Manifest.from_json(doc)
     manifest.dump(chosen.dir / "manifest.json")
     return manifest

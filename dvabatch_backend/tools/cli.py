@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     slice_.add_argument("--operator-diversity-cuts", action="store_true",
                         help="move cuts to where the preferred batch size changes")
     slice_.add_argument("--force", action="store_true", help="replace an existing output directory")
+    slice_.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the model will serve, and where its stages are timed (cuda: on this GPU, with "
+                             "the torch engine and its CUDA graphs; the GPU config written)")
+    slice_.add_argument("--engine", choices=("onnxruntime", "torch"),
+                        help="the engine that will serve and times the stages (default: onnxruntime on the CPU, "
+                             "torch on cuda)")
     slice_.add_argument("-v", "--verbose", action="store_true", help="on an error, print its traceback too")
     slice_.add_argument("--batch-axis", action="append", default=[], metavar="INPUT:AXIS",
                         help="the batch axis of an input, where discovery gets it wrong (must be 0)")
@@ -145,6 +151,7 @@ def run_slice(args: argparse.Namespace) -> int:
 
     from slicer.axes import AxisOverrides
     from slicer.errors import one_line
+    from slicer.serving_engine import ServingEngine
     from slicer.slice_model import SliceError, SliceOptions, slice_model
 
     try:
@@ -163,8 +170,11 @@ def run_slice(args: argparse.Namespace) -> int:
         stages=stages, candidates=candidates, name=args.name,
         max_batch_size=args.bs_max, max_length=args.max_length, threads=args.threads, repeats=args.repeats,
         operator_diversity_cuts=args.operator_diversity_cuts, force=args.force,
-        axes=axes,
+        axes=axes, serving=ServingEngine(args.engine or ("onnxruntime" if args.device == "cpu" else "torch"), args.device),
     )
+    if options.serving.engine == "onnxruntime" and options.serving.device != "cpu":
+        print("dvabatch slice: --device cuda serves on the torch engine (--engine torch)", file=sys.stderr)
+        return 2
     if not args.verbose:  # onnxruntime's own log lines around a failure: the one line below says it
         import onnxruntime as ort
 

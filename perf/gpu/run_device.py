@@ -105,6 +105,22 @@ def profiled(out: str, *argv: str, subprocesses: bool = False) -> tuple[str, ...
 # overlap) with the CPU property tests beside them, the overlap figures, the real server, then the
 # two experiments (BERT under py-spy).
 STEPS: tuple[Step, ...] = (
+    # the next GPU at hand: `dvabatch slice --device cuda` on BERT-base and ResNet-152 (the stage
+    # count and buffer pairs measured on the device; its time), then the device-sliced BERT-base
+    # served beside ZeroBatch and DelayBatch on the same engine (fair baselines, 2026-11-27)
+    Step("slice", 585, (
+        capped(20, "nvidia-smi"),
+        capped(220, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo bert --size real --out {{work}}/bert.onnx && "
+               f"time {PY} -m dvabatch_backend.tools.cli slice {{work}}/bert.onnx --device cuda --stages auto "
+               "--candidates 2,3,4 --bs-max 16 --max-length 128 --repeats 3 --out {work}/repo/bert_base"),
+        capped(130, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo resnet152 --size real --out {{work}}/r152.onnx && "
+               f"time {PY} -m dvabatch_backend.tools.cli slice {{work}}/r152.onnx --device cuda --stages auto "
+               "--bs-max 16 --repeats 3 --out {work}/repo/resnet152"),
+        capped(190, "bash", "-c", f"PATH=/tmp/site/bin:$PATH {PY} -m perf.compare --model-dir {{work}}/repo/bert_base "
+               "--device cuda --queries 1000 --rounds 2 --loads 0.25,0.6,0.9 --delays 250,1000 "
+               "--py-spy DVABatch,ZeroBatch --out {work}/served"),
+    ), needs=("slicer/serving_engine.py", "slicer/gpu_config.py", "perf/compare/on_device.py",
+              "perf/compare/stub_profile.py", "perf/baselines/model.py")),
     # the first GPU at hand, before any other device work: what the stand-in assumes, measured
     # (its device profile, committed afterwards under perf/gpu/profiles/), then BERT-base served
     # as a user serves it (the slicer's CPU profile re-profiled at load on the device, the Docker
@@ -122,7 +138,7 @@ STEPS: tuple[Step, ...] = (
                               subprocesses=True)),
         capped(110, PY, "-m", "perf.gpu.device_profile", "--model", "bert", "--out", "{work}/profile"),
     ), needs=("perf/gpu/device_profile.py", "perf/compare/on_device.py", "perf/compare/__main__.py",
-              "perf/compare/served_metrics.py", "docker/gpu_config.py")),
+              "perf/compare/served_metrics.py", "docker/gpu_config.py"), rerun=True),  # run on 2026-11-27
     # after `served`: the default config beside the same model with the load policy (one batch per
     # execute call, as ZeroBatch's), and ZeroBatch, each stub under py-spy (every thread, idle too)
     # one query at a time and at 0.6x and 0.9x: where the served path's time goes
