@@ -16,7 +16,7 @@ from dvabatch_backend.runtime.settings import RuntimeSettings
 from dvabatch_backend.runtime.simulated import (DeviceArray, DeviceParameters, DeviceProfile, ManualClock, SimEvent,
                                                 SimulatedDevice, SimulatedMemory, SimulatedStageEngine)
 from policies import load_policy
-from tests.conftest import Collector, assert_all_answered_correctly
+from tests.conftest import Collector, assert_all_answered_correctly, assert_matches_reference
 
 
 def _profile(stages: int = 2, launch_s: float = 0.0, **extra: object) -> dict:
@@ -194,3 +194,68 @@ def test_a_manifest_profiled_elsewhere_is_re_profiled_on_the_serving_device_once
     monkeypatch.setenv(device_times.CACHE_ENV, str(tmp_path / "cache"))
     elsewhere = device_times.cache_file(folder, model.manifest, "a test device (simulated)")
     assert elsewhere.parent.parent == tmp_path / "cache" and elsewhere.name == kept.name
+
+
+class _DeviceFault:
+    """A stage engine whose `faulty`-th run raises as CUDA does when the device runs out of memory
+    (the error torch raises), then runs on; everything else (its stream, its device) is the inner
+    engine's, so the runtime keeps the device path (boundaries in device memory, events)."""
+
+    def __init__(self, inner: object, faulty: int) -> None:
+        self.inner, self.faulty, self.runs = inner, faulty, 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def run(self, inputs: object, outputs: object) -> None:
+        self.runs += 1
+        if self.runs == self.faulty:
+            import torch
+
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (a test's fault)")
+        self.inner.run(inputs, outputs)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("pairs", [1, 2])
+def test_an_out_of_memory_during_a_batch_touches_only_that_batch_and_the_model_serves_on(zoo, tmp_path: Path,
+                                                                                          pairs: int) -> None:
+    model = zoo.stages("token", 3)
+    settings = RuntimeSettings(engine="simulated", device_profile=str(_profile_file(tmp_path, 3, values="computed")),
+                               num_buffer_pairs=pairs, fast_path=False)
+    faults: list[_DeviceFault] = []
+
+    def wrap(stage: int, engine: object) -> object:
+        if stage != 1:
+            return engine
+        faults.append(_DeviceFault(engine, faulty=2))
+        return faults[-1]
+
+    pipeline = load_pipeline(model.dir, load_policy("pipelined", {}, model.dir), settings, wrap=wrap)
+    buffers = pipeline.scheduler.board.buffers.buffers
+    assert all(isinstance(b.memory, SimulatedMemory) for row in buffers[1:-1] for b in row)  # the device path
+    collector = Collector()
+    rng = np.random.default_rng(5)
+    pipeline.start()
+    try:
+        sent = {}
+        for _ in range(12):
+            query = model.query(rng)
+            sent[pipeline.submit(query, collector)] = query
+        assert collector.wait_for(set(sent), timeout=30)
+        failed = {qid for qid in sent if collector.one(qid).error is not None}
+        assert faults[0].runs >= 2  # the fault happened
+        for qid in set(sent) - failed:
+            assert_matches_reference(model, sent[qid], collector.one(qid))
+        for qid in failed:  # a failed row names the stage and the cause
+            message = str(collector.one(qid).error)
+            assert "stage 1" in message and "out of memory" in message
+        later = {}
+        for _ in range(6):  # the model serves on after the fault
+            query = model.query(rng)
+            later[pipeline.submit(query, collector)] = query
+        assert collector.wait_for(set(later), timeout=30)
+        for qid, query in later.items():
+            assert_matches_reference(model, query, collector.one(qid))
+        assert pipeline.scheduler.buffer_violations == []
+    finally:
+        pipeline.stop()
