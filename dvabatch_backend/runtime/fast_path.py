@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -71,6 +71,11 @@ class FastPath:
         self._buffers = [StageBuffer(k, -1, manifest.boundary(k), scheduler.bs_max, manifest.max_length)
                          for k in boundaries]
         self.engine = "stages" if whole_model is None else "model"
+
+    @property
+    def model_timer(self) -> Any:
+        """The unsliced model's `DeviceTimer` where this path runs it on a device, else None."""
+        return getattr(self._engines[0], "device_timer", None) if self.engine == "model" else None
 
     def install_buffers(self, fence_factory: FenceFactory, memory_factory: MemoryFactory) -> None:
         """The scratch buffers' fences and memory (`Pipeline.install_buffers`): a middle boundary

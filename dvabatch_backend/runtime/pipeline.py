@@ -47,6 +47,7 @@ class Pipeline(WorkListener):
         if len(engines) != scheduler.num_stages:
             raise ValueError(f"{len(engines)} engines for {scheduler.num_stages} stages")
         self.scheduler = scheduler
+        self._engines = list(engines)
         self._executors = [StageExecutor(i, engines, scheduler) for i in range(len(engines))]
         self._fast_path = FastPath(scheduler, engines, whole_model) if scheduler.inline.allowed else None
         self._window = BatchWindow(scheduler)
@@ -236,7 +237,17 @@ class Pipeline(WorkListener):
         return self.scheduler.pending_count
 
     def observe(self) -> tuple[RuntimeStats, list[int]]:
-        return self.scheduler.observe()
+        """The scheduler's stats and queue lengths, each stage's device time (and the fast path's
+        unsliced model's) added from its engine's events where it runs on a device."""
+        stats, queues = self.scheduler.observe()
+        for stage, engine in zip(stats.stages, self._engines):
+            timer = getattr(engine, "device_timer", None)
+            if timer is not None:
+                stage.device_seconds = timer.seconds()
+        whole = self._fast_path.model_timer if self._fast_path is not None else None
+        if whole is not None:
+            stats.inline_device_seconds = whole.seconds()
+        return stats, queues
 
     def executor_states(self) -> list[ExecutorState]:
         return self.scheduler.executor_states()

@@ -46,6 +46,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from .cost import StageCost
+from .device_timing import DeviceTimer
 from .manifest import Manifest, TensorSpec, dim_size, is_length_dim
 from .settings import SIMULATED  # noqa: F401 - the engine kind, named where the engine is
 
@@ -270,6 +271,21 @@ class SimEvent:
         self.device.wait_until(self.at)
 
 
+class SimTimingEvent(SimEvent):
+    """An event that stamps when the device reaches it (for `DeviceTimer`): on an idle stream that
+    is now, not the stream's last deadline, as a CUDA timing event records the time the GPU
+    processes it."""
+
+    def record(self, stream: SimStream) -> None:
+        with self.device._lock:
+            self.at = max(stream.tail, self.device.clock())
+        self.recorded = True
+
+
+def sim_timer(device: SimulatedDevice) -> DeviceTimer:
+    return DeviceTimer(lambda: SimTimingEvent(device), lambda start, end: end.at - start.at)
+
+
 class DeviceArray(np.ndarray):
     """A numpy array standing for device memory: a stage reads and writes it without a copy; a
     host reader gets a plain copy (`SimulatedMemory.to_host`). Views of it stay `DeviceArray`s."""
@@ -318,6 +334,7 @@ class SimulatedStageEngine:
         self.sizes, self.lengths = sorted(buckets[0]), sorted(buckets[1])
         self.pad_length = pad_length
         self.stream = device.stream()
+        self.device_timer = sim_timer(device)  # each run's time on the device (runtime/device_timing.py)
         self._values = values  # an engine computing the outputs' values on the CPU, or None
         self.name = name
         self.replays = 0
@@ -342,11 +359,13 @@ class SimulatedStageEngine:
         params = self.device.profile.parameters
         copy_in = sum(a.nbytes for a in inputs.values() if not on_device(a))
         copy_out = sum(a.nbytes for a in outputs.values() if not on_device(a))
+        began = self.device_timer.start(self.stream)
         if copy_in:
             self.device.enqueue(self.stream, params.copy_seconds(copy_in), "in")
         self.device.enqueue(self.stream, self.compute_seconds(size, bucket_length))
         if copy_out:
             self.device.enqueue(self.stream, params.copy_seconds(copy_out), "out")
+        self.device_timer.stop(began, self.stream)
         self.replays += 1
         if self._values is not None:
             self._values.run(inputs, outputs)

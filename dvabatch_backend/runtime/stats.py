@@ -9,7 +9,10 @@ from typing import Any
 class StageStats:
     batches: int = 0
     rows: int = 0
-    busy_seconds: float = 0.0
+    busy_seconds: float = 0.0  # the executor's, launch to return: on a device, the host's part
+    # the stage's time on its device, from events around each run (runtime/device_timing.py);
+    # filled in by `Pipeline.observe` for engines on a device, 0 on the CPU
+    device_seconds: float = 0.0
 
 
 @dataclass
@@ -44,6 +47,9 @@ class RuntimeStats:
     inline_queries: int = 0
     inline_fallbacks: int = 0
     inline_handovers: int = 0
+    # the unsliced model's time on its device over the fast path's runs (its events; 0 on the CPU,
+    # and where the fast path runs the stages, whose times are the stages')
+    inline_device_seconds: float = 0.0
     stages: list[StageStats] = field(default_factory=list)
 
 

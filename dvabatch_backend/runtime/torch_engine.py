@@ -30,6 +30,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from .device_timing import cuda_timer
 from .manifest import BATCH, dim_size, is_length_dim
 
 Tensor = torch.Tensor
@@ -779,6 +780,8 @@ class TorchStageEngine:
         self.input_dtypes = {vi.name: torch_dtype(vi.type.tensor_type.elem_type)
                              for vi in proto.graph.input if vi.name in self.input_names}
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        # each run's time on the device, from events around it (runtime/device_timing.py)
+        self.device_timer = cuda_timer() if self.stream is not None else None
         self._graphs: dict[ShapeKey, CapturedGraph] = {}
         self._buckets: list[ShapeKey] = []  # capture_buckets' graphs, smallest first
         self._pad_length = False
@@ -794,6 +797,7 @@ class TorchStageEngine:
                 self._write(self.module(*host), outputs)
             return
         with torch.cuda.stream(self.stream), torch.inference_mode():
+            began = self.device_timer.start(self.stream)  # type: ignore[union-attr]
             key = tuple(tuple(t.shape) for t in host)
             captured = self._graphs.get(key) or self._bucket_for(key)
             if captured is not None:
@@ -809,6 +813,7 @@ class TorchStageEngine:
             else:
                 results = self.module(*[t.to(self.device, non_blocking=True) for t in host])
             self._write(results, outputs, padded=captured is not None)
+            self.device_timer.stop(began, self.stream)  # type: ignore[union-attr]
         if any(not isinstance(out, Tensor) for out in outputs.values()):
             self.stream.synchronize()  # host outputs: complete when `run` returns
         # outputs all in device memory: the work stays queued on the stream, and the buffer's

@@ -15,7 +15,8 @@ from ..runtime.pipeline import Pipeline
 _COUNTERS = {
     "dvabatch_stage_batches_total": "Batch items run by each stage",
     "dvabatch_stage_rows_total": "Queries (rows) run by each stage; over batches it is the mean batch size",
-    "dvabatch_stage_busy_seconds_total": "Seconds each stage spent working",
+    "dvabatch_stage_busy_seconds_total": "Seconds each stage's executor spent in its runs (on a device: launching them)",
+    "dvabatch_stage_device_seconds_total": "Seconds each stage's runs took on its device (from events around each run; 0 on the CPU)",
 }
 _OPERATIONS = ("new", "stretch", "split", "early_exits", "stretch_refused", "split_refused", "policy_errors")
 # queries answered without running, by reason (runtime/admission.py), and cancelled after they started
@@ -49,6 +50,9 @@ class StageMetrics:
                                      description="Queries answered on the fast path (run inline: the pipeline held nothing)")
         fast_batches = pb_utils.MetricFamily(name="dvabatch_fast_path_batches_total", kind=counter,
                                              description="Batches run on the fast path (the policy's batches of what one execute call handed over)")
+        fast_device = pb_utils.MetricFamily(name="dvabatch_fast_path_device_seconds_total", kind=counter,
+                                            description="Seconds the fast path's unsliced model took on its device (events around each run; 0 on the CPU)")
+        self._fast_device = fast_device.Metric(labels={"model": model})
         handovers = pb_utils.MetricFamily(name="dvabatch_fast_path_handovers_total", kind=counter,
                                           description="execute calls sent to the pipeline, not run inline: Triton's queue stood (calls came full)")
         self._handovers = handovers.Metric(labels={"model": model})
@@ -57,7 +61,8 @@ class StageMetrics:
         self._queued = queued.Metric(labels={"model": model})
         self._refused = {reason: refused.Metric(labels={"model": model, "reason": reason}) for reason in _REFUSALS}
         self._goodput = goodput.Metric(labels={"model": model})
-        self._families = [*families.values(), queue, ops, queued, refused, goodput, fast, fast_batches, handovers]  # alive while reporting
+        self._families = [*families.values(), queue, ops, queued, refused, goodput, fast, fast_batches, fast_device,
+                          handovers]  # alive while reporting
         self._last: dict[tuple[str, int], float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dvabatch-metrics", daemon=True)
@@ -75,6 +80,7 @@ class StageMetrics:
             self._add("dvabatch_stage_batches_total", k, stage.batches)
             self._add("dvabatch_stage_rows_total", k, stage.rows)
             self._add("dvabatch_stage_busy_seconds_total", k, stage.busy_seconds)
+            self._add("dvabatch_stage_device_seconds_total", k, stage.device_seconds)
             self._set(self._queues[k], ("queue", k), queues[k])
         for op, metric in self._ops.items():
             self._increment(metric, op, getattr(stats, op))
@@ -83,6 +89,7 @@ class StageMetrics:
         self._increment(self._goodput, "within_slo", stats.within_slo)
         self._increment(self._fast, "inline_queries", stats.inline_queries)
         self._increment(self._fast_batches, "inline_runs", stats.inline_runs)
+        self._increment(self._fast_device, "inline_device_seconds", stats.inline_device_seconds)
         self._increment(self._handovers, "inline_handovers", stats.inline_handovers)
         self._set(self._queued, ("queued", -1), stats.queued)
 

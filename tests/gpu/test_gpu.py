@@ -122,6 +122,20 @@ def test_cuda_graph_replay_equals_eager(zoo) -> None:
             np.testing.assert_allclose(value, like[name], atol=1e-5, rtol=1e-5)
 
 
+def test_a_stages_device_time_comes_from_cuda_events_around_its_runs(zoo) -> None:
+    model = zoo.stages("token", 3)
+    spec = model.manifest.stages[0]
+    engine = TorchStageEngine(model.dir / spec.file, device="cuda")
+    engine.capture(4, 9)
+    rng = np.random.default_rng(2)
+    inputs = stage_inputs(engine, 4, 9, rng)
+    like = ort_outputs(model.dir / spec.file, inputs)
+    for _ in range(5):
+        run_engine(engine, inputs, like)  # host outputs: each run waits for the device
+    timer = engine.device_timer
+    assert timer is not None and timer.seconds() > 0 and timer.runs == 5  # seconds() reads the last one too
+
+
 @pytest.mark.parametrize("pad_length", [True, False])
 def test_bucket_graphs_pad_and_cut_back_equal_eager(zoo, pad_length: bool) -> None:
     """A batch of any shape replays the smallest bucket's graph that holds it (rows, and with

@@ -89,6 +89,25 @@ def test_a_run_is_charged_at_its_graph_bucket_less_the_copies_its_profile_made()
     assert clock.now == before and engine.stream.tail > before
 
 
+def test_a_stages_device_time_comes_from_its_events_once_the_device_reached_them() -> None:
+    """The timer counts a run when its end event completes, at the device's time, not the host's."""
+    device, clock = _device(launch_s=1e-5)
+    specs = [TensorSpec("x", "float32", ("batch", "seq", 8))]
+    engine = SimulatedStageEngine(device, specs, [(1, specs, specs)], ([1, 2, 4], [16, 32]), pad_length=True)
+    inputs = {"x": np.ones((2, 16, 8), np.float32)}
+    device_out = {"y": SimulatedMemory(device).zeros(2 * 16 * 8, np.dtype("float32")).reshape(2, 16, 8)}
+    engine.run(inputs, device_out)  # queued: the host returns at once
+    params = device.profile.parameters
+    expected = params.launch_s + params.copy_seconds(inputs["x"].nbytes) + engine.compute_seconds(2, 16)
+    assert engine.device_timer.seconds() == 0.0 and engine.device_timer.runs == 0  # not reached yet
+    clock.sleep(engine.stream.tail - clock.now)
+    assert engine.device_timer.seconds() == pytest.approx(expected) and engine.device_timer.runs == 1
+    clock.sleep(1.0)  # idle: the next run's time starts when it is launched, not at the last deadline
+    engine.run(inputs, device_out)
+    clock.sleep(engine.stream.tail - clock.now)
+    assert engine.device_timer.seconds() == pytest.approx(2 * expected) and engine.device_timer.runs == 2
+
+
 def test_the_unsliced_model_costs_its_stages_summed_until_a_device_measures_it() -> None:
     profile = DeviceProfile.from_json(_profile())
     assert profile.run_seconds(None, 2, 32) == pytest.approx(profile.run_seconds(0, 2, 32) + profile.run_seconds(1, 2, 32))

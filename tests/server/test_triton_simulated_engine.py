@@ -3,7 +3,8 @@
 stand-in's engine, ZeroBatch and a DelayBatch beside it on the same engine. With a device profile
 that has the values computed, every system answers concurrent queries of mixed lengths as the
 unsliced model; the dvabatch model re-profiled its CPU-profiled stages on the stand-in at load and
-kept the times beside its manifest."""
+kept the times beside its manifest, and its metrics give the device's time of the work it ran (from
+the stand-in's events, as from CUDA's on a GPU)."""
 from __future__ import annotations
 
 import json
@@ -13,9 +14,10 @@ import numpy as np
 
 from dvabatch_backend.tools.serve import TritonServer
 from perf.compare.on_device import build_repository
+from perf.compare.served_metrics import scrape
 from slicer.model_config import parameters
 
-from ..triton_support import Clients, ServedModel, slice_zoo_model, unequal_answers
+from ..triton_support import Clients, ServedModel, settle, slice_zoo_model, unequal_answers
 
 STAGES = 3
 
@@ -40,5 +42,14 @@ def test_a_model_and_its_baselines_served_on_the_stand_in_answer_as_the_unsliced
             model: ServedModel = replace(base, name=name)
             work = [(mode, model.query(rng)) for mode in modes for _ in range(3)]  # 12 queries, mixed lengths
             assert unequal_answers(modes, model, work, rtol=1e-3) == [], name
+        device_seconds = settle(lambda: _device_seconds(scrape(server.metrics_url), systems["DVABatch"]),
+                                lambda seconds: seconds > 0, timeout=10)
+        assert device_seconds > 0, "no device time in the dvabatch model's metrics"
     kept = list(base.version_dir.glob("stage_times.a-served-test-device-simulated.json"))
     assert kept and json.loads(kept[0].read_text())["device"] == "a served test device (simulated)"
+
+
+def _device_seconds(snapshot: dict, model: str) -> float:
+    """The device time the model's metrics report: its stages' and its fast path's."""
+    names = ("dvabatch_stage_device_seconds_total", "dvabatch_fast_path_device_seconds_total")
+    return sum(v for (name, m, _), v in snapshot.items() if name in names and m == model)
