@@ -27,6 +27,7 @@ _REFUSALS = {"queue_full": "queue_full", "timeout": "timed_out", "cancelled": "c
 class StageMetrics:
     def __init__(self, scheduler: Pipeline, model: str, period: float = 0.25) -> None:
         self._scheduler = scheduler
+        self._model = model
         self._period = period
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         families = {name: pb_utils.MetricFamily(name=name, description=text, kind=counter)
@@ -67,6 +68,21 @@ class StageMetrics:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dvabatch-metrics", daemon=True)
         self._thread.start()
+
+    def loaded(self, seconds: float, device_bytes: int | None) -> None:
+        """The model's load (its engines made, graphs captured, stages re-profiled where it serves
+        elsewhere than it was profiled) and the device memory it took, as gauges."""
+        gauge = pb_utils.MetricFamily.GAUGE
+        load = pb_utils.MetricFamily(name="dvabatch_load_seconds", kind=gauge,
+                                     description="Seconds the model took to load (engines, CUDA graphs, re-profiling)")
+        memory = pb_utils.MetricFamily(name="dvabatch_device_memory_bytes", kind=gauge,
+                                       description="Device memory the model's process took at load (torch's reserved; absent on the CPU)")
+        self._families += [load, memory]
+        self._loaded = [load.Metric(labels={"model": self._model})]  # alive while reporting
+        self._loaded[0].set(seconds)
+        if device_bytes is not None:
+            self._loaded.append(memory.Metric(labels={"model": self._model}))
+            self._loaded[1].set(device_bytes)
 
     def _loop(self) -> None:
         while not self._stop.wait(self._period):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -362,6 +363,16 @@ def _cancelled_response() -> Any:
     return pb_utils.InferenceResponse(error=pb_utils.TritonError("cancelled by the client before it ran", _cancelled_code()))
 
 
+def _device_bytes(device: str) -> int | None:
+    """Device memory this process holds (torch's caching allocator: the engines' weights, their
+    CUDA graphs' pools, the boundaries), or None off a GPU."""
+    if device != "cuda":
+        return None
+    import torch
+
+    return int(torch.cuda.memory_reserved())
+
+
 def _call_capacity(config: Mapping[str, Any]) -> int:
     """The most rows Triton's dynamic batcher hands one `execute` call (max_batch_size); 0 where no
     batcher forms calls (Triton then hands requests one at a time, and no call says its queue stands)."""
@@ -388,9 +399,12 @@ class TritonPythonModel:
         policy = load_policy(settings.policy, settings.policy_params, model_dir)
         self._manifest = manifest
         wrap = load_object(settings.engine_wrapper, model_dir, "engine_wrapper") if settings.engine_wrapper else None
+        began, held_before = time.perf_counter(), _device_bytes(settings.runtime.device)
         self._scheduler: Pipeline = load_pipeline(
             settings.manifest.parent, policy, settings.runtime, manifest_file=settings.manifest.name, wrap=wrap
         ).start()
+        load_seconds = time.perf_counter() - began
+        device_bytes = None if held_before is None else _device_bytes(settings.runtime.device) - held_before
         self._output_names = [t.name for t in manifest.outputs]
         self._input_names = [t.name for t in manifest.inputs]
         self._fast_path = self._scheduler.scheduler.inline.allowed
@@ -400,6 +414,7 @@ class TritonPythonModel:
         self._responder = _Responder()
         self._cancel_watch = _CancelWatch(self._scheduler)
         self._metrics = StageMetrics(self._scheduler, args["model_name"])
+        self._metrics.loaded(load_seconds, device_bytes)
         admission = self._scheduler.admission
         budgets = ", ".join(f"{b * 1000:.1f}" for b in admission.stage_budgets())
         pb_utils.Logger.log_info(
@@ -407,6 +422,8 @@ class TritonPythonModel:
             f"{settings.runtime.num_buffer_pairs} buffer pairs, max_queue_size {admission.max_queue_size or 'unbounded'}, "
             f"fast path {self._scheduler.fast_path_engine}"
             + (f", slo {settings.runtime.slo.slo_ms:g} ms (stage budgets {budgets} ms)" if budgets else "")
+            + f"; loaded in {load_seconds:.1f} s"
+            + (f", {device_bytes / 2**20:.0f} MiB of device memory" if device_bytes is not None else "")
         )
 
     def execute(self, requests: list[Any]) -> list[Any] | None:

@@ -45,6 +45,9 @@ def test_a_model_and_its_baselines_served_on_the_stand_in_answer_as_the_unsliced
         device_seconds = settle(lambda: _device_seconds(scrape(server.metrics_url), systems["DVABatch"]),
                                 lambda seconds: seconds > 0, timeout=10)
         assert device_seconds > 0, "no device time in the dvabatch model's metrics"
+        loaded = [v for (name, m, _), v in scrape(server.metrics_url).items()
+                  if name == "dvabatch_load_seconds" and m == systems["DVABatch"]]
+        assert len(loaded) == 1 and loaded[0] > 0
     kept = list(base.version_dir.glob("stage_times.a-served-test-device-simulated.json"))
     assert kept and json.loads(kept[0].read_text())["device"] == "a served test device (simulated)"
 
