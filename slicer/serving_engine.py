@@ -93,9 +93,10 @@ class ServingEngine:
         profile["diversity"] = diversity(manifest, profile)
         return profile, profile["device"]
 
-    def fast_path(self, folder: Path, manifest: Manifest, int_high: Mapping[str, int], repeats: int) -> dict[str, Any]:
-        """Which engine runs a lone query (`slice_model.fast_path_choice`'s record): one query at
-        each profiled length, the unsliced model against the stages in a row (boundaries as served)."""
+    def fast_path_seconds(self, folder: Path, manifest: Manifest, int_high: Mapping[str, int], repeats: int
+                          ) -> dict[str, dict[str, float]]:
+        """One query's time at each profiled length, the unsliced model against the stages in a row
+        (boundaries as served): {length: {"model": s, "stages": s}}, for `slice_model.fast_path_record`."""
         settings = self.settings(manifest.max_batch_size)
         _, lengths = engine_buckets(settings, manifest)
         lengths = lengths if manifest.has_seq else [0]
@@ -104,23 +105,8 @@ class ServingEngine:
                        int_high, repeats)
         del whole
         stages = _timed(manifest.stages, self.stage_engines(folder, manifest), [1], lengths, int_high, repeats)
-        seconds = {str(n): {"model": model[str(n)][0]["1"], "stages": sum(row["1"] for row in stages[str(n)])}
-                   for n in lengths}
-        return seconds_choice(seconds, lengths, f"{self.engine} on {self.device}")
-
-
-def seconds_choice(seconds: Mapping[str, Mapping[str, float]], lengths: Sequence[int], where: str) -> dict[str, Any]:
-    """The fast path's engine from one query's times by length: the stages only where they are
-    `FAST_PATH_MARGIN` faster than the unsliced model (slice_model.fast_path_choice's rule)."""
-    from .slice_model import FAST_PATH_MARGIN
-
-    model, stages = (sum(t[k] for t in seconds.values()) for k in ("model", "stages"))
-    engine = "stages" if stages < (1 - FAST_PATH_MARGIN) * model else "model"
-    why = (f"one query on {where}: the unsliced model {model * 1e3:.2f} ms, the stages in a row {stages * 1e3:.2f} ms "
-           f"(summed over lengths {list(lengths)}): "
-           + ("the unsliced model, loaded beside the stages" if engine == "model"
-              else f"the stages (faster by over {FAST_PATH_MARGIN:.0%}: no second copy of the weights)"))
-    return {"engine": engine, "why": why, "seconds": dict(seconds)}
+        return {str(n): {"model": model[str(n)][0]["1"], "stages": sum(row["1"] for row in stages[str(n)])}
+                for n in lengths}
 
 
 def _timed(stages: Sequence[StageSpec], engines: Sequence[Any], sizes: Sequence[int], lengths: Sequence[int],

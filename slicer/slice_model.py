@@ -262,7 +262,9 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
             say("timing the unsliced model beside the stages in a row (the fast path's engine)")
             fast_path = (fast_path_choice(chosen.dir, chosen.manifest, lengths, served_threads, int_bounds(model))
                          if options.serving.is_default else
-                         options.serving.fast_path(chosen.dir, chosen.manifest, int_bounds(model), options.repeats))
+                         fast_path_record(options.serving.fast_path_seconds(chosen.dir, chosen.manifest,
+                                                                            int_bounds(model), options.repeats),
+                                          f"one query on {options.serving.engine}, {options.serving.device}"))
         manifest = _final_manifest(chosen, profile, ref, options, pad, int_bounds(model), policy, fast_path,
                                    _stage_count_record(candidates, chosen, has_seq, options.stages), rule,
                                    device=device, buffer_pairs=pairs)
@@ -535,12 +537,19 @@ def fast_path_choice(folder: Path, manifest: Manifest, lengths: Sequence[int], t
         times = time_after_gaps([[(model_file, MODEL_SPINNING)], stage_files], specs, Setting(1, length), threads,
                                 LIGHT_LOAD_GAP, int_high=int_high)
         seconds[str(length)] = {"model": times[0], "stages": times[1]}
+    return fast_path_record(seconds, f"one query {LIGHT_LOAD_GAP * 1e3:g} ms after the last",
+                            "one session's threads, spinning, keep a light load's next query quick")
+
+
+def fast_path_record(seconds: dict[str, dict[str, float]], how: str, model_note: str = "") -> dict[str, Any]:
+    """The fast path's engine from one query's times by length ({length: {"model", "stages"}}): the
+    stages only where they are `FAST_PATH_MARGIN` faster than the unsliced model."""
     model, stages = (sum(t[k] for t in seconds.values()) for k in ("model", "stages"))
     engine = "stages" if stages < (1 - FAST_PATH_MARGIN) * model else "model"
-    why = (f"one query {LIGHT_LOAD_GAP * 1e3:g} ms after the last: the unsliced model {model * 1e3:.2f} ms, the "
-           f"stages in a row {stages * 1e3:.2f} ms (summed over lengths {list(lengths)}): "
-           + (f"the unsliced model, loaded beside the stages (the stages are not {FAST_PATH_MARGIN:.0%} faster; "
-              "one session's threads, spinning, keep a light load's next query quick)" if engine == "model"
+    why = (f"{how}: the unsliced model {model * 1e3:.2f} ms, the stages in a row {stages * 1e3:.2f} ms "
+           f"(summed over lengths {[int(n) for n in seconds]}): "
+           + (f"the unsliced model, loaded beside the stages (the stages are not {FAST_PATH_MARGIN:.0%} faster"
+              + (f"; {model_note})" if model_note else ")") if engine == "model"
               else f"the stages (faster by over {FAST_PATH_MARGIN:.0%}: no second copy of the weights)"))
     return {"engine": engine, "why": why, "seconds": seconds}
 
