@@ -69,7 +69,8 @@ class ServingEngine:
     def stage_seconds(self, folder: Path, manifest: Manifest, setting: Setting, int_high: Mapping[str, int],
                       repeats: int) -> list[float]:
         """Each stage's run at one batch size and length, as served (boundaries where they live)."""
-        engines = self.stage_engines(folder, manifest)
+        # graphs only up to the batch timed (the balancing rounds make engines for every cut they try)
+        engines = make_engines(folder, manifest, self.settings(setting.batch))
         times = _timed(manifest.stages, engines, [setting.batch], [setting.length], int_high, repeats)
         return [row[str(setting.batch)] for row in times[str(setting.length)]]
 

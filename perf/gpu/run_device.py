@@ -100,6 +100,21 @@ def profiled(out: str, *argv: str, subprocesses: bool = False) -> tuple[str, ...
             f"{children} -f raw -o {out} -- {plain}; else exec {plain}; fi")
 
 
+def sliced_bert(seconds: int, slice_args: str) -> tuple[str, ...]:
+    """The zoo's BERT-base at its real size, exported and sliced on the device (`dvabatch slice` with
+    `slice_args`, bs_max 16, lengths to 128) into {work}/repo/bert_base, capped."""
+    return capped(seconds, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo bert --size real --out {{work}}/bert.onnx && "
+                  f"{PY} -m dvabatch_backend.tools.cli slice {{work}}/bert.onnx {slice_args} --bs-max 16 --max-length 128 "
+                  "--repeats 3 --out {work}/repo/bert_base")
+
+
+def served_bert(seconds: int, compare_args: str) -> tuple[str, ...]:
+    """{work}/repo/bert_base served on the GPU beside the baselines (`perf.compare --device cuda`,
+    1,000 queries a load, 2 rounds, `compare_args`), the carried py-spy on the PATH, capped."""
+    return capped(seconds, "bash", "-c", f"PATH=/tmp/site/bin:$PATH {PY} -m perf.compare --model-dir {{work}}/repo/bert_base "
+                  f"--device cuda --queries 1000 --rounds 2 {compare_args} --out {{work}}/served")
+
+
 # One call: the device time of a session (15 minutes) holds one machine start and one full call.
 # Commands in the order the issue ranks them, each capped: the GPU tests (answers, graphs, fence,
 # overlap) with the CPU property tests beside them, the overlap figures, the real server, then the
@@ -110,15 +125,11 @@ STEPS: tuple[Step, ...] = (
     # served beside ZeroBatch and DelayBatch on the same engine (fair baselines, 2026-11-27)
     Step("slice", 585, (
         capped(20, "nvidia-smi"),
-        capped(220, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo bert --size real --out {{work}}/bert.onnx && "
-               f"time {PY} -m dvabatch_backend.tools.cli slice {{work}}/bert.onnx --device cuda --stages auto "
-               "--candidates 2,3,4 --bs-max 16 --max-length 128 --repeats 3 --out {work}/repo/bert_base"),
+        sliced_bert(220, "--device cuda --stages auto --candidates 2,3,4"),
         capped(130, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo resnet152 --size real --out {{work}}/r152.onnx && "
                f"time {PY} -m dvabatch_backend.tools.cli slice {{work}}/r152.onnx --device cuda --stages auto "
                "--bs-max 16 --repeats 3 --out {work}/repo/resnet152"),
-        capped(190, "bash", "-c", f"PATH=/tmp/site/bin:$PATH {PY} -m perf.compare --model-dir {{work}}/repo/bert_base "
-               "--device cuda --queries 1000 --rounds 2 --loads 0.25,0.6,0.9 --delays 250,1000 "
-               "--py-spy DVABatch,ZeroBatch --out {work}/served"),
+        served_bert(190, "--loads 0.25,0.6,0.9 --delays 250,1000 --py-spy DVABatch,ZeroBatch"),
     ), needs=("slicer/serving_engine.py", "slicer/gpu_config.py", "perf/compare/on_device.py",
               "perf/compare/stub_profile.py", "perf/baselines/model.py")),
     # the first GPU at hand, before any other device work: what the stand-in assumes, measured
@@ -128,9 +139,7 @@ STEPS: tuple[Step, ...] = (
     # process of the server under py-spy: the served collapse reproduced, and where its time goes
     Step("served", 540, (
         capped(20, "nvidia-smi"),
-        capped(150, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo bert --size real --out {{work}}/bert.onnx && "
-               f"{PY} -m dvabatch_backend.tools.cli slice {{work}}/bert.onnx --stages 4 --bs-max 16 --max-length 128 "
-               "--repeats 3 --out {work}/repo/bert_base"),
+        sliced_bert(150, "--stages 4"),
         # the default GPU config (one buffer pair) beside the old one (two: the pipeline), which collapsed
         capped(300, *profiled("{work}/served/py-spy.txt", PY, "-m", "perf.compare", "--model-dir", "{work}/repo/bert_base",
                               "--device", "cuda", "--queries", "1000", "--rounds", "2", "--loads", "0.25,0.6,0.9",
@@ -143,23 +152,15 @@ STEPS: tuple[Step, ...] = (
     # execute call, as ZeroBatch's), and ZeroBatch, each stub under py-spy (every thread, idle too)
     # one query at a time and at 0.6x and 0.9x: where the served path's time goes
     Step("diagnose", 300, (
-        capped(150, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo bert --size real --out {{work}}/bert.onnx && "
-               f"{PY} -m dvabatch_backend.tools.cli slice {{work}}/bert.onnx --stages 4 --bs-max 16 --max-length 128 "
-               "--repeats 3 --out {work}/repo/bert_base"),
-        capped(140, "bash", "-c", f"PATH=/tmp/site/bin:$PATH {PY} -m perf.compare --model-dir {{work}}/repo/bert_base "
-               "--device cuda --queries 1000 --rounds 2 --loads 0.6,0.9 --delays '' --variant load:policy=load "
-               "--py-spy DVABatch,load,ZeroBatch --out {work}/served"),
+        sliced_bert(150, "--stages 4"),
+        served_bert(140, "--loads 0.6,0.9 --delays '' --variant load:policy=load --py-spy DVABatch,load,ZeroBatch"),
     ), needs=("perf/compare/on_device.py", "perf/compare/stub_profile.py", "perf/compare/served_metrics.py"),
        rerun=True),
     # after `diagnose` found the baselines answering with no data under the device's numpy 2 (and
     # so sending nothing): the served comparison again with fair baselines, both stubs under py-spy
     Step("confirm", 250, (
-        capped(120, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo bert --size real --out {{work}}/bert.onnx && "
-               f"{PY} -m dvabatch_backend.tools.cli slice {{work}}/bert.onnx --stages 4 --bs-max 16 --max-length 128 "
-               "--repeats 3 --out {work}/repo/bert_base"),
-        capped(150, "bash", "-c", f"PATH=/tmp/site/bin:$PATH {PY} -m perf.compare --model-dir {{work}}/repo/bert_base "
-               "--device cuda --queries 1000 --rounds 2 --loads 0.25,0.6,0.9 --delays 500,2000 "
-               "--py-spy DVABatch,ZeroBatch --out {work}/served"),
+        sliced_bert(120, "--stages 4"),
+        served_bert(150, "--loads 0.25,0.6,0.9 --delays 500,2000 --py-spy DVABatch,ZeroBatch"),
     ), needs=("perf/compare/on_device.py", "perf/compare/stub_profile.py", "perf/baselines/model.py"), rerun=True),
     Step("gpu", 585, (
         capped(20, "nvidia-smi"),
