@@ -15,7 +15,7 @@ another GPU re-profiles at load (runtime/device_times.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -69,8 +69,12 @@ class ServingEngine:
     def stage_seconds(self, folder: Path, manifest: Manifest, setting: Setting, int_high: Mapping[str, int],
                       repeats: int) -> list[float]:
         """Each stage's run at one batch size and length, as served (boundaries where they live)."""
-        # graphs only up to the batch timed (the balancing rounds make engines for every cut they try)
-        engines = make_engines(folder, manifest, self.settings(setting.batch))
+        # one graph per stage, at the shapes timed: the balancing rounds make engines for every cut
+        # they try, and a model's every bucket would be captured for each
+        engines = make_engines(folder, manifest, replace(self.settings(manifest.max_batch_size), cuda_graphs=False))
+        for engine in engines:
+            if getattr(engine, "stream", None) is not None:  # on CUDA
+                engine.capture(setting.batch, setting.length)
         times = _timed(manifest.stages, engines, [setting.batch], [setting.length], int_high, repeats)
         return [row[str(setting.batch)] for row in times[str(setting.length)]]
 

@@ -125,11 +125,11 @@ STEPS: tuple[Step, ...] = (
     # served beside ZeroBatch and DelayBatch on the same engine (fair baselines, 2026-11-27)
     Step("slice", 585, (
         capped(20, "nvidia-smi"),
-        sliced_bert(220, "--device cuda --stages auto --candidates 2,3,4"),
-        capped(130, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo resnet152 --size real --out {{work}}/r152.onnx && "
+        sliced_bert(280, "--device cuda --stages auto --candidates 2,3,4"),
+        capped(100, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo resnet152 --size real --out {{work}}/r152.onnx && "
                f"time {PY} -m dvabatch_backend.tools.cli slice {{work}}/r152.onnx --device cuda --stages auto "
                "--bs-max 16 --repeats 3 --out {work}/repo/resnet152"),
-        served_bert(190, "--loads 0.25,0.6,0.9 --delays 250,1000 --py-spy DVABatch,ZeroBatch"),
+        served_bert(160, "--loads 0.25,0.6,0.9 --delays 500 --py-spy DVABatch,ZeroBatch"),
     ), needs=("slicer/serving_engine.py", "slicer/gpu_config.py", "perf/compare/on_device.py",
               "perf/compare/stub_profile.py", "perf/baselines/model.py")),
     # the first GPU at hand, before any other device work: what the stand-in assumes, measured
