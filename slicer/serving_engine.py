@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from dvabatch_backend.runtime.device_times import CPU, serving_device, time_engines
+from dvabatch_backend.runtime.device_times import CPU, served_memory, serving_device, time_engines
 from dvabatch_backend.runtime.loading import engine_buckets, make_engine, make_engines
 from dvabatch_backend.runtime.manifest import Manifest, StageSpec
 from dvabatch_backend.runtime.settings import RuntimeSettings
@@ -118,12 +118,6 @@ def _timed(stages: Sequence[StageSpec], engines: Sequence[Any], sizes: Sequence[
            int_high: Mapping[str, int], repeats: int) -> dict[str, list[dict[str, float]]]:
     """`time_engines` on random valid inputs, each boundary where it lives as served."""
     rng = np.random.default_rng(0)
-    streams = [getattr(e, "stream", None) for e in engines]
-    memory = None
-    if any(s is not None for s in streams):  # a GPU: boundaries between stages in device memory
-        from dvabatch_backend.runtime.device_memory import stream_memory
-
-        memory = stream_memory(streams)
     return time_engines(stages, engines, sizes, lengths,
                         lambda spec, bs, length: random_inputs([spec], bs, length, rng, dict(int_high))[spec.name],
-                        repeats, memory=memory)
+                        repeats, memory=served_memory(engines))

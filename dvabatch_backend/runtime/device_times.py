@@ -69,6 +69,17 @@ def serving_device(engines: Sequence[Any]) -> str | None:
     return None
 
 
+def served_memory(engines: Sequence[Any]) -> MemoryFactory | None:
+    """Where the boundaries between these stage engines live as served: in device memory between
+    engines on streams (`device_memory.stream_memory`); None where none has a stream (the host's)."""
+    streams = [getattr(e, "stream", None) for e in engines]
+    if not any(stream is not None for stream in streams):
+        return None
+    from .device_memory import stream_memory  # imports torch where the streams are CUDA's
+
+    return stream_memory(streams)
+
+
 def time_engines(stages: Sequence[StageSpec], engines: Sequence[Any], batch_sizes: Sequence[int], lengths: Sequence[int],
                  make_input: Callable[[TensorSpec, int, int], np.ndarray] | None = None, repeats: int = REPEATS,
                  memory: MemoryFactory | None = None) -> dict[str, list[dict[str, float]]]:
@@ -166,14 +177,8 @@ def _kept_or_timed(path: Path, manifest: Manifest, engines: Sequence[Any],
                  device, path)
         return with_stage_times(manifest, kept, device)
     started = time.perf_counter()
-    streams = [getattr(e, "stream", None) for e in engines]
-    memory = None
-    if any(stream is not None for stream in streams):  # as served: boundaries between stages on the device
-        from .device_memory import stream_memory
-
-        memory = stream_memory(streams)
     by_length = time_engines(manifest.stages, engines, buckets[0], buckets[1] if manifest.has_seq else [0],
-                             memory=memory)
+                             memory=served_memory(engines))
     seconds = time.perf_counter() - started
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
