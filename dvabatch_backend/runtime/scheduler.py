@@ -170,13 +170,15 @@ class Scheduler:
     def _push_out_oldest(self, rows: int, why: str) -> list[Delivery] | None:
         """Make room for `rows` more queued rows by refusing the oldest requests whose rows no stage
         has started, whole (admission.py says why the oldest); None, refusing nobody, when they
-        are too few."""
+        are too few. Requests still waiting go before those the policy already batched: a batch
+        is next in line, and hollowing it runs the backlog in batches of a row or two."""
         unstarted = [q for row in self._table if not row.started for q in row.queries if q.state.is_queued]
         by_request: dict[int, list[Query]] = {}
         for q in sorted([*self.queries.waiting(), *unstarted], key=lambda q: q.id):
             by_request.setdefault(q.request, []).append(q)
         oldest: list[Query] = []
-        for request in by_request.values():
+        batched = {id(q) for q in unstarted}
+        for request in sorted(by_request.values(), key=lambda r: (any(id(q) in batched for q in r), r[0].id)):
             if len(oldest) >= rows:
                 break
             oldest += request

@@ -8,7 +8,7 @@ import pytest
 
 from dvabatch_backend import ArrivalPlan, RuntimeSettings, Scheduler, run_until_idle
 from dvabatch_backend.runtime.admission import STANDING_SECONDS, STANDING_WAIT, Admission, ServiceModel
-from dvabatch_backend.runtime.decisions import BatchTableView, Policy, QueryInfo
+from dvabatch_backend.runtime.decisions import BatchTableView, New, Policy, QueryInfo
 from dvabatch_backend.runtime.errors import (CancelledError, OverloadedError, QueueFullError, StandingQueueError,
                                              TimeoutExpiredError)
 from dvabatch_backend.runtime.settings import QueuePolicy, SloPolicy
@@ -78,6 +78,39 @@ def test_the_queue_bound_refuses_with_tritons_wording_and_loses_nothing(zoo) -> 
     more, _ = _submit(scheduler, model, collector, 1, seed=1)
     run_until_idle(scheduler, model.engines())
     assert collector.one(more[0]).ok
+
+
+class FirstBatchPolicy(HoldPolicy):
+    """Batches the first two queries at once, then holds the rest until `release` is set."""
+
+    name = "first-batch"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batched = False
+
+    def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
+        if not self.batched and len(waiting) >= 2:
+            self.batched = True
+            return ArrivalPlan((New(tuple(q.id for q in waiting[:2])),), wake_at=now + 1.0)
+        return super().on_arrival(waiting, table, now)
+
+
+def test_the_bound_pushes_out_waiting_requests_before_a_batch_the_policy_made(zoo) -> None:
+    """A batch made but not yet started is next in line: pushing out its rows would run the backlog
+    in hollowed batches (a row or two), so the oldest *waiting* requests go first."""
+    model = zoo.stages("token", 2)
+    collector, policy = Collector(), FirstBatchPolicy()
+    scheduler = _scheduler(model, HandClock(), policy, queue=QueuePolicy(max_queue_size=5))
+    batched, _ = _submit(scheduler, model, collector, 2)
+    waiting, _ = _submit(scheduler, model, collector, 3, seed=1)
+    newer, _ = _submit(scheduler, model, collector, 2, seed=2)  # 7 > 5: two rows must go
+    assert [q for q in batched + waiting + newer if q in collector.answers] == waiting[:2]
+    assert all(isinstance(collector.one(q).error, QueueFullError) for q in waiting[:2])
+    policy.release = True
+    run_until_idle(scheduler, model.engines())
+    assert all(collector.one(q).ok for q in batched + waiting[2:] + newer)
+    assert scheduler.stats.queue_full == 2 and len(collector.answers) == 7
 
 
 def test_a_multi_row_request_is_admitted_or_refused_whole(zoo) -> None:
