@@ -12,6 +12,7 @@ There (the `device` tool's `run`, once per call the dry run prints; perf/README.
     python3 -m perf.gpu.run_device step experiments --out $OUT
 
 Steps:
+- `standin`: the stand-in's device profile and the side by side it is judged against, in one call;
 
 - `served` (the first GPU at hand, before any other): the stand-in's device profile measured
   (perf.gpu.device_profile), then BERT-base sliced and served with the Docker image's GPU config
@@ -132,6 +133,15 @@ STEPS: tuple[Step, ...] = (
         served_bert(160, "--loads 0.25,0.6,0.9 --delays 500 --py-spy DVABatch,ZeroBatch"),
     ), needs=("slicer/serving_engine.py", "slicer/gpu_config.py", "perf/compare/on_device.py",
               "perf/compare/stub_profile.py", "perf/baselines/model.py")),
+    # the stand-in's check (issue 40, item 3), the call after `slice` (not run yet), from one device run: its device profile (the stages and the
+    # unsliced model, timed together) and the side by side it is judged against, back to back; the two
+    # days' profiles of 2026-11-26/27 disagreed by about 25 % on the same stages (README, sixth replay)
+    Step("standin", 420, (
+        capped(20, "nvidia-smi"),
+        capped(110, PY, "-m", "perf.gpu.device_profile", "--model", "bert", "--out", "{work}/profile"),
+        capped(260, PY, "-m", "perf.gpu.side_by_side", "--model", "bert", "--device", "cuda", "--pairs", "1,2",
+               "--policies", "load", "--host-buffers", "", "--fractions", "0.25,0.6,0.9,1.1", "--out", "{work}/bert"),
+    ), needs=("perf/gpu/device_profile.py", "perf/gpu/side_by_side.py"), rerun=True),  # a session's second call, or the next
     # the first GPU at hand, before any other device work: what the stand-in assumes, measured
     # (its device profile, committed afterwards under perf/gpu/profiles/), then BERT-base served
     # as a user serves it (the slicer's CPU profile re-profiled at load on the device, the Docker

@@ -89,6 +89,9 @@ class Setup:
     p99_target_factor: float = 5.0  # the sustained rate's p99 target: this many times ZeroBatch's c1 mean
     cuda_graphs: bool = True  # every system's engines replay CUDA graphs (on CUDA), or none do
     device_profile: str = ""  # the GPU stand-in's (device "simulated"): a device profile file
+    # the loads are fractions of this rate, not of the peak measured here (0: the peak measured here):
+    # a replay of another machine's run at its rates, where the two closed-loop peaks differ
+    loads_peak_qps: float = 0.0
 
 
 QUICK = Setup(hidden=64, layers=4, stages=2, bs_max=4, max_length=16, fractions=(0.5,), seconds_per_load=0.5,
@@ -403,7 +406,7 @@ def run(out_dir: Path, setup: Setup, device: str) -> dict[str, Any]:
         print(f"ZeroBatch closed-loop peak {peak:.0f} qps", flush=True)
         loads = []
         for k, fraction in enumerate(setup.fractions):
-            rate = peak * fraction
+            rate = (setup.loads_peak_qps or peak) * fraction
             n = int(min(setup.max_queries, max(20, rate * setup.seconds_per_load)))
             queries, offsets = make_queries(setup, manifest, int_high, n, seed=10 + k), poisson(rate, n, rng=10 + k)
             names = list(systems)
@@ -493,6 +496,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny model and one short load (a smoke run)")
     parser.add_argument("--policies", help="DVABatch's policies, comma-separated (default: the model's setup)")
     parser.add_argument("--fractions", help="the loads, fractions of ZeroBatch's peak, comma-separated (default: the setup's)")
+    parser.add_argument("--loads-peak", type=float, default=0.0,
+                        help="the loads are fractions of this rate (qps) instead of the peak measured here: a replay of "
+                        "another machine's run at its rates (its zerobatch_peak_qps); the peak measured here is still reported")
     parser.add_argument("--pairs", help="DVABatch's buffer pairs, each a system (e.g. 2,1; default: the model's setup)")
     parser.add_argument("--host-buffers", help="policies also served with host-memory boundaries, comma-separated "
                         "('' for none; default: the model's setup)")
@@ -510,6 +516,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup = replace(setup, policies=tuple(args.policies.split(",")))
     if args.fractions:
         setup = replace(setup, fractions=tuple(float(f) for f in args.fractions.split(",")))
+    if args.loads_peak:
+        setup = replace(setup, loads_peak_qps=args.loads_peak)
     if args.pairs:
         setup = replace(setup, pairs=tuple(int(p) for p in args.pairs.split(",")))
     if args.host_buffers is not None:
