@@ -12,8 +12,8 @@ There (the `device` tool's `run`, once per call the dry run prints; perf/README.
     python3 -m perf.gpu.run_device step experiments --out $OUT
 
 Steps:
+- `slice`: `dvabatch slice --device cuda` on BERT-base and ResNet-152, then the device-sliced BERT-base served;
 - `standin`: the stand-in's device profile and the side by side it is judged against, in one call;
-
 - `served` (the first GPU at hand, before any other): the stand-in's device profile measured
   (perf.gpu.device_profile), then BERT-base sliced and served with the Docker image's GPU config
   beside ZeroBatch and DelayBatch on the same engine (perf.compare --device cuda), every process
