@@ -36,7 +36,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .admission import Admission, ServiceModel
+from .admission import STANDING_WAIT, Admission, ServiceModel
 from .batch_table import BatchItem, BatchTable, TableSnapshot
 from .buffers import BufferPool, BufferState, PairUse
 from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, Stretch
@@ -170,14 +170,16 @@ class Scheduler:
     def _push_out_oldest(self, rows: int, why: str) -> list[Delivery] | None:
         """Make room for `rows` more queued rows by refusing the oldest requests whose rows no stage
         has started, whole (admission.py says why the oldest); None, refusing nobody, when they
-        are too few. Requests still waiting go before those the policy already batched: a batch
-        is next in line, and hollowing it runs the backlog in batches of a row or two."""
+        are too few. Requests still waiting go before batched ones queued less than STANDING_WAIT:
+        such a batch is about to run, and hollowing it runs the backlog in batches of a row or two;
+        batched rows queued longer wait behind other batches and go by age as the rest (admission.py)."""
         unstarted = [q for row in self._table if not row.started for q in row.queries if q.state.is_queued]
         by_request: dict[int, list[Query]] = {}
         for q in sorted([*self.queries.waiting(), *unstarted], key=lambda q: q.id):
             by_request.setdefault(q.request, []).append(q)
         oldest: list[Query] = []
-        batched = {id(q) for q in unstarted}
+        now = self.clock()
+        batched = {id(q) for q in unstarted if now - q.arrival < STANDING_WAIT}
         for request in sorted(by_request.values(), key=lambda r: (any(id(q) in batched for q in r), r[0].id)):
             if len(oldest) >= rows:
                 break

@@ -97,8 +97,9 @@ class FirstBatchPolicy(HoldPolicy):
 
 
 def test_the_bound_pushes_out_waiting_requests_before_a_batch_the_policy_made(zoo) -> None:
-    """A batch made but not yet started is next in line: pushing out its rows would run the backlog
-    in hollowed batches (a row or two), so the oldest *waiting* requests go first."""
+    """A batch made but not yet started, queued less than STANDING_WAIT, is about to run: pushing
+    out its rows would run the backlog in hollowed batches (a row or two), so the oldest *waiting*
+    requests go first (on a hand clock that never moves: every query is fresh)."""
     model = zoo.stages("token", 2)
     collector, policy = Collector(), FirstBatchPolicy()
     scheduler = _scheduler(model, HandClock(), policy, queue=QueuePolicy(max_queue_size=5))
@@ -111,6 +112,24 @@ def test_the_bound_pushes_out_waiting_requests_before_a_batch_the_policy_made(zo
     run_until_idle(scheduler, model.engines())
     assert all(collector.one(q).ok for q in batched + waiting[2:] + newer)
     assert scheduler.stats.queue_full == 2 and len(collector.answers) == 7
+
+
+def test_a_batch_queued_past_the_standing_wait_is_pushed_out_by_age(zoo) -> None:
+    """Batched rows that have queued longer than STANDING_WAIT wait behind other batches: they go by
+    age, as waiting ones do, so that a deep stage-0 queue cannot hold them whole for seconds."""
+    model = zoo.stages("token", 2)
+    clock, collector, policy = HandClock(), Collector(), FirstBatchPolicy()
+    scheduler = _scheduler(model, clock, policy, queue=QueuePolicy(max_queue_size=5))
+    batched, _ = _submit(scheduler, model, collector, 2)
+    clock.now += STANDING_WAIT * 1.5
+    waiting, _ = _submit(scheduler, model, collector, 3, seed=1)
+    newer, _ = _submit(scheduler, model, collector, 2, seed=2)
+    assert [q for q in batched + waiting + newer if q in collector.answers] == batched
+    policy.release = True
+    clock.now += 2.0  # past the wake-up the policy asked for: it is called again
+    scheduler.on_window()
+    run_until_idle(scheduler, model.engines())
+    assert all(collector.one(q).ok for q in waiting + newer) and len(collector.answers) == 7
 
 
 def test_a_multi_row_request_is_admitted_or_refused_whole(zoo) -> None:
