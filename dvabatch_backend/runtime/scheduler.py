@@ -179,8 +179,8 @@ class Scheduler:
             by_request.setdefault(q.request, []).append(q)
         oldest: list[Query] = []
         now = self.clock()
-        batched = {id(q) for q in unstarted if now - q.arrival < STANDING_WAIT}
-        for request in sorted(by_request.values(), key=lambda r: (any(id(q) in batched for q in r), r[0].id)):
+        about_to_run = {q.id for q in unstarted if now - q.arrival < STANDING_WAIT}
+        for request in sorted(by_request.values(), key=lambda r: (any(q.id in about_to_run for q in r), r[0].id)):
             if len(oldest) >= rows:
                 break
             oldest += request
