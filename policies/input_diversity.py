@@ -89,6 +89,9 @@ class InputDiversityPolicy(Policy):
             # all of them go: shortest first, so short queries leave the pipeline first (queues
             # are FIFO, a later batch never overtakes); when room is short, oldest first (fair)
             ready = sorted(ready, key=lambda c: max(q.length for q in c))
+        elif len(waiting) > bs_max:
+            # a backlog: the largest clusters first, the oldest among equals (the sort is stable)
+            ready = sorted(ready, key=len, reverse=True)
         decisions: list[New] = []
         taken: set[int] = set()
         for cluster in ready:

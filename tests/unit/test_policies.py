@@ -149,6 +149,17 @@ def test_input_clusters_go_oldest_first_when_room_is_short() -> None:
     assert [sorted(d.query_ids) for d in news(plan)] == [[1, 3], [2]]
 
 
+def test_input_clusters_go_largest_first_in_a_backlog() -> None:
+    """More than bs_max waiting and too little room: the largest clusters go first (the most rows a
+    run, what a backlog needs), the oldest among clusters of one size."""
+    policy = bound(InputDiversityPolicy(), bs_max=3)
+    waiting = [QueryInfo(1, 2, 0.1), QueryInfo(2, 10, 0.2), QueryInfo(3, 10, 0.3), QueryInfo(4, 40, 0.4),
+               QueryInfo(5, 40, 0.5)]
+    plan = policy.on_arrival(waiting, Table(bs_max=3).view, now=1.0)
+    # oldest first would have been [1] then [2, 3]; a cluster that does not fit gives its oldest
+    assert [sorted(d.query_ids) for d in news(plan)] == [[2, 3], [4]]
+
+
 def test_input_window_is_stage0_time_at_bs_max_from_the_oldest_arrival() -> None:
     profile = [{1: 1 * MS, 8: 4 * MS}] * 4
     # the paper's window: the adaptive window's upper bound by default (tests/unit/test_window.py),
