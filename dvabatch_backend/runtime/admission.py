@@ -7,11 +7,11 @@ Four rules, each refusing with Triton's code and wording where Triton has one, a
     request itself when they are too few), those still waiting before batched ones queued less
     than `STANDING_WAIT` (a batch about to run, hollowed, runs the backlog a row or two at a time:
     the bench BERT at 3x made 610 batches and ran 264 of them, at 1.9 rows; kept, 440 and 290, at
-    2.0; kept whatever their age, 2.2 rows, but the zoo UNet's 8 batches queued at stage 0 (bs_max
-    64) then waited whole and its answered p99 went from 0.9 to 2.9 s). The oldest, not the
-    newest: under overload a queue drained at the head and pushed at the tail is crossed at the
-    arrival rate, not the service rate, so what is answered waits a fraction of the bound (a third
-    at 3x the peak); a burst
+    2.0; kept whatever their age, 2.2 rows, but a deep stage-0 queue (the zoo UNet's, bs_max 64:
+    8 batches) could then hold batched rows whole for seconds, where the age bounds them). The
+    oldest, not the newest: under overload a queue drained at the head and pushed at the tail is
+    crossed at the arrival rate, not the service rate, so what is answered waits a fraction of the
+    bound (a third at 3x the peak); a burst
     within the bound refuses nothing either way. The default bound is about `QUEUE_SECONDS` of
     work at the pipeline's peak (bs_max rows through the slowest stage, or through every stage in
     a row with one buffer pair), and at least `QUEUE_BATCHES` full batches (`derived_queue_bound`);
