@@ -266,7 +266,8 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
                                                                             int_bounds(model), options.repeats),
                                           f"one query on {options.serving.engine}, {options.serving.device}"))
         manifest = _final_manifest(chosen, profile, ref, options, pad, int_bounds(model), policy, fast_path,
-                                   _stage_count_record(candidates, chosen, has_seq, options.stages), rule,
+                                   _stage_count_record(candidates, chosen, has_seq, options.stages,
+                                                       _measured_on(options.serving)), rule,
                                    device=device, buffer_pairs=pairs)
         _write_profile(chosen.dir, manifest, profile)
         _write_config(chosen.dir.parent, manifest, policy["choice"], options.serving)
@@ -554,15 +555,21 @@ def fast_path_record(seconds: dict[str, dict[str, float]], how: str, model_note:
     return {"engine": engine, "why": why, "seconds": seconds}
 
 
+def _measured_on(serving: ServingEngine) -> str:
+    """How the stage-count candidates were served while measured (`_served`), for the record."""
+    return ("every core" if serving.is_default
+            else f"{serving.engine} on {serving.device}")
+
+
 def _stage_count_record(candidates: Sequence[Candidate], chosen: Candidate, has_seq: bool,
-                        asked: int | None) -> dict[str, Any]:
-    """The manifest's record of how many stages and why."""
+                        asked: int | None, measured_on: str) -> dict[str, Any]:
+    """The manifest's record of how many stages and why; `measured_on`: how the candidates ran."""
     if asked is not None:
         return {"chosen": chosen.stages, "why": "asked for (--stages)"}
     if len(candidates) == 1:
         return {"chosen": chosen.stages, "why": "the only candidate the model's cut points and length axis allow"}
     measured = {str(c.stages): round(c.throughput or 0.0, 1) for c in candidates}
-    why = (f"the highest closed-loop throughput as served (load policy, one buffer pair, every core), the fewest "
+    why = (f"the highest closed-loop throughput as served (load policy, one buffer pair, {measured_on}), the fewest "
            f"stages within {STAGE_COUNT_TIE:.0%}: " + ", ".join(f"{n} stage(s) {q:g}/s" for n, q in measured.items()))
     if has_seq:
         why += "; 1 stage not tried: a variable-length model's stages let short queries exit early"

@@ -46,6 +46,7 @@ def test_the_stages_are_profiled_by_the_serving_engine_at_its_buckets(sliced) ->
     for stage in manifest.extra["stage_times_by_length"].values():
         assert [sorted(map(int, row)) for row in stage] == [sizes] * manifest.num_stages
     assert set(manifest.extra["slicing"]["stage_count"]["queries_per_second"]) == {"2", "3"}
+    assert "one buffer pair, torch on cpu)" in manifest.extra["slicing"]["stage_count"]["why"]
     assert "one query on torch, cpu" in manifest.extra["fast_path"]["why"]
     params = model_config.parameters((report.out_dir / "config.pbtxt").read_text())
     assert params["engine"] == "torch" and params["device"] == "cpu"
