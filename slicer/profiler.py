@@ -36,6 +36,13 @@ class Setting:
     length: int
 
 
+def random_input(int_high: Mapping[str, int], seed: int = 0) -> Callable[[TensorSpec, int, int], np.ndarray]:
+    """One input's `random_inputs` at (spec, batch, length), from one seeded generator: the
+    `make_input` that `device_times.time_engines` takes."""
+    rng, bounds = np.random.default_rng(seed), dict(int_high)
+    return lambda spec, bs, length: random_inputs([spec], bs, length, rng, bounds)[spec.name]
+
+
 def random_inputs(specs: Sequence[TensorSpec], batch: int, length: int, rng: np.random.Generator,
                   int_high: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
     """Inputs for measuring and verifying: floats normal; ints below their bound; masks with padding.

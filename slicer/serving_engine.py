@@ -19,14 +19,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import numpy as np
-
 from dvabatch_backend.runtime.device_times import CPU, served_memory, serving_device, time_engines
 from dvabatch_backend.runtime.loading import engine_buckets, make_engine, make_engines
 from dvabatch_backend.runtime.manifest import Manifest, StageSpec
 from dvabatch_backend.runtime.settings import RuntimeSettings
 
-from .profiler import Setting, random_inputs
+from .profiler import Setting, random_input
 from .stage_profile import PROFILE_SCHEMA_VERSION, diversity, preferred_batch_size
 
 ONNXRUNTIME = "onnxruntime"
@@ -117,7 +115,5 @@ class ServingEngine:
 def _timed(stages: Sequence[StageSpec], engines: Sequence[Any], sizes: Sequence[int], lengths: Sequence[int],
            int_high: Mapping[str, int], repeats: int) -> dict[str, list[dict[str, float]]]:
     """`time_engines` on random valid inputs, each boundary where it lives as served."""
-    rng = np.random.default_rng(0)
-    return time_engines(stages, engines, sizes, lengths,
-                        lambda spec, bs, length: random_inputs([spec], bs, length, rng, dict(int_high))[spec.name],
-                        repeats, memory=served_memory(engines))
+    return time_engines(stages, engines, sizes, lengths, random_input(int_high), repeats,
+                        memory=served_memory(engines))

@@ -15,8 +15,6 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import numpy as np
-
 from dvabatch_backend.runtime.decisions import Policy
 from dvabatch_backend.runtime.device_memory import place_on_streams
 from dvabatch_backend.runtime.device_times import serving_device, time_engines, with_stage_times
@@ -27,7 +25,7 @@ from dvabatch_backend.runtime.pipeline import Pipeline
 from dvabatch_backend.runtime.scheduler import Scheduler
 from dvabatch_backend.runtime.settings import SIMULATED, RuntimeSettings
 from slicer import cut, toy
-from slicer.profiler import int_bounds, random_inputs
+from slicer.profiler import int_bounds, random_input
 
 # the tensors that end each layer of the GPU zoo models (the cuts are spread evenly over them: a cut
 # by count, these models' layers are alike in cost)
@@ -123,10 +121,7 @@ def profile_on_device(model_dir: Path, manifest: Manifest, engines: Sequence[Any
     manifest as the slicer's `stage_times` (at the longest length) and `stage_times_by_length`,
     recorded as measured on the engines' device, so the policies plan with the device's costs.
     Rewrites model_dir/manifest.json and returns that manifest."""
-    rng = np.random.default_rng(0)
-    by_length = time_engines(manifest.stages, engines, batch_sizes, lengths,
-                            lambda spec, bs, length: random_inputs([spec], bs, length, rng, dict(int_high))[spec.name],
-                            repeats)
+    by_length = time_engines(manifest.stages, engines, batch_sizes, lengths, random_input(int_high), repeats)
     manifest = with_stage_times(manifest, by_length, serving_device(engines) or "cpu")
     doc = manifest.to_json()
     doc["input_bounds"] = {k: v for k, v in int_high.items() if k in {t.name for t in manifest.inputs}}
