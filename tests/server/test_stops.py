@@ -83,6 +83,19 @@ def server_children(pid: int) -> list[int]:
     return [child for child, _, _ in children(pid)]
 
 
+def backend_directory(pid: int) -> Path | None:
+    """The `--backend-directory` of the tritonserver `pid` started, once it has exec'd."""
+    for child in server_children(pid):
+        try:
+            arguments = psutil.Process(child).cmdline()
+        except psutil.Error:
+            continue
+        for argument in arguments:
+            if argument.startswith("--backend-directory="):
+                return Path(argument.partition("=")[2])
+    return None
+
+
 def alive(pid: int) -> bool:
     return psutil.pid_exists(pid) and not is_zombie(pid)
 
@@ -231,10 +244,10 @@ def test_sigterm_while_starting_stops_it_too(gated, tmp_path) -> None:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
     serve = ServeProcess(process, 0, 0, out)
     try:
-        assert poll(lambda: bool(server_children(process.pid)), UP_TIMEOUT), serve.text()
+        # Between fork and exec the child still shows python's command line: wait for tritonserver's.
+        assert poll(lambda: backend_directory(process.pid) is not None, UP_TIMEOUT), serve.text()
         [triton] = server_children(process.pid)
-        backends = [a for a in psutil.Process(triton).cmdline() if "--backend-directory=" in a]
-        work = Path(backends[0].partition("=")[2]).parent
+        work = backend_directory(process.pid).parent
         process.send_signal(signal.SIGTERM)
         code = process.wait(150)
         assert code == 0, serve.text()
