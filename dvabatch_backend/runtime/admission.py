@@ -1,6 +1,6 @@
 """Admission: what the runtime accepts, and what it drops before it runs.
 
-Four rules, each refusing with Triton's code and wording where Triton has one, and a cap:
+Five rules, each refusing with Triton's code and wording where Triton has one, and a cap:
   - the queue bound (Triton's `max_queue_size`): queries admitted but not yet run by stage 0 are
     "queued"; where a request would take them past the bound, the oldest queued requests that no
     stage has started are refused "Exceeds maximum queue size", whole, to make room for it (the
@@ -25,6 +25,14 @@ Four rules, each refusing with Triton's code and wording where Triton has one, a
     it on). "Has not emptied" was tried and left: a load near the peak keeps a few queued for
     seconds, and was refused. CoDel's least wait over an interval is not used: by it, the queue left
     as overload stops is a burst like any other;
+  - the door (with the standing-queue rule): once a queue has stood, an arrival that would wait
+    longer than `STANDING_WAIT` behind what is queued (at the rate the stages carry a backlog, the
+    measured correction applied: `backlog_rate`) is refused "Exceeds maximum queue size" before it
+    is read, until an arrival finds the pipeline holding nothing; meanwhile batches stay at the
+    backlog's size (below). Under overload most arrivals end here, where each pushed-out
+    one cost a copy of its rows, an admission and a send of its own (the zoo UNet at 3x its peak:
+    about 1 ms of the stub's cores each, a third of them taken from the stages); the answered then
+    wait up to STANDING_WAIT, where pushed out they waited the bound crossed at the arrival rate;
   - the backlog's batches (not a refusal): with one buffer pair (batches through the stages one at
     a time), while more than a batch is queued, batches are made no larger than `backlog_batch`, the smallest profiled size whose time per row is within
     `BACKLOG_BATCH_TOLERANCE` of the least, where a bs_max batch's passage through the stages
@@ -143,8 +151,10 @@ class Admission:
         # with one buffer pair, where that passage is each waiting row's wait
         self.backlog_batch = (service.efficient_batch(bs_max, BACKLOG_BATCH_TOLERANCE)
                               if self.long_passage and not overlapping else bs_max)
+        self.overlapping = overlapping
         # the standing-queue rule goes with the derived bound: a configured bound or timeout is the user's
         self._refuses_standing = queue.max_queue_size is None and not queue.default_timeout_us
+        self.door_since: float | None = None  # since when the door refuses (the door rule), None while open
 
     @property
     def max_queue_size(self) -> int:
@@ -168,6 +178,34 @@ class Admission:
         if bound and queued + rows > bound:
             return f"Exceeds maximum queue size ({queued} queued, max_queue_size {bound})"
         return None
+
+    def backlog_rate(self) -> float:
+        """Rows a second the stages carry through a backlog: its batches (`backlog_batch`) through
+        the slowest stage where stages overlap, through every stage in a row where they cannot,
+        at the times the stages take now (the profile and the measured correction)."""
+        b = self.backlog_batch
+        times = [self.service.stage_time(k, b) for k in range(self.service.num_stages)]
+        return b / (max(times) if self.overlapping else sum(times))
+
+    def door_refusal(self, now: float, queued: int, queue_since: float | None, idle: bool) -> str | None:
+        """Why an arrival is refused before it is read (the door rule), or None. `queued`: the rows
+        queued now; `queue_since`: since when the queue has held more than a batch (None: no more);
+        `idle`: the pipeline holds nothing, which opens the door (an empty queue does not: stage 0
+        may just have taken all of it)."""
+        if not self._refuses_standing:
+            return None
+        if self.door_since is None:
+            if queue_since is None or now - queue_since <= STANDING_SECONDS:
+                return None
+            self.door_since = now
+        elif idle:
+            self.door_since = None
+            return None
+        wait = queued / self.backlog_rate()
+        if wait <= STANDING_WAIT:
+            return None
+        return (f"Exceeds maximum queue size: overloaded, {queued} queued would make a request wait about "
+                f"{wait * 1000:.0f} ms")
 
     def deadline(self, arrival: float, request_timeout_us: int | None) -> float | None:
         """When a query stops being worth running: its request's timeout if it may override, else the default."""

@@ -44,6 +44,9 @@ class InlineHold:
         self.held = False
         self._full_calls = 0  # the caller's calls in a row that came full ...
         self._full_since = 0.0  # ... since the first of them
+        # the caller's queue stands and its calls go to the pipeline: a backlog, whose batches the
+        # scheduler keeps at the backlog's size (admission.py) from the first call handed over
+        self.handed_over = False
 
     @property
     def allowed(self) -> bool:
@@ -58,12 +61,14 @@ class InlineHold:
             now = s.clock()
             if not full or not s.admission.long_passage:
                 self._full_calls = 0
+                self.handed_over = False
                 return False
             if not self._full_calls:
                 self._full_since = now
             self._full_calls += 1
             standing = self._full_calls >= STANDING_CALLS and now - self._full_since >= STANDING_WAIT
             s.stats.inline_handovers += standing
+            self.handed_over = standing
             return standing
 
     def reserve(self, rows: int) -> bool:

@@ -24,7 +24,7 @@ from .admission import Admission
 from .batch_table import TableSnapshot
 from .buffers import BufferState, MemoryFactory
 from .fences import FenceFactory
-from .errors import BufferStateError
+from .errors import BufferStateError, QueryError
 from .query import QueryState
 from .scheduler import Clock, Scheduler
 from .settings import RuntimeSettings
@@ -159,6 +159,9 @@ class Pipeline(WorkListener):
     def submit_many(self, requests: Sequence[tuple[Mapping[str, np.ndarray], Reply]],
                     timeout_us: int | None = None) -> list[int]:
         return self.scheduler.submit_many(requests, timeout_us)
+
+    def refuse_at_door(self, requests: int) -> list[QueryError]:
+        return self.scheduler.refuse_at_door(requests)
 
     def run_inline(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
         """The fast path (runtime/fast_path.py): the model's outputs for a batch of rows in the model's

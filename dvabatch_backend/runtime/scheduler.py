@@ -145,11 +145,31 @@ class Scheduler:
         _deliver(deliveries)
         return [q.id if isinstance(q, Query) else q.query_id for q in arrived]
 
+    def refuse_at_door(self, requests: int) -> list[QueryError]:
+        """One refusal for each of `requests` arriving together where the door rule refuses them
+        (admission.py), each named by a query id of its own; none where they are to be submitted.
+        Asked before their rows are read: under overload most arrivals end here."""
+        if self.queries.queue_since is None and self.admission.door_since is None:
+            return []  # read without the lock: a queue that does not stand refuses nobody at the door
+        with self.lock:
+            why = self.admission.door_refusal(self.clock(), self.stats.queued, self.queries.queue_since,
+                                              self.holds_nothing())
+            if why is None:
+                return []
+            self.stats.submitted += requests
+            self.stats.answered_error += requests
+            self.stats.queue_full += requests
+            return [QueueFullError(next(self._ids), why) for _ in range(requests)]
+
     def _admit(self, queries: list[Query], now: float, timeout_us: int | None) -> list[Delivery]:
-        """Queue the queries, or refuse them all: stopping, the queue bound, the latency target."""
+        """Queue the queries, or refuse them all: stopping, the door, the queue bound, the latency target."""
         admission, refuse = self.admission, self.queries.refuse
         if self._stopping:
             return [refuse(q, ShuttingDownError(q.id)) for q in queries]
+        why = admission.door_refusal(now, self.stats.queued, self.queries.queue_since, self.holds_nothing())
+        if why is not None:
+            self.stats.queue_full += len(queries)
+            return [refuse(q, QueueFullError(q.id, why)) for q in queries]
         deliveries: list[Delivery] = []
         why = admission.queue_refusal(self.stats.queued, len(queries))
         if why is not None:
@@ -266,7 +286,9 @@ class Scheduler:
         queries = [q for q in map(self.queries.get, ids) if q is not None]
         self.queries.batch(queries)
         # a backlog's batches stop at the efficient size (admission.py)
-        cap = self.admission.backlog_batch if self.queries.queue_since is not None else self.bs_max
+        backlog = (self.queries.queue_since is not None or self.admission.door_since is not None
+                   or self.inline.handed_over)
+        cap = self.admission.backlog_batch if backlog else self.bs_max
         if isinstance(decision, Stretch):
             why = self._table.stretch_refusal(decision.batch_id, [q.length for q in queries])
             if why is None and self._table.get(decision.batch_id).bs + len(queries) > cap:

@@ -325,6 +325,69 @@ def test_a_backlog_is_carried_out_in_batches_of_the_efficient_size(zoo) -> None:
         assert_matches_reference(model, inputs, collector.one(qid))
     assert scheduler.stats.stages[0].batches == 3
 
+    # a batch or less queued, but the caller's queue stands (its calls handed over): a backlog too
+    scheduler.inline.handed_over = True
+    policy.release = False
+    ids, queries = _submit(scheduler, model, collector, 4, seed=1)
+    policy.release = True
+    clock.now += 1.0
+    scheduler.on_window()
+    assert scheduler.stats.new == 5  # 4 as 2 + 2
+    run_until_idle(scheduler, model.engines())
+    for qid, inputs in zip(ids, queries):
+        assert_matches_reference(model, inputs, collector.one(qid))
+
+
+def test_the_door_opens_on_a_standing_queue_by_the_wait_it_makes_and_closes_when_idle() -> None:
+    """The door rule (admission.py): refuses nothing until the queue has stood STANDING_SECONDS;
+    then refuses an arrival that would wait past STANDING_WAIT at the backlog's rate (which follows
+    the measured correction), admits one that would not, and stays shut, the queue short or not,
+    until an arrival finds the pipeline idle. A configured bound is the user's: no door."""
+    service = ServiceModel([{1: 0.050, 4: 0.200}, {1: 0.050, 4: 0.200}], 2)
+    admission = Admission(QueuePolicy(), SloPolicy(), service, 4, overlapping=False)
+    assert admission.backlog_rate() == pytest.approx(10.0)  # one pair: 4 rows through both stages in 0.4 s
+    deep = 6  # 0.6 s of work
+    stood = 10.0 - STANDING_SECONDS - 0.1
+    assert admission.door_refusal(10.0, deep, None, idle=False) is None  # no more than a batch queued
+    assert admission.door_refusal(10.0, deep, 10.0 - STANDING_SECONDS / 2, idle=False) is None  # a burst
+    why = admission.door_refusal(10.0, deep, stood, idle=False)
+    assert why is not None and why.startswith("Exceeds maximum queue size") and admission.door_since == 10.0
+    assert admission.door_refusal(10.1, 4, stood, idle=False) is None  # 0.4 s: within the wait
+    service.correction = 2.0  # the stages take twice their profile now
+    assert admission.door_refusal(10.2, 4, None, idle=False) is not None  # 0.8 s; shut though the queue is short
+    assert admission.door_refusal(10.3, 0, None, idle=True) is None and admission.door_since is None
+    assert admission.door_refusal(10.4, deep * 2, None, idle=False) is None  # open again
+    configured = Admission(QueuePolicy(max_queue_size=100), SloPolicy(), service, 4, overlapping=False)
+    assert configured.door_refusal(10.0, 99, stood, idle=False) is None
+
+
+def test_the_door_refuses_unread_arrivals_and_submitted_ones_once_a_queue_stood(zoo) -> None:
+    """`Scheduler.refuse_at_door` (the Triton adapter asks it before reading a call's requests) and
+    `submit_many` apply the door alike: a refusal each, named by a query id of its own, counted as
+    the queue bound's; the queries queued meanwhile are the standing rule's; once the pipeline
+    holds nothing the door opens and a query is served."""
+    model = zoo.stages("token", 2)
+    clock, collector = HandClock(), Collector()
+    policy = HoldPolicy()
+    scheduler = _scheduler(model, clock, policy)  # bs_max 4
+    scheduler.admission.service.correction = 1e4  # stages this slow make a few queued rows a long wait
+    held, _ = _submit(scheduler, model, collector, 6)  # more than a batch, held by the policy
+    assert scheduler.refuse_at_door(2) == []  # not standing yet: a burst
+    clock.now += STANDING_SECONDS + 0.1
+    refused = scheduler.refuse_at_door(2)
+    assert [type(e) for e in refused] == [QueueFullError] * 2 and len({e.query_id for e in refused}) == 2
+    assert all("Exceeds maximum queue size" in str(e) for e in refused)
+    late, _ = _submit(scheduler, model, collector, 1, seed=1)  # submitted all the same: refused alike
+    assert isinstance(collector.one(late[0]).error, QueueFullError)
+    assert scheduler.stats.queue_full == 3 and scheduler.stats.submitted == 6 + 2 + 1
+    assert all(isinstance(collector.one(q).error, StandingQueueError) for q in held)  # waited past STANDING_WAIT
+    assert scheduler.refuse_at_door(1) == [] and scheduler.admission.door_since is None  # idle: open
+    scheduler.admission.service.correction = 1.0
+    policy.release = True
+    fresh, queries = _submit(scheduler, model, collector, 1, seed=2)
+    run_until_idle(scheduler, model.engines())
+    assert_matches_reference(model, queries[0], collector.one(fresh[0]))
+
 
 def test_the_default_queue_bound_is_about_a_second_at_the_pipelines_peak() -> None:
     service = ServiceModel([{8: 0.010}, {8: 0.020}], 2)  # slowest stage: 8 rows per 20 ms -> 400/s

@@ -546,10 +546,12 @@ def test_calls_that_come_full_for_long_enough_leave_the_fast_path_to_the_pipelin
     assert not hold.caller_backlog(False)
     assert not hold.caller_backlog(True)  # the first full call again
     now[0] += STANDING_WAIT
+    assert not hold.handed_over
     assert [hold.caller_backlog(True) for _ in range(STANDING_CALLS - 1)][-1]
-    assert pipeline.stats.inline_handovers == 1
+    assert pipeline.stats.inline_handovers == 1 and hold.handed_over  # a backlog: batches at its size
     rng = np.random.default_rng(0)
     requests = [{k: v[None] for k, v in model.query(rng).items()} for _ in range(2)]
     answered: list[int] = []
     assert pipeline.run_inline_group(requests, lambda i, out: answered.append(i), full=True) == [0, 1]
     assert answered == [] and pipeline.stats.inline_runs == 0
+    assert not hold.caller_backlog(False) and not hold.handed_over  # a call not full: the queue no longer stands
