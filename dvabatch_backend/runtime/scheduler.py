@@ -166,7 +166,9 @@ class Scheduler:
         admission, refuse = self.admission, self.queries.refuse
         if self._stopping:
             return [refuse(q, ShuttingDownError(q.id)) for q in queries]
-        why = admission.door_refusal(now, self.stats.queued, self.queries.queue_since, self.holds_nothing())
+        why = None
+        if self.queries.queue_since is not None or admission.door_since is not None:  # else the door is open
+            why = admission.door_refusal(now, self.stats.queued, self.queries.queue_since, self.holds_nothing())
         if why is not None:
             self.stats.queue_full += len(queries)
             return [refuse(q, QueueFullError(q.id, why)) for q in queries]

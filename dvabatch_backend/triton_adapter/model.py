@@ -283,7 +283,7 @@ def _describe(errors: list[QueryError]) -> str:
 
 CANCEL_POLL_SECONDS = 0.05
 # Requests asked per round. Each `is_cancelled` is a round trip to the server, about 145 us of the
-# stub's CPU here; asking 64 a round, a backlog (the zoo UNet at 3x its peak, 128 queued) spent 2.6 s
+# stub's time here; asking 64 a round, a backlog (the zoo UNet at 3x its peak, 128 queued) spent 2.6 s
 # of 15 on asking, a core's sixth taken from the stages. 8 a round asks each of 128 queued
 # requests about once a second, a backlog's longest wait (admission.py: STANDING_WAIT, the bound).
 CANCEL_POLL_MAX = 8
