@@ -152,8 +152,9 @@ class Admission:
         self.backlog_batch = (service.efficient_batch(bs_max, BACKLOG_BATCH_TOLERANCE)
                               if self.long_passage and not overlapping else bs_max)
         self.overlapping = overlapping
-        # the standing-queue rule goes with the derived bound: a configured bound or timeout is the user's
-        self._refuses_standing = queue.max_queue_size is None and not queue.default_timeout_us
+        # the standing-queue rule (and the door) go with the derived bound: a configured bound or
+        # timeout is the user's
+        self.refuses_standing = queue.max_queue_size is None and not queue.default_timeout_us
         self.door_since: float | None = None  # since when the door refuses (the door rule), None while open
 
     @property
@@ -192,7 +193,7 @@ class Admission:
         queued now; `queue_since`: since when the queue has held more than a batch (None: no more);
         `idle`: the pipeline holds nothing, which opens the door (an empty queue does not: stage 0
         may just have taken all of it)."""
-        if not self._refuses_standing:
+        if not self.refuses_standing:
             return None
         if self.door_since is None:
             if queue_since is None or now - queue_since <= STANDING_SECONDS:
@@ -242,7 +243,7 @@ class Admission:
             return CancelledError(q.id)
         if self.timed_out(now, q.deadline):
             return TimeoutExpiredError(q.id)
-        if (self._refuses_standing and queue_since is not None and now - queue_since > STANDING_SECONDS
+        if (self.refuses_standing and queue_since is not None and now - queue_since > STANDING_SECONDS
                 and now - q.arrival > STANDING_WAIT):
             return StandingQueueError(q.id, now - queue_since, now - q.arrival)
         if q.slo_deadline is None:  # no target: skip the prediction, which walks every stage's profile

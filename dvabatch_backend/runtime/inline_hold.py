@@ -19,13 +19,23 @@ nothing and a call comes that is not full. A burst fills a few calls, not half a
 Only where a bs_max batch's profiled passage is long (`Admission.long_passage`): where it is short
 the pipeline's hand-offs are a large share of each batch and it serves far less than the fast path
 (the test-size BERT, offered 1,536 queries a second, which the fast path carries: about 600 a
-second once handed over), so handing over would turn overload into a collapse; there Triton's queue is still left unbounded (an open problem).
+second once handed over), so handing over would turn overload into a collapse.
+
+There the fast path keeps the calls, and the caller's queue is drained instead: once the calls have
+come full for `STANDING_SECONDS` (a queue over a batch that long is overload, not a burst: the
+standing-queue rule's test, admission.py), `refusing` is set and the calls are refused whole,
+"Exceeds maximum queue size", until one comes that is not full. A call holds the caller's oldest
+requests (Triton's batcher hands them over in arrival order), so this is the runtime's push-out of
+the oldest, done in the caller's queue; refused unread, a call costs next to nothing, and the
+queue drains at once. After a drain the overload is known: the next drain comes after
+`STANDING_WAIT` of full calls, until no call has come full for STANDING_SECONDS. With a configured
+queue bound or timeout (the user's policy) nothing is drained.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from .admission import STANDING_WAIT
+from .admission import STANDING_SECONDS, STANDING_WAIT
 from .decisions import BatchTableView, Policy
 from .plan_checks import inline_batches
 
@@ -47,6 +57,10 @@ class InlineHold:
         # the caller's queue stands and its calls go to the pipeline: a backlog, whose batches the
         # scheduler keeps at the backlog's size (admission.py) from the first call handed over
         self.handed_over = False
+        # a quick model's caller queue is drained (module docstring): its calls are refused while set
+        self.refusing = False
+        self._last_drain: float | None = None  # when the last drain began
+        self._last_full = 0.0  # when a call last came full
 
     @property
     def allowed(self) -> bool:
@@ -59,17 +73,33 @@ class InlineHold:
         s = self._scheduler
         with s.lock:
             now = s.clock()
-            if not full or not s.admission.long_passage:
+            if not full:
                 self._full_calls = 0
-                self.handed_over = False
+                self.handed_over = self.refusing = False
                 return False
             if not self._full_calls:
                 self._full_since = now
             self._full_calls += 1
+            if not s.admission.long_passage:
+                self.refusing = self._drains(now)
+                return False
             standing = self._full_calls >= STANDING_CALLS and now - self._full_since >= STANDING_WAIT
             s.stats.inline_handovers += standing
             self.handed_over = standing
             return standing
+
+    def _drains(self, now: float) -> bool:
+        """Whether this full call, on a quick model, is refused (module docstring). Under the lock."""
+        if not self._scheduler.admission.refuses_standing:
+            return False
+        if self._last_drain is not None and self._last_full < now - STANDING_SECONDS:
+            self._last_drain = None  # no full call for that long: the overload is over
+        self._last_full = now
+        need = STANDING_SECONDS if self._last_drain is None else STANDING_WAIT
+        if not self.refusing and now - self._full_since >= need:
+            self._last_drain = now
+            return True
+        return self.refusing
 
     def reserve(self, rows: int) -> bool:
         """Hold the pipeline for one run of `rows` rows, if it holds nothing (module docstring)."""

@@ -181,15 +181,22 @@ class Pipeline(WorkListener):
 
     def run_inline_group(self, requests: Sequence[Mapping[str, np.ndarray]],
                          answer: Callable[[int, dict[str, np.ndarray]], None], several: bool = True,
-                         cancelled: Callable[[int], bool] | None = None, full: bool = False) -> list[int]:
+                         cancelled: Callable[[int], bool] | None = None, full: bool = False,
+                         refuse: Callable[[int, QueryError], None] | None = None) -> list[int]:
         """The requests one call hands over together (a Triton `execute` call: what queued while the
         last one ran) on the fast path where it takes them: a lone request by `run_inline`, several
         by `run_inline_requests` when `several`. `answer(i, outputs)` for each request answered here;
         returns the others' indices, in order (all of them where it took none): those `cancelled`
         said were, and the rest for `submit_many`. `full`: the call came full (its caller had a
-        batch waiting); full calls in a row leave the fast path to the pipeline (`InlineHold.caller_backlog`)."""
-        if self._fast_path is None or self.scheduler.inline.caller_backlog(full):
+        batch waiting); full calls in a row leave the fast path to the pipeline, or on a quick model
+        have the call refused, `refuse(i, error)` for each request (`InlineHold.caller_backlog`)."""
+        hold = self.scheduler.inline
+        if self._fast_path is None or hold.caller_backlog(full):
             return list(range(len(requests)))
+        if hold.refusing and refuse is not None:
+            for i, error in enumerate(self.scheduler.refuse_caller_backlog(len(requests))):
+                refuse(i, error)
+            return []
         if len(requests) == 1:
             outputs = self.run_inline(requests[0])
             if outputs is None:

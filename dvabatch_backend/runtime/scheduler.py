@@ -145,6 +145,16 @@ class Scheduler:
         _deliver(deliveries)
         return [q.id if isinstance(q, Query) else q.query_id for q in arrived]
 
+    def refuse_caller_backlog(self, requests: int) -> list[QueryError]:
+        """One refusal for each of `requests`, a call of the caller's oldest while its queue is
+        drained (`InlineHold.refusing`), each named by a query id of its own."""
+        with self.lock:
+            self.stats.submitted += requests
+            self.stats.answered_error += requests
+            self.stats.queue_full += requests
+            return [QueueFullError(next(self._ids), "Exceeds maximum queue size: overloaded, the calls have come "
+                                   "full (a batch or more waiting before the model) too long") for _ in range(requests)]
+
     def refuse_at_door(self, requests: int) -> list[QueryError]:
         """One refusal for each of `requests` arriving together where the door rule refuses them
         (admission.py), each named by a query id of its own; none where they are to be submitted.

@@ -363,6 +363,10 @@ def _is_cancelled(request: Any, i: int, cancelled: set[int]) -> bool:
     return False
 
 
+def _error_response(error: QueryError) -> Any:
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), _code(error)))
+
+
 def _cancelled_response() -> Any:
     return pb_utils.InferenceResponse(error=pb_utils.TritonError("cancelled by the client before it ran", _cancelled_code()))
 
@@ -433,7 +437,7 @@ class TritonPythonModel:
     def execute(self, requests: list[Any]) -> list[Any] | None:
         refused = self._scheduler.refuse_at_door(len(requests))  # overload: refused unread (admission.py)
         if refused:  # returned by execute: one message to the server, not a send each
-            return [pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), _code(e))) for e in refused]
+            return [_error_response(e) for e in refused]
         if self._fast_path:
             tensors = [self._inputs(request) for request in requests]
             if all(t is not None for t in tensors):
@@ -444,7 +448,8 @@ class TritonPythonModel:
                 cancelled: set[int] = set()  # requests Triton reports cancelled while they waited for a batch
                 left = self._scheduler.run_inline_group(  # type: ignore[arg-type]
                     tensors, lambda i, out: done.__setitem__(i, self._response(out)), several,
-                    lambda i: _is_cancelled(requests[i], i, cancelled), self._came_full(tensors))  # type: ignore[arg-type]
+                    lambda i: _is_cancelled(requests[i], i, cancelled), self._came_full(tensors),  # type: ignore[arg-type]
+                    lambda i, error: done.__setitem__(i, _error_response(error)))
                 if not left:  # all answered: returned by execute, cheaper than a send each
                     return [done[i] for i in range(len(requests))]
                 for i, response in done.items():  # a batch failed: the answered ones now, the others the usual way

@@ -14,9 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dvabatch_backend.runtime.admission import STANDING_WAIT
-from dvabatch_backend.runtime.errors import StageFailedError
+from dvabatch_backend.runtime.admission import STANDING_SECONDS, STANDING_WAIT
+from dvabatch_backend.runtime.errors import QueueFullError, StageFailedError
 from dvabatch_backend.runtime.inline_hold import STANDING_CALLS
+from dvabatch_backend.runtime.settings import QueuePolicy
 from dvabatch_backend.runtime.work import ExecutorState
 from policies import RandomLegalPolicy, create_policy
 from policies.examples.early_exit import EarlyExitPolicy
@@ -555,3 +556,53 @@ def test_calls_that_come_full_for_long_enough_leave_the_fast_path_to_the_pipelin
     assert pipeline.run_inline_group(requests, lambda i, out: answered.append(i), full=True) == [0, 1]
     assert answered == [] and pipeline.stats.inline_runs == 0
     assert not hold.caller_backlog(False) and not hold.handed_over  # a call not full: the queue no longer stands
+
+
+def test_a_quick_models_caller_queue_is_drained_once_its_calls_came_full_for_long(zoo) -> None:
+    """Where a bs_max batch is quick (no hand-over), calls that came full for STANDING_SECONDS are
+    refused whole, "Exceeds maximum queue size", until one comes that is not full; after a drain,
+    STANDING_WAIT of full calls drains again, until no call came full for STANDING_SECONDS; the
+    calls served meanwhile are answered inline, each the model's. A configured bound drains nothing."""
+    model = zoo.stages("token", 2)
+    now = [0.0]
+    rng = np.random.default_rng(0)
+    queries = [model.query(rng) for _ in range(2)]
+    requests = [{k: v[None] for k, v in q.items()} for q in queries]
+
+    def call(pipeline, full: bool) -> str:
+        answered: dict[int, Any] = {}
+        refused: dict[int, Any] = {}
+        left = pipeline.run_inline_group(requests, answered.__setitem__, full=full, refuse=refused.__setitem__)
+        assert left == []
+        if refused:
+            assert sorted(refused) == [0, 1] and not answered
+            assert all(isinstance(e, QueueFullError) and "Exceeds maximum queue size" in str(e) for e in refused.values())
+            return "refused"
+        for i, query in enumerate(queries):
+            for name, rows in answered[i].items():
+                np.testing.assert_allclose(rows[0], model.reference(query)[name], atol=1e-4, rtol=0)
+        return "served"
+
+    pipeline = make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1)
+    assert not pipeline.scheduler.admission.long_passage  # the test model's batches are quick
+    assert call(pipeline, True) == "served"
+    now[0] += STANDING_SECONDS - 0.1
+    assert call(pipeline, True) == "served"  # full, but not for long enough: a burst
+    now[0] += 0.2
+    assert [call(pipeline, True) for _ in range(2)] == ["refused", "refused"]  # drained ...
+    assert call(pipeline, False) == "served"  # ... until a call is not full
+    assert call(pipeline, True) == "served"
+    now[0] += STANDING_WAIT + 0.01
+    assert call(pipeline, True) == "refused"  # the overload is known: half a second of full calls
+    assert call(pipeline, False) == "served"
+    now[0] += STANDING_SECONDS + 0.1  # no full call for that long: over
+    assert call(pipeline, True) == "served"
+    now[0] += STANDING_WAIT + 0.01
+    assert call(pipeline, True) == "served"
+    assert pipeline.stats.queue_full == 6 and pipeline.stats.inline_handovers == 0
+
+    configured = make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1,
+                                queue=QueuePolicy(max_queue_size=100))
+    assert call(configured, True) == "served"
+    now[0] += STANDING_SECONDS + 0.1
+    assert call(configured, True) == "served"
