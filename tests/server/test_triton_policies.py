@@ -32,7 +32,7 @@ from slicer import toy
 from slicer.profiler import int_bounds
 from slicer.slice_model import SliceOptions, slice_model
 
-from dvabatch_backend.runtime.admission import STANDING_WAIT
+from dvabatch_backend.runtime.admission import STANDING_SECONDS, STANDING_WAIT
 from dvabatch_backend.runtime.inline_hold import STANDING_CALLS
 
 from ..triton_support import Clients, ServedModel, add_variant, admitted_requests, settle
@@ -96,6 +96,13 @@ def server(tmp_path_factory):
     standing = ServedModel("dense", standing_dir / "1", report.manifest, {}, 0)
     models["standing"] = add_variant(repo, standing, "dense_standing", policy="load",
                                      extra={"max_queue_size": 2, "engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
+    # Triton's queue unbounded and the model quick (no hand-over): calls that came full for
+    # STANDING_SECONDS are refused whole until one is not full
+    draining_dir = sliced / "dense_draining"
+    shutil.copytree(report.out_dir, draining_dir)  # its own gate files, its quick profile
+    draining = ServedModel("dense", draining_dir / "1", report.manifest, {}, 0)
+    models["draining"] = add_variant(repo, draining, "dense_draining", policy="load",
+                                     extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
     with TritonServer(repo) as triton:
         for model in models.values():
             triton.wait_model_ready(model.name, timeout=120)
@@ -416,3 +423,49 @@ def test_when_tritons_queue_stands_behind_the_fast_path_its_backlog_is_handed_ov
     handovers = _settle(lambda: _sample("dvabatch_fast_path_handovers_total", {"model": model.name},
                                         _metrics_text(triton)) or 0.0, lambda v: v >= 1)
     assert handovers >= 1
+
+
+def test_a_quick_models_full_calls_are_refused_once_tritons_queue_stood(server) -> None:
+    """Overload on a quick model (no hand-over) is refused in Triton's queue. Each run of the stage
+    is held until the test opens it (gate_engine.py:hold_each). A lone request runs inline; the
+    3 * bs + 4 sent meanwhile wait in Triton's queue, so the next call comes full and its run is held
+    at least STANDING_SECONDS (a lower bound only); then the calls come full that long, and the next
+    two full calls are refused whole, UNAVAILABLE "Exceeds maximum queue size", without running,
+    until the last 4 come in a call that is not full, which runs inline. Each request has exactly
+    one answer: a result equal to the unsliced model's, or that refusal."""
+    triton, models, _ = server
+    model = models["draining"]
+    gates = model.version_dir
+    bs = model.manifest.max_batch_size
+    n = 1 + 3 * bs + 4
+    rng = np.random.default_rng(11)
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    queries = [model.query(rng) for _ in range(n)]
+    answers = _Answers()
+    try:
+        client.async_infer(model.name, Clients.inputs(grpcclient, queries[0]), answers.callback(0), client_timeout=120)
+        assert _settle((gates / "held-1").exists, bool), "the stage never took the first request"
+        for i in range(1, n):
+            client.async_infer(model.name, Clients.inputs(grpcclient, queries[i]), answers.callback(i),
+                               client_timeout=120)
+        assert _settle(lambda: _pending(triton, model.name), lambda v: v == n - 1) == n - 1
+        (gates / "open-1").touch()
+        assert _settle((gates / "held-2").exists, bool), "the full call never ran"
+        time.sleep(STANDING_SECONDS)  # the full calls have come for at least this long
+        (gates / "open-2").touch()
+        assert _settle((gates / "held-3").exists, bool), "the call that was not full never ran"
+        assert int((gates / "held-3").read_text()) == 4  # the two full calls between never ran
+    finally:
+        (gates / "open").touch()
+    answers.wait(n)
+    client.close()
+    refused = [i for i in range(n) if answers.got[i][1] is not None]
+    assert len(refused) == 2 * bs, refused
+    for i in range(n):
+        result, error = answers.got[i]
+        if i in refused:
+            assert result is None and error.status() == "StatusCode.UNAVAILABLE", (i, error.status(), error.message())
+            assert "Exceeds maximum queue size" in error.message(), error
+            continue
+        for out, ref in model.reference(queries[i]).items():
+            np.testing.assert_allclose(result.as_numpy(out)[0], ref, atol=1e-4, err_msg=f"query {i} {out}")
