@@ -103,6 +103,13 @@ def server(tmp_path_factory):
     draining = ServedModel("dense", draining_dir / "1", report.manifest, {}, 0)
     models["draining"] = add_variant(repo, draining, "dense_draining", policy="load",
                                      extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
+    # as `standing` with the derived bound: once the runtime's queue has stood, the door refuses unread
+    door_dir = sliced / "dense_door"
+    shutil.copytree(report.out_dir, door_dir)
+    _profile_a_long_passage(door_dir / "1" / "manifest.json")
+    door = ServedModel("dense", door_dir / "1", report.manifest, {}, 0)
+    models["door"] = add_variant(repo, door, "dense_door", policy="load",
+                                 extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
     with TritonServer(repo) as triton:
         for model in models.values():
             triton.wait_model_ready(model.name, timeout=120)
@@ -466,6 +473,64 @@ def test_a_quick_models_full_calls_are_refused_once_tritons_queue_stood(server) 
         if i in refused:
             assert result is None and error.status() == "StatusCode.UNAVAILABLE", (i, error.status(), error.message())
             assert "Exceeds maximum queue size" in error.message(), error
+            continue
+        for out, ref in model.reference(queries[i]).items():
+            np.testing.assert_allclose(result.as_numpy(out)[0], ref, atol=1e-4, err_msg=f"query {i} {out}")
+
+
+def test_once_the_runtimes_queue_stood_the_door_refuses_requests_unread(server) -> None:
+    """The door (admission.py) through the real server. As in the hand-over test: a lone request
+    runs inline (held), a backlog fills Triton's queue, two full calls run inline (the second held
+    at least STANDING_WAIT), and the backlog goes to the pipeline, whose first batch is held; what
+    it leaves queued stands (more than a batch) and, at the profile's rate (a bs_max batch in
+    0.2 s), would take longer than STANDING_WAIT. After STANDING_SECONDS (a lower bound only),
+    requests sent are refused UNAVAILABLE "Exceeds maximum queue size: overloaded, ... wait" while
+    that batch is still held: unread, by `execute`. Once every gate opens, each request has exactly
+    one answer, a result equal to the unsliced model's or a refusal."""
+    triton, models, _ = server
+    model = models["door"]
+    gates = model.version_dir
+    bs = model.manifest.max_batch_size
+    backlog = 1 + bs * STANDING_CALLS + 30  # 30 left to the pipeline: 0.75 s of work at its profile
+    late = 3
+    n = backlog + late
+    rng = np.random.default_rng(13)
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    queries = [model.query(rng) for _ in range(n)]
+    answers = _Answers()
+
+    def send(i: int) -> None:
+        client.async_infer(model.name, Clients.inputs(grpcclient, queries[i]), answers.callback(i), client_timeout=120)
+
+    try:
+        send(0)
+        assert _settle((gates / "held-1").exists, bool), "the stage never took the first request"
+        for i in range(1, backlog):
+            send(i)
+        assert _settle(lambda: _pending(triton, model.name), lambda v: v == backlog - 1) == backlog - 1
+        for k in range(1, STANDING_CALLS + 1):
+            if k == STANDING_CALLS:
+                time.sleep(STANDING_WAIT)  # the full calls have come for at least this long
+            (gates / f"open-{k}").touch()
+            assert _settle((gates / f"held-{k + 1}").exists, bool), f"run {k + 1} never came"
+        assert _settle(lambda: _pending(triton, model.name), lambda v: v == 0) == 0  # all in the runtime's queue
+        time.sleep(STANDING_SECONDS)  # the runtime's queue has stood at least this long
+        for i in range(backlog, n):
+            send(i)
+        assert _settle(lambda: all(i in answers.got for i in range(backlog, n)), bool), "the late ones were not answered"
+        for i in range(backlog, n):
+            result, error = answers.got[i]
+            assert result is None and error.status() == "StatusCode.UNAVAILABLE", (i, error)
+            assert "Exceeds maximum queue size: overloaded" in error.message() and "would make a request wait" in error.message(), error
+        assert not (gates / f"open-{STANDING_CALLS + 1}").exists()  # the pipeline's batch is still held
+    finally:
+        (gates / "open").touch()
+    answers.wait(n)
+    client.close()
+    for i in range(n):
+        result, error = answers.got[i]
+        if error is not None:
+            assert result is None and error.status() == "StatusCode.UNAVAILABLE", (i, error.status(), error.message())
             continue
         for out, ref in model.reference(queries[i]).items():
             np.testing.assert_allclose(result.as_numpy(out)[0], ref, atol=1e-4, err_msg=f"query {i} {out}")
