@@ -147,13 +147,10 @@ class Scheduler:
 
     def refuse_caller_backlog(self, requests: int) -> list[QueryError]:
         """One refusal for each of `requests`, a call of the caller's oldest while its queue is
-        drained (`InlineHold.refusing`), each named by a query id of its own."""
+        drained (`InlineHold.refusing`)."""
         with self.lock:
-            self.stats.submitted += requests
-            self.stats.answered_error += requests
-            self.stats.queue_full += requests
-            return [QueueFullError(next(self._ids), "Exceeds maximum queue size: overloaded, the calls have come "
-                                   "full (a batch or more waiting before the model) too long") for _ in range(requests)]
+            return self._refused_unread(requests, "Exceeds maximum queue size: overloaded, the calls have come "
+                                                  "full (a batch or more waiting before the model) too long")
 
     def refuse_at_door(self, requests: int) -> list[QueryError]:
         """One refusal for each of `requests` arriving together where the door rule refuses them
@@ -164,12 +161,15 @@ class Scheduler:
         with self.lock:
             why = self.admission.door_refusal(self.clock(), self.stats.queued, self.queries.queue_since,
                                               self.holds_nothing())
-            if why is None:
-                return []
-            self.stats.submitted += requests
-            self.stats.answered_error += requests
-            self.stats.queue_full += requests
-            return [QueueFullError(next(self._ids), why) for _ in range(requests)]
+            return [] if why is None else self._refused_unread(requests, why)
+
+    def _refused_unread(self, requests: int, why: str) -> list[QueryError]:
+        """`requests` refused before they were read, counted as the queue bound's refusals, each
+        named by a query id of its own. Under the lock."""
+        self.stats.submitted += requests
+        self.stats.answered_error += requests
+        self.stats.queue_full += requests
+        return [QueueFullError(next(self._ids), why) for _ in range(requests)]
 
     def _admit(self, queries: list[Query], now: float, timeout_us: int | None) -> list[Delivery]:
         """Queue the queries, or refuse them all: stopping, the door, the queue bound, the latency target."""
