@@ -395,12 +395,7 @@ def test_when_tritons_queue_stands_behind_the_fast_path_its_backlog_is_handed_ov
     answers = _Answers()
     inline = 1 + bs * (STANDING_CALLS - 1)  # answered on the fast path
     try:
-        client.async_infer(model.name, Clients.inputs(grpcclient, queries[0]), answers.callback(0), client_timeout=120)
-        assert _settle((gates / "held-1").exists, bool), "the stage never took the first request"
-        for i in range(1, n):
-            client.async_infer(model.name, Clients.inputs(grpcclient, queries[i]), answers.callback(i),
-                               client_timeout=120)
-        assert _settle(lambda: _pending(triton, model.name), lambda v: v == n - 1) == n - 1
+        _backlog_behind_a_held_run(triton, model, client, queries, answers, n)
         for k in range(1, STANDING_CALLS + 1):  # inline runs 1..STANDING_CALLS; run k + 1 comes of a full call
             if k == STANDING_CALLS:
                 time.sleep(STANDING_WAIT)  # the full calls have come for at least this long (a lower bound only)
@@ -442,12 +437,7 @@ def test_a_quick_models_full_calls_are_refused_once_tritons_queue_stood(server) 
     queries = [model.query(rng) for _ in range(n)]
     answers = _Answers()
     try:
-        client.async_infer(model.name, Clients.inputs(grpcclient, queries[0]), answers.callback(0), client_timeout=120)
-        assert _settle((gates / "held-1").exists, bool), "the stage never took the first request"
-        for i in range(1, n):
-            client.async_infer(model.name, Clients.inputs(grpcclient, queries[i]), answers.callback(i),
-                               client_timeout=120)
-        assert _settle(lambda: _pending(triton, model.name), lambda v: v == n - 1) == n - 1
+        _backlog_behind_a_held_run(triton, model, client, queries, answers, n)
         (gates / "open-1").touch()
         assert _settle((gates / "held-2").exists, bool), "the full call never ran"
         time.sleep(STANDING_SECONDS)  # the full calls have come for at least this long
@@ -482,16 +472,8 @@ def test_once_the_runtimes_queue_stood_the_door_refuses_requests_unread(server) 
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     queries = [model.query(rng) for _ in range(n)]
     answers = _Answers()
-
-    def send(i: int) -> None:
-        client.async_infer(model.name, Clients.inputs(grpcclient, queries[i]), answers.callback(i), client_timeout=120)
-
     try:
-        send(0)
-        assert _settle((gates / "held-1").exists, bool), "the stage never took the first request"
-        for i in range(1, backlog):
-            send(i)
-        assert _settle(lambda: _pending(triton, model.name), lambda v: v == backlog - 1) == backlog - 1
+        _backlog_behind_a_held_run(triton, model, client, queries, answers, backlog)
         for k in range(1, STANDING_CALLS + 1):
             if k == STANDING_CALLS:
                 time.sleep(STANDING_WAIT)  # the full calls have come for at least this long
@@ -500,7 +482,7 @@ def test_once_the_runtimes_queue_stood_the_door_refuses_requests_unread(server) 
         assert _settle(lambda: _pending(triton, model.name), lambda v: v == 0) == 0  # all in the runtime's queue
         time.sleep(STANDING_SECONDS)  # the runtime's queue has stood at least this long
         for i in range(backlog, n):
-            send(i)
+            _send(client, model, queries, answers, i)
         assert _settle(lambda: all(i in answers.got for i in range(backlog, n)), bool), "the late ones were not answered"
         for i in range(backlog, n):
             result, error = answers.got[i]
@@ -513,6 +495,22 @@ def test_once_the_runtimes_queue_stood_the_door_refuses_requests_unread(server) 
     client.close()
     # the backlog's queued ones may also be the standing-queue rule's once the gates open
     _results_or_refusals(model, queries, answers, ("Exceeds maximum queue size", "Request timeout expired"))
+
+
+def _send(client: grpcclient.InferenceServerClient, model: ServedModel, queries: list, answers: "_Answers",
+          i: int) -> None:
+    client.async_infer(model.name, Clients.inputs(grpcclient, queries[i]), answers.callback(i), client_timeout=120)
+
+
+def _backlog_behind_a_held_run(triton: TritonServer, model: ServedModel, client: grpcclient.InferenceServerClient,
+                               queries: list, answers: "_Answers", count: int) -> None:
+    """Query 0 sent and its run held (gate_engine.py:hold_each), then queries 1..count-1 sent: all
+    of them waiting in Triton's queue (its pending count says so)."""
+    _send(client, model, queries, answers, 0)
+    assert _settle((model.version_dir / "held-1").exists, bool), "the stage never took the first request"
+    for i in range(1, count):
+        _send(client, model, queries, answers, i)
+    assert _settle(lambda: _pending(triton, model.name), lambda v: v == count - 1) == count - 1
 
 
 def _results_or_refusals(model: ServedModel, queries: list, answers: "_Answers",
