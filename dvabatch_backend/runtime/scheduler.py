@@ -156,12 +156,21 @@ class Scheduler:
         """One refusal for each of `requests` arriving together where the door rule refuses them
         (admission.py), each named by a query id of its own; none where they are to be submitted.
         Asked before their rows are read: under overload most arrivals end here."""
-        if self.queries.queue_since is None and self.admission.door_since is None:
-            return []  # read without the lock: a queue that does not stand refuses nobody at the door
+        if not self._door_may_refuse():
+            return []  # read without the lock: nobody is refused at the door
         with self.lock:
-            why = self.admission.door_refusal(self.clock(), self.stats.queued, self.queries.queue_since,
-                                              self.holds_nothing())
+            why = self._door_refusal(self.clock())
             return [] if why is None else self._refused_unread(requests, why)
+
+    def _door_may_refuse(self) -> bool:
+        """Whether the door rule may refuse an arrival: a queue that stands, or a door already shut."""
+        return self.queries.queue_since is not None or self.admission.door_since is not None
+
+    def _door_refusal(self, now: float) -> str | None:
+        """The door rule's refusal of an arrival now (admission.py), or None. Under the lock."""
+        if not self._door_may_refuse():
+            return None  # nothing to ask: the pipeline's state is not read
+        return self.admission.door_refusal(now, self.stats.queued, self.queries.queue_since, self.holds_nothing())
 
     def _refused_unread(self, requests: int, why: str) -> list[QueryError]:
         """`requests` refused before they were read, counted as the queue bound's refusals, each
@@ -176,9 +185,7 @@ class Scheduler:
         admission, refuse = self.admission, self.queries.refuse
         if self._stopping:
             return [refuse(q, ShuttingDownError(q.id)) for q in queries]
-        why = None
-        if self.queries.queue_since is not None or admission.door_since is not None:  # else the door is open
-            why = admission.door_refusal(now, self.stats.queued, self.queries.queue_since, self.holds_nothing())
+        why = self._door_refusal(now)
         if why is not None:
             self.stats.queue_full += len(queries)
             return [refuse(q, QueueFullError(q.id, why)) for q in queries]
