@@ -71,7 +71,8 @@ class SoakResult:
     rejected: Counter = field(default_factory=Counter)  # error message (numbers as N) -> count
     lost: int = 0
     duplicated: int = 0
-    sampled: int = 0
+    sampled: int = 0  # sampled answers checked against the unsliced model
+    sample_due: int = 0  # answers due a check: answered with a result, at a sampled index
     wrong: list[str] = field(default_factory=list)
     rss_warm_mb: float = 0.0
     rss_end_mb: float = 0.0
@@ -105,7 +106,7 @@ class SoakResult:
             f"soak: {self.seconds:.0f} s at {self.rate_qps:.1f} qps (0.9 x sustained; sustained = 0.8 x the "
             f"closed-loop mixed peak {self.peak_qps:.1f} qps, a rough estimate)",
             f"  sent {self.sent}, answered {self.answered}, rejected {sum(self.rejected.values())}, lost {self.lost}, "
-            f"duplicated {self.duplicated}, wrong {len(self.wrong)} of {self.sampled} sampled",
+            f"duplicated {self.duplicated}, wrong {len(self.wrong)} of {self.sampled} sampled ({self.sample_due} due)",
             f"  by variant: {dict(self.by_variant)}; by protocol: {dict(self.by_protocol)}",
             f"  latency p50 {_ms(self.latency_p50_ms)}, p99 {_ms(self.latency_p99_ms)}",
             f"  stub RSS: {self.rss_warm_mb:.1f} MB after warm-up, {self.rss_end_mb:.1f} MB at the end: drift "
@@ -242,24 +243,31 @@ class Checker:
     def __init__(self, pool: QueryPool) -> None:
         self.pool = pool
         self.checked = 0
+        self.due = 0  # answers submitted for a check
+        self._due_lock = threading.Lock()  # submit is called on the transports' threads
         self.wrong: list[str] = []
         self._queue: queue.SimpleQueue[tuple[str, int, dict[str, np.ndarray]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="soak-checker", daemon=True)
         self._thread.start()
 
-    def submit(self, what: str, k: int, outputs: dict[str, np.ndarray]) -> None:
+    def submit(self, what: str, k: int, outputs: dict[str, np.ndarray] | None) -> None:
+        """An answer due a check; None: its outputs were not kept, which is reported wrong."""
+        with self._due_lock:
+            self.due += 1
         self._queue.put((what, k, outputs))
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
             what, k, outputs = item
-            problem = self.pool.mismatch(k, outputs)
+            problem = "its outputs were not kept" if outputs is None else self.pool.mismatch(k, outputs)
             self.checked += 1
             if problem:
                 self.wrong.append(f"{what} (pool query {k}): {problem}")
 
     def close(self) -> None:
+        """Check what was submitted, then stop: `checked` and `wrong` are final once this returns."""
         self._queue.put(None)
+        self._thread.join()
         self._thread.join(120)
 
 
@@ -381,7 +389,7 @@ def run_open_loop_mixed(served: Served, pool: QueryPool, rate: float, seconds: f
             def done(record: QueryRecord) -> None:
                 outputs = transports[key].outputs.pop(record.id, None)
                 first = tally.answered(record)
-                if first and record.ok and outputs is not None and i % sample_every == 0:
+                if first and record.ok and i % sample_every == 0:
                     checker.submit(f"query {i} ({key[0]}, {key[1]})", int(picks[i]), outputs)
 
             return done
@@ -426,7 +434,8 @@ def soak(seconds: float, out_dir: Path, *, zoo_name: str = "bert", size: str = "
             rss.stop()
         result = SoakResult(seconds, peak, rate, sent=tally.sent_count, answered=tally.ok, rejected=tally.errors,
                             lost=tally.lost, duplicated=int(np.sum(np.maximum(tally.answers - 1, 0))),
-                            sampled=checker.checked, wrong=checker.wrong, rss_samples=len(rss.samples),
+                            sampled=checker.checked, sample_due=checker.due, wrong=checker.wrong,
+                            rss_samples=len(rss.samples),
                             by_variant=tally.by_variant, by_protocol=tally.by_protocol)
         window = max(seconds / 10, 2.0)
         warm = warmup_fraction * seconds
