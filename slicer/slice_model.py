@@ -9,6 +9,7 @@ folder beside the output and moved into place at the end: a failure leaves nothi
 """
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 from collections import Counter
@@ -476,12 +477,19 @@ def _write_config(model_dir: Path, manifest: Manifest, policy: str, serving: Ser
         config.write_text(gpu_config(config.read_text(), 1, manifest.to_json()))
 
 
+# A fresh pipeline's first batches are not its rate: the first run of each batch size allocates
+# (the zoo UNet, bs_max 64, 16 in flight: 74 queries/s over the first 0.4 s, 131 after warming).
+WARMUP_ROUNDS = 2  # unmeasured rounds of `concurrency` answers before the clock starts
+MEASURED_ROUNDS = 4  # the timed window holds at least this many rounds of answers, and `seconds`
+
+
 def measure_pipeline(folder: Path, manifest: Manifest, length: int, int_high: dict[str, int],
                      seconds: float = 0.6, concurrency: int = 8, settings: RuntimeSettings | None = None) -> float:
     """Queries per second through the runtime as the slicer's config serves it, closed loop at
     `concurrency` queries in flight: batches as the load policy makes them; by default on this
     CPU, one buffer pair (stages one at a time), each stage on a pool of every core of its own, as
-    served; else with `settings` (another engine or device, other pairs)."""
+    served; else with `settings` (another engine or device, other pairs). Timed after
+    `WARMUP_ROUNDS` rounds, over at least `MEASURED_ROUNDS` rounds and `seconds`."""
     from dvabatch_backend.runtime import load_pipeline
     from policies import create_policy
 
@@ -490,17 +498,30 @@ def measure_pipeline(folder: Path, manifest: Manifest, length: int, int_high: di
     rng = np.random.default_rng(3)
     pool = [{k: v[0] for k, v in random_inputs(manifest.inputs, 1, length, rng, int_high).items()} for _ in range(16)]
     done = threading.Semaphore(0)
-    count = 0
+    sent = 0
+
+    def next_answer() -> None:
+        nonlocal sent
+        if not done.acquire(timeout=10):
+            raise SliceError(f"the pipeline in {folder} stopped answering while being measured")
+        sent += 1
+        scheduler.submit(pool[sent % len(pool)], lambda a: done.release())
+
     with scheduler:
         for i in range(concurrency):
             scheduler.submit(pool[i % len(pool)], lambda a: done.release())
-        start = time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            if not done.acquire(timeout=10):
-                raise SliceError(f"the pipeline in {folder} stopped answering while being measured")
+        for _ in range(WARMUP_ROUNDS * concurrency):
+            next_answer()
+        start, count = time.perf_counter(), 0
+        while time.perf_counter() - start < seconds or count < MEASURED_ROUNDS * concurrency:
+            next_answer()
             count += 1
-            scheduler.submit(pool[count % len(pool)], lambda a: done.release())
         elapsed = time.perf_counter() - start
+    # a stopped pipeline is a cycle of threads' objects: collected now, its sessions' memory goes
+    # before the next candidate loads (left to the collector, the UNet's candidates piled up to
+    # 2.5 GB and measured 1-2 queries/s where they serve 70-130)
+    del scheduler
+    gc.collect()
     return count / elapsed
 
 

@@ -88,6 +88,30 @@ def test_buffer_pairs_are_measured_and_recorded(sliced) -> None:
     assert record["queries_per_second"][str(record["chosen"])] >= 0.9 * best
 
 
+def test_a_measured_candidate_is_freed_before_the_next_loads(sliced) -> None:
+    """A stopped pipeline is a cycle: left to the collector, candidates' sessions piled up and the
+    later ones measured a fraction of their rate. None is left once a measurement returns."""
+    import gc
+
+    from dvabatch_backend.runtime.pipeline import Pipeline
+    from slicer.slice_model import measure_pipeline
+
+    _, report = sliced
+    folder = report.out_dir / "1"
+    alive = lambda: sum(isinstance(o, Pipeline) for o in gc.get_objects())  # noqa: E731
+    gc.collect()
+    before = alive()
+    gc.disable()  # only the measurement's own collection may free it
+    try:
+        rate = measure_pipeline(folder, report.manifest, 16, dict(report.manifest.extra.get("input_bounds", {})),
+                                seconds=0.0, concurrency=2,
+                                settings=RuntimeSettings(engine="torch", device="cpu", num_buffer_pairs=1))
+        assert alive() == before
+    finally:
+        gc.enable()
+    assert rate > 0
+
+
 def test_a_cuda_slice_writes_the_gpu_config_with_the_pairs_it_chose(sliced, tmp_path: Path) -> None:
     _, report = sliced
     doc = report.manifest.to_json()
