@@ -54,6 +54,11 @@ class StageCost:
         # of the served stub's time on BERT-base at 0.9x load, on the GPU stand-in)
         self._prices: dict[tuple[int, int | None, int, int], float] = {}
 
+    @property
+    def lengths(self) -> list[int]:
+        """The profiled lengths (none without a per-length profile)."""
+        return [int(n) for n in self._lengths]
+
     def profiled(self, stage: int) -> dict[int, float]:
         xs, ts = self._stages[stage]
         return {int(x): float(t) for x, t in zip(xs, ts)}

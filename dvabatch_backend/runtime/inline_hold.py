@@ -10,39 +10,44 @@ the scheduler's lock; the hold is owned by the scheduler.
 The caller's own queue. While a run holds the caller (a Triton `execute` call), requests wait in
 the caller's queue (Triton's dynamic batcher), which the runtime's admission cannot see: left there,
 overload would queue without bound. `caller_backlog` is told, for each call, whether it came full
-(the caller had at least a batch waiting); once the calls have come full `STANDING_CALLS` times in a
-row and for `STANDING_WAIT` (the wait a standing queue may impose, admission.py), the caller's queue
-stands (requests arrive at least as fast as inline runs serve them), and the calls go to the
-pipeline instead (`submit`): the caller's queue drains into the runtime's, whose admission refuses
-past its bound and honours timeouts. The fast path resumes by itself once the pipeline holds
-nothing and a call comes that is not full. A burst fills a few calls, not half a second of them.
-Only where a bs_max batch's profiled passage is long (`Admission.long_passage`): where it is short
-the pipeline's hand-offs are a large share of each batch and it serves far less than the fast path
-(the test-size BERT, offered 1,536 queries a second, which the fast path carries: about 600 a
-second once handed over), so handing over would turn overload into a collapse.
+(the caller had at least a batch waiting). Once the calls have come full for `QUEUE_SECONDS` (about
+the work the runtime's own queue bound holds: a burst within it is served whole), `refusing` is
+set and the calls are refused whole, "Exceeds maximum queue size", until one comes that is not
+full (counted in `caller_drains`). A call holds the caller's oldest requests (Triton's batcher
+hands them over in arrival order), so this is the runtime's push-out of the oldest, done in the
+caller's queue; refused unread, a call costs next to nothing, and the queue drains at once. After
+a drain the overload is known: the next drain comes after `STANDING_WAIT` of full calls, until no
+call has come full for `STANDING_SECONDS`. With a configured queue bound or timeout (the user's
+policy) nothing is drained.
 
-There the fast path keeps the calls, and the caller's queue is drained instead: once the calls have
-come full for `STANDING_SECONDS` (a queue over a batch that long is overload, not a burst: the
-standing-queue rule's test, admission.py), `refusing` is set and the calls are refused whole,
-"Exceeds maximum queue size", until one comes that is not full. A call holds the caller's oldest
-requests (Triton's batcher hands them over in arrival order), so this is the runtime's push-out of
-the oldest, done in the caller's queue; refused unread, a call costs next to nothing, and the
-queue drains at once. After a drain the overload is known: the next drain comes after
-`STANDING_WAIT` of full calls, until no call has come full for STANDING_SECONDS. With a configured
-queue bound or timeout (the user's policy) nothing is drained.
+Drained, not handed to the pipeline (as the calls were where a bs_max batch's passage is long):
+with one buffer pair, the only case where several requests run inline, the pipeline carries a
+backlog more slowly than the fast path (the bench BERT at 3x its sustained rate, 2 cores: 74-81 %
+of that rate answered once handed over, 93-102 % drained; the test-size BERT about 600 queries a
+second against 1,536), and under overload the answered rate is what is left of the fast path's.
+Under a configured queue bound or timeout (the user's policy), where nothing is drained, the
+calls go to the pipeline once they have come full `STANDING_CALLS` times in a row and for
+`STANDING_WAIT` (counted in `inline_handovers`): the caller's queue drains into the runtime's,
+whose admission applies the user's policy; the fast path resumes once a call comes that is not
+full.
+
+A full call's rows run in batches of at most `Admission.call_batch` (no larger than buys
+throughput at any length), and where passages are long the adapter answers each request as its
+batch is done: a full call of the zoo UNet (64 rows, 0.6-1.5 s under overload) no longer holds
+every answer until its last row.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from .admission import STANDING_SECONDS, STANDING_WAIT
+from .admission import QUEUE_SECONDS, STANDING_SECONDS, STANDING_WAIT
 from .decisions import BatchTableView, Policy
 from .plan_checks import inline_batches
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
 
-STANDING_CALLS = 2  # full calls in a row that say the caller's queue stands
+STANDING_CALLS = 2  # full calls in a row that say the caller's queue stands (under a configured policy)
 
 
 class InlineHold:
@@ -54,11 +59,12 @@ class InlineHold:
         self.held = False
         self._full_calls = 0  # the caller's calls in a row that came full ...
         self._full_since = 0.0  # ... since the first of them
-        # the caller's queue stands and its calls go to the pipeline: a backlog, whose batches the
-        # scheduler keeps at the backlog's size (admission.py) from the first call handed over
+        # under a configured queue policy, the caller's queue stands and its calls go to the
+        # pipeline: a backlog, whose batches the scheduler keeps at the backlog's size (admission.py)
         self.handed_over = False
-        # a quick model's caller queue is drained (module docstring): its calls are refused while set
+        # the caller's queue is drained (module docstring): its calls are refused while set
         self.refusing = False
+        self.came_full = False  # the caller's last call came full: its rows run in `call_batch` batches
         self._last_drain: float | None = None  # when the last drain began
         self._last_full = 0.0  # when a call last came full
 
@@ -68,11 +74,13 @@ class InlineHold:
         return self._scheduler.settings.fast_path and type(self._policy).allows_inline()
 
     def caller_backlog(self, full: bool) -> bool:
-        """One call of the caller, `full` or not; True when its queue stands (module docstring): the
-        call's requests then go to the pipeline, not the fast path (counted in `inline_handovers`)."""
+        """One call of the caller, `full` or not (module docstring): whether its queue is drained
+        (`refusing`); True where, under a configured queue policy, its queue stands and the call's
+        requests go to the pipeline instead of the fast path."""
         s = self._scheduler
         with s.lock:
             now = s.clock()
+            self.came_full = full
             if not full:
                 self._full_calls = 0
                 self.handed_over = self.refusing = False
@@ -80,8 +88,10 @@ class InlineHold:
             if not self._full_calls:
                 self._full_since = now
             self._full_calls += 1
-            if not s.admission.long_passage:
-                self.refusing = self._drains(now)
+            if s.admission.refuses_standing:
+                drains = self._drains(now)
+                s.stats.caller_drains += drains and not self.refusing
+                self.refusing = drains
                 return False
             standing = self._full_calls >= STANDING_CALLS and now - self._full_since >= STANDING_WAIT
             s.stats.inline_handovers += standing
@@ -89,13 +99,11 @@ class InlineHold:
             return standing
 
     def _drains(self, now: float) -> bool:
-        """Whether this full call, on a quick model, is refused (module docstring). Under the lock."""
-        if not self._scheduler.admission.refuses_standing:
-            return False
+        """Whether this full call is refused (module docstring). Under the lock."""
         if self._last_drain is not None and self._last_full < now - STANDING_SECONDS:
             self._last_drain = None  # no full call for that long: the overload is over
         self._last_full = now
-        need = STANDING_SECONDS if self._last_drain is None else STANDING_WAIT
+        need = QUEUE_SECONDS if self._last_drain is None else STANDING_WAIT
         if not self.refusing and now - self._full_since >= need:
             self._last_drain = now
             return True
@@ -115,8 +123,9 @@ class InlineHold:
         pipeline, as (row indices, pad length), in the order to run them (`plan_checks.inline_batches`)."""
         s = self._scheduler
         with s.lock:
+            cap = s.admission.call_batch if self.came_full else s.bs_max
             batches, failures, reshaped = inline_batches(self._policy, self._view, lengths, now, self._ids,
-                                                         s.bs_max, s.manifest)
+                                                         cap, s.manifest)
             s.stats.policy_errors += failures
             s.stats.pad_unsafe_splits += reshaped
         return batches

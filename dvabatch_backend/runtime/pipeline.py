@@ -188,8 +188,8 @@ class Pipeline(WorkListener):
         by `run_inline_requests` when `several`. `answer(i, outputs)` for each request answered here;
         returns the others' indices, in order (all of them where it took none): those `cancelled`
         said were, and the rest for `submit_many`. `full`: the call came full (its caller had a
-        batch waiting); full calls in a row leave the fast path to the pipeline, or on a quick model
-        have the call refused, `refuse(i, error)` for each request (`InlineHold.caller_backlog`)."""
+        batch waiting); full calls for too long have the calls refused, `refuse(i, error)` for each
+        request, or under a configured queue policy sent to the pipeline (`InlineHold.caller_backlog`)."""
         hold = self.scheduler.inline
         if self._fast_path is None or hold.caller_backlog(full):
             return list(range(len(requests)))

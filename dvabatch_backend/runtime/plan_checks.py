@@ -121,7 +121,8 @@ def inline_batches(policy: Policy, view: BatchTableView, lengths: Sequence[int],
         left = {q.id: q for q in waiting}
         taken: list[tuple[list[QueryInfo], int | None]] = []
         for d in decisions:
-            rows = [left.pop(qid) for qid in dict.fromkeys(d.query_ids) if qid in left][:bs_max]
+            # at most bs_max of them; the rest stay waiting, offered again
+            rows = [left.pop(qid) for qid in [q for q in dict.fromkeys(d.query_ids) if q in left][:bs_max]]
             if rows:
                 taken.append((rows, d.pad_length))
         if not taken:  # nothing decided: arrival order

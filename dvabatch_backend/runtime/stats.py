@@ -42,11 +42,14 @@ class RuntimeStats:
     queued: int = 0  # admitted, not yet taken by stage 0 (a gauge)
     # the fast path (runtime/fast_path.py): runs on the caller's thread, the rows they answered (also
     # counted in submitted and answered_ok), runs that failed and sent their rows the usual way, and
-    # the caller's calls sent to the pipeline because its own queue stood (`InlineHold.caller_backlog`)
+    # the caller's calls sent to the pipeline because its own queue stood (under a configured queue
+    # policy), and the drains of that queue, begun when its calls had come full too long (without
+    # one; `InlineHold.caller_backlog`)
     inline_runs: int = 0
     inline_queries: int = 0
     inline_fallbacks: int = 0
     inline_handovers: int = 0
+    caller_drains: int = 0
     # the unsliced model's time on its device over the fast path's runs (its events; 0 on the CPU,
     # and where the fast path runs the stages, whose times are the stages')
     inline_device_seconds: float = 0.0

@@ -55,15 +55,18 @@ class StageMetrics:
                                             description="Seconds the fast path's unsliced model took on its device (events around each run; 0 on the CPU)")
         self._fast_device = fast_device.Metric(labels={"model": model})
         handovers = pb_utils.MetricFamily(name="dvabatch_fast_path_handovers_total", kind=counter,
-                                          description="execute calls sent to the pipeline, not run inline: Triton's queue stood (calls came full)")
+                                          description="execute calls sent to the pipeline, not run inline: Triton's queue stood (calls came full) under a configured queue policy")
         self._handovers = handovers.Metric(labels={"model": model})
+        drains = pb_utils.MetricFamily(name="dvabatch_fast_path_drains_total", kind=counter,
+                                       description="Drains of Triton's queue behind the fast path: its execute calls came full too long and were refused until one was not")
+        self._drains = drains.Metric(labels={"model": model})
         self._fast = fast.Metric(labels={"model": model})
         self._fast_batches = fast_batches.Metric(labels={"model": model})
         self._queued = queued.Metric(labels={"model": model})
         self._refused = {reason: refused.Metric(labels={"model": model, "reason": reason}) for reason in _REFUSALS}
         self._goodput = goodput.Metric(labels={"model": model})
         self._families = [*families.values(), queue, ops, queued, refused, goodput, fast, fast_batches, fast_device,
-                          handovers]  # alive while reporting
+                          handovers, drains]  # alive while reporting
         self._last: dict[tuple[str, int], float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dvabatch-metrics", daemon=True)
@@ -107,6 +110,7 @@ class StageMetrics:
         self._increment(self._fast_batches, "inline_runs", stats.inline_runs)
         self._increment(self._fast_device, "inline_device_seconds", stats.inline_device_seconds)
         self._increment(self._handovers, "inline_handovers", stats.inline_handovers)
+        self._increment(self._drains, "caller_drains", stats.caller_drains)
         self._set(self._queued, ("queued", -1), stats.queued)
 
     def _increment(self, metric: object, key: str, total: float) -> None:

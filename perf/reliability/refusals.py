@@ -111,7 +111,7 @@ def measure(server: TritonServer, model: str, manifest: Manifest, queries: list[
     print(f"{model}: sustained {sustained:.1f} qps ({how}); lone query mean "
           f"{usual * 1e3:.1f} ms, longest {longest * 1e3:.1f} ms", flush=True)
     figures = []
-    for k, (kind, factor) in enumerate(GOOD_LOADS):
+    for k, (kind, factor) in enumerate(() if args.overload_only else GOOD_LOADS):
         rate = factor * sustained
         n = max(30, int(rate * args.seconds))
         offsets = poisson(rate, n, rng=args.seed + k) if kind == "poisson" else gamma(rate, 4.0, n, rng=args.seed + k)
@@ -150,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the sustained rate (qps) the loads are scaled to, instead of measuring it: runs compare")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-overload", action="store_true", help="the good loads only (a before/after of their speed)")
+    parser.add_argument("--overload-only", action="store_true", help="the overload only (a before/after of it)")
     args = parser.parse_args(argv)
     return run(args)
 

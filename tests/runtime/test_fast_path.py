@@ -14,9 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dvabatch_backend.runtime.admission import STANDING_SECONDS, STANDING_WAIT
+from dvabatch_backend.runtime.admission import QUEUE_SECONDS, STANDING_SECONDS, STANDING_WAIT
 from dvabatch_backend.runtime.errors import QueueFullError, StageFailedError
-from dvabatch_backend.runtime.inline_hold import STANDING_CALLS
 from dvabatch_backend.runtime.settings import QueuePolicy
 from dvabatch_backend.runtime.work import ExecutorState
 from policies import RandomLegalPolicy, create_policy
@@ -529,40 +528,42 @@ def test_a_request_cancelled_while_it_waits_for_an_earlier_inline_batch_is_not_r
         assert len(pipeline.snapshot().rows) == 0
 
 
-def test_calls_that_come_full_for_long_enough_leave_the_fast_path_to_the_pipeline(zoo) -> None:
-    """`InlineHold.caller_backlog` on a hand clock: full calls in a row hand over only where a bs_max
-    batch's passage is long (`Admission.long_passage`), once there are STANDING_CALLS of them and
-    they have lasted STANDING_WAIT; a call that is not full starts the count again; a call handed
-    over runs nothing inline (every request index is left)."""
+def test_a_full_calls_rows_run_in_call_batches_each_request_answered_as_its_batch_is_done(zoo) -> None:
+    """A call that came full runs its rows in batches of at most `Admission.call_batch` (set by hand
+    here: the test model's profile is too quick for one), each request answered as its batch is
+    done; a call that is not full runs as the policy batches it (one batch). Every answer is the
+    model's."""
     model = zoo.stages("token", 2)
-    now = [0.0]
-    pipeline = make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1)
-    hold = pipeline.scheduler.inline
-    now[0] += STANDING_WAIT
-    assert not any(hold.caller_backlog(True) for _ in range(STANDING_CALLS + 3))  # a quick model: never
-    assert not hold.caller_backlog(False)
-    pipeline.scheduler.admission.long_passage = True  # as if a bs_max batch took long (the profile decides)
-    quick = [hold.caller_backlog(True) for _ in range(STANDING_CALLS + 3)]  # many, all at once: a burst
-    assert not any(quick)
-    assert not hold.caller_backlog(False)
-    assert not hold.caller_backlog(True)  # the first full call again
-    now[0] += STANDING_WAIT
-    assert not hold.handed_over
-    assert [hold.caller_backlog(True) for _ in range(STANDING_CALLS - 1)][-1]
-    assert pipeline.stats.inline_handovers == 1 and hold.handed_over  # a backlog: batches at its size
+    pipeline = make_scheduler(model, create_policy("load"), num_buffer_pairs=1)
+    pipeline.scheduler.admission.call_batch = 1
     rng = np.random.default_rng(0)
-    requests = [{k: v[None] for k, v in model.query(rng).items()} for _ in range(2)]
-    answered: list[int] = []
-    assert pipeline.run_inline_group(requests, lambda i, out: answered.append(i), full=True) == [0, 1]
-    assert answered == [] and pipeline.stats.inline_runs == 0
-    assert not hold.caller_backlog(False) and not hold.handed_over  # a call not full: the queue no longer stands
+    queries = [model.query(rng, length=6) for _ in range(3)]
+    requests = [{k: v[None] for k, v in q.items()} for q in queries]
+    order: list[int] = []
+    answers: dict[int, Any] = {}
+
+    def answer(i: int, outputs: Any) -> None:
+        order.append(i)
+        answers[i] = outputs
+
+    assert pipeline.run_inline_group(requests, answer, full=True) == []
+    assert order == [0, 1, 2]
+    assert pipeline.stats.inline_runs == 3 and pipeline.stats.inline_queries == 3
+    for i, query in enumerate(queries):
+        for name, rows in answers[i].items():
+            np.testing.assert_allclose(rows[0], model.reference(query)[name], atol=1e-4, rtol=0)
+    order.clear()
+    assert pipeline.run_inline_group(requests, answer, full=False) == []
+    assert pipeline.stats.inline_runs == 4 and order == [0, 1, 2]  # one batch of all three
 
 
-def test_a_quick_models_caller_queue_is_drained_once_its_calls_came_full_for_long(zoo) -> None:
-    """Where a bs_max batch is quick (no hand-over), calls that came full for STANDING_SECONDS are
-    refused whole, "Exceeds maximum queue size", until one comes that is not full; after a drain,
-    STANDING_WAIT of full calls drains again, until no call came full for STANDING_SECONDS; the
-    calls served meanwhile are answered inline, each the model's. A configured bound drains nothing."""
+@pytest.mark.parametrize("long_passage", [False, True])
+def test_the_callers_queue_is_drained_once_its_calls_came_full_for_long(zoo, long_passage: bool) -> None:
+    """Calls that came full for QUEUE_SECONDS are refused whole, "Exceeds maximum queue size", until
+    one comes that is not full; after a drain, STANDING_WAIT of full calls drains again, until no
+    call came full for STANDING_SECONDS; the calls served meanwhile are answered inline, each the
+    model's. Quick batches or long (`Admission.long_passage`), the same. A configured bound drains
+    nothing: its full calls go to the pipeline, where that bound applies."""
     model = zoo.stages("token", 2)
     now = [0.0]
     rng = np.random.default_rng(0)
@@ -573,6 +574,8 @@ def test_a_quick_models_caller_queue_is_drained_once_its_calls_came_full_for_lon
         answered: dict[int, Any] = {}
         refused: dict[int, Any] = {}
         left = pipeline.run_inline_group(requests, answered.__setitem__, full=full, refuse=refused.__setitem__)
+        if left == [0, 1] and not answered and not refused:
+            return "handed over"
         assert left == []
         if refused:
             assert sorted(refused) == [0, 1] and not answered
@@ -584,9 +587,10 @@ def test_a_quick_models_caller_queue_is_drained_once_its_calls_came_full_for_lon
         return "served"
 
     pipeline = make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1)
-    assert not pipeline.scheduler.admission.long_passage  # the test model's batches are quick
+    assert not pipeline.scheduler.admission.long_passage  # the test model's batches are quick ...
+    pipeline.scheduler.admission.long_passage = long_passage  # ... or as if a bs_max batch took long
     assert call(pipeline, True) == "served"
-    now[0] += STANDING_SECONDS - 0.1
+    now[0] += QUEUE_SECONDS - 0.1
     assert call(pipeline, True) == "served"  # full, but not for long enough: a burst
     now[0] += 0.2
     assert [call(pipeline, True) for _ in range(2)] == ["refused", "refused"]  # drained ...
@@ -599,10 +603,13 @@ def test_a_quick_models_caller_queue_is_drained_once_its_calls_came_full_for_lon
     assert call(pipeline, True) == "served"
     now[0] += STANDING_WAIT + 0.01
     assert call(pipeline, True) == "served"
-    assert pipeline.stats.queue_full == 6 and pipeline.stats.inline_handovers == 0
+    assert pipeline.stats.queue_full == 6 and pipeline.stats.caller_drains == 2
 
     configured = make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1,
                                 queue=QueuePolicy(max_queue_size=100))
     assert call(configured, True) == "served"
-    now[0] += STANDING_SECONDS + 0.1
-    assert call(configured, True) == "served"
+    now[0] += QUEUE_SECONDS + 0.1
+    assert call(configured, True) == "handed over"  # the user's bound applies in the pipeline
+    assert configured.stats.inline_handovers == 1 and configured.scheduler.inline.handed_over
+    assert call(configured, False) == "served" and not configured.scheduler.inline.handed_over
+    assert configured.stats.queue_full == 0 and configured.stats.caller_drains == 0

@@ -32,7 +32,7 @@ from slicer import toy
 from slicer.profiler import int_bounds
 from slicer.slice_model import SliceOptions, slice_model
 
-from dvabatch_backend.runtime.admission import STANDING_SECONDS, STANDING_WAIT
+from dvabatch_backend.runtime.admission import QUEUE_SECONDS, STANDING_SECONDS, STANDING_WAIT
 from dvabatch_backend.runtime.inline_hold import STANDING_CALLS
 
 from ..triton_support import Clients, ServedModel, add_variant, admitted_requests, settle
@@ -88,7 +88,7 @@ def server(tmp_path_factory):
     bounded = ServedModel("dense", bounded_dir / "1", report.manifest, {}, 0)
     models["bounded"] = add_variant(repo, bounded, "dense_bounded", policy="load", queue_size=2,
                                     extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_first"})
-    # the runtime's queue holds 2 rows, Triton's is unbounded (the slicer's config): once calls come
+    # the runtime's queue holds 2 rows (a configured bound), Triton's is unbounded: once calls come
     # full, Triton's backlog is handed to the pipeline and refused past the runtime's bound
     standing_dir = sliced / "dense_standing"
     shutil.copytree(report.out_dir, standing_dir)  # its own gate files
@@ -96,20 +96,20 @@ def server(tmp_path_factory):
     standing = ServedModel("dense", standing_dir / "1", report.manifest, {}, 0)
     models["standing"] = add_variant(repo, standing, "dense_standing", policy="load",
                                      extra={"max_queue_size": 2, "engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
-    # Triton's queue unbounded and the model quick (no hand-over): calls that came full for
-    # STANDING_SECONDS are refused whole until one is not full
+    # Triton's queue unbounded and no queue policy configured (the slicer's config): calls that came
+    # full for QUEUE_SECONDS are refused whole until one is not full
     draining_dir = sliced / "dense_draining"
     shutil.copytree(report.out_dir, draining_dir)  # its own gate files, its quick profile
     draining = ServedModel("dense", draining_dir / "1", report.manifest, {}, 0)
     models["draining"] = add_variant(repo, draining, "dense_draining", policy="load",
                                      extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
-    # as `standing` with the derived bound: once the runtime's queue has stood, the door refuses unread
+    # the pipeline forced, the derived bound: once the runtime's queue has stood, the door refuses unread
     door_dir = sliced / "dense_door"
     shutil.copytree(report.out_dir, door_dir)
     _profile_a_long_passage(door_dir / "1" / "manifest.json")
     door = ServedModel("dense", door_dir / "1", report.manifest, {}, 0)
     models["door"] = add_variant(repo, door, "dense_door", policy="load",
-                                 extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
+                                 extra={"fast_path": "false", "engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
     with TritonServer(repo) as triton:
         for model in models.values():
             triton.wait_model_ready(model.name, timeout=120)
@@ -117,9 +117,9 @@ def server(tmp_path_factory):
 
 
 def _profile_a_long_passage(manifest: Path, seconds: float = 0.2) -> None:
-    """Scale the manifest's stage times so that a bs_max batch passes the stages in `seconds`: the
-    handover of Triton's backlog is for models whose batches take long (`Admission.long_passage`),
-    and the test model's take microseconds. Only what the runtime predicts changes, not what runs."""
+    """Scale the manifest's stage times so that a bs_max batch passes the stages in `seconds`
+    (`Admission.long_passage`; the door reckons a wait at the profile's rate), where the test
+    model's take microseconds. Only what the runtime predicts changes, not what runs."""
     data = json.loads(manifest.read_text())
     times = data["stage_times"]
     passage = sum(max(t.items(), key=lambda kv: int(kv[0]))[1] for t in times)
@@ -375,8 +375,8 @@ def test_requests_past_the_queue_bound_behind_an_inline_run_are_refused_at_once(
 
 
 def test_when_tritons_queue_stands_behind_the_fast_path_its_backlog_is_handed_over_and_refused(server) -> None:
-    """Overload is refused on the fast path with Triton's queue unbounded (as the slicer writes it).
-    Each run of the model's stage is held until the test opens it (gate_engine.py:hold_each). A lone
+    """Overload is refused on the fast path with Triton's queue unbounded and the runtime's bound
+    configured (a user's queue policy: nothing is drained, the bound applies in the pipeline). Each run of the model's stage is held until the test opens it (gate_engine.py:hold_each). A lone
     request runs inline; the 8 * STANDING_CALLS + 4 sent meanwhile wait in Triton's queue (its
     pending count says so), so the next calls come full (8 rows, max_batch_size): the first
     STANDING_CALLS - 1 run inline (the last of them held at least STANDING_WAIT, so that the full
@@ -419,11 +419,11 @@ def test_when_tritons_queue_stands_behind_the_fast_path_its_backlog_is_handed_ov
     assert handovers >= 1
 
 
-def test_a_quick_models_full_calls_are_refused_once_tritons_queue_stood(server) -> None:
-    """Overload on a quick model (no hand-over) is refused in Triton's queue. Each run of the stage
-    is held until the test opens it (gate_engine.py:hold_each). A lone request runs inline; the
-    3 * bs + 4 sent meanwhile wait in Triton's queue, so the next call comes full and its run is held
-    at least STANDING_SECONDS (a lower bound only); then the calls come full that long, and the next
+def test_full_calls_are_refused_once_tritons_queue_stood(server) -> None:
+    """Overload on the fast path, as the slicer configures it, is refused in Triton's queue. Each run
+    of the stage is held until the test opens it (gate_engine.py:hold_each). A lone request runs
+    inline; the 3 * bs + 4 sent meanwhile wait in Triton's queue, so the next call comes full and its
+    run is held at least QUEUE_SECONDS (a lower bound only); then the calls come full that long, and the next
     two full calls are refused whole, UNAVAILABLE "Exceeds maximum queue size", without running,
     until the last 4 come in a call that is not full, which runs inline. Each request has exactly
     one answer: a result equal to the unsliced model's, or that refusal."""
@@ -440,7 +440,7 @@ def test_a_quick_models_full_calls_are_refused_once_tritons_queue_stood(server) 
         _backlog_behind_a_held_run(triton, model, client, queries, answers, n)
         (gates / "open-1").touch()
         assert _settle((gates / "held-2").exists, bool), "the full call never ran"
-        time.sleep(STANDING_SECONDS)  # the full calls have come for at least this long
+        time.sleep(QUEUE_SECONDS)  # the full calls have come for at least this long
         (gates / "open-2").touch()
         assert _settle((gates / "held-3").exists, bool), "the call that was not full never ran"
         assert int((gates / "held-3").read_text()) == 4  # the two full calls between never ran
@@ -453,19 +453,18 @@ def test_a_quick_models_full_calls_are_refused_once_tritons_queue_stood(server) 
 
 
 def test_once_the_runtimes_queue_stood_the_door_refuses_requests_unread(server) -> None:
-    """The door (admission.py) through the real server. As in the hand-over test: a lone request
-    runs inline (held), a backlog fills Triton's queue, two full calls run inline (the second held
-    at least STANDING_WAIT), and the backlog goes to the pipeline, whose first batch is held; what
-    it leaves queued stands (more than a batch) and, at the profile's rate (a bs_max batch in
-    0.2 s), would take longer than STANDING_WAIT. After STANDING_SECONDS (a lower bound only),
-    requests sent are refused UNAVAILABLE "Exceeds maximum queue size: overloaded, ... wait" while
-    that batch is still held: unread, by `execute`. Once every gate opens, each request has exactly
-    one answer, a result equal to the unsliced model's or a refusal."""
+    """The door (admission.py) through the real server, the pipeline forced. A lone request's
+    batch is held at stage 0 (gate_engine.py:hold_each); 30 sent meanwhile wait in the runtime's
+    queue (Triton's pending count falls to 0), which stands (more than a batch) and, at the
+    profile's rate (a bs_max batch in 0.2 s), would take longer than STANDING_WAIT. After
+    STANDING_SECONDS (a lower bound only), requests sent are refused UNAVAILABLE "Exceeds maximum
+    queue size: overloaded, ... wait" while that batch is still held: unread, by `execute`. Once
+    every gate opens, each request has exactly one answer, a result equal to the unsliced model's
+    or a refusal."""
     triton, models, _ = server
     model = models["door"]
     gates = model.version_dir
-    bs = model.manifest.max_batch_size
-    backlog = 1 + bs * STANDING_CALLS + 30  # 30 left to the pipeline: 0.75 s of work at its profile
+    backlog = 1 + 30  # 30 queued behind the held batch: 0.75 s of work at its profile
     late = 3
     n = backlog + late
     rng = np.random.default_rng(13)
@@ -473,12 +472,10 @@ def test_once_the_runtimes_queue_stood_the_door_refuses_requests_unread(server) 
     queries = [model.query(rng) for _ in range(n)]
     answers = _Answers()
     try:
-        _backlog_behind_a_held_run(triton, model, client, queries, answers, backlog)
-        for k in range(1, STANDING_CALLS + 1):
-            if k == STANDING_CALLS:
-                time.sleep(STANDING_WAIT)  # the full calls have come for at least this long
-            (gates / f"open-{k}").touch()
-            assert _settle((gates / f"held-{k + 1}").exists, bool), f"run {k + 1} never came"
+        _send(client, model, queries, answers, 0)
+        assert _settle((gates / "held-1").exists, bool), "the stage never took the first request"
+        for i in range(1, backlog):
+            _send(client, model, queries, answers, i)
         assert _settle(lambda: _pending(triton, model.name), lambda v: v == 0) == 0  # all in the runtime's queue
         time.sleep(STANDING_SECONDS)  # the runtime's queue has stood at least this long
         for i in range(backlog, n):
@@ -488,7 +485,7 @@ def test_once_the_runtimes_queue_stood_the_door_refuses_requests_unread(server) 
             result, error = answers.got[i]
             assert result is None and error.status() == "StatusCode.UNAVAILABLE", (i, error)
             assert "Exceeds maximum queue size: overloaded" in error.message() and "would make a request wait" in error.message(), error
-        assert not (gates / f"open-{STANDING_CALLS + 1}").exists()  # the pipeline's batch is still held
+        assert not (gates / "open-1").exists()  # the first batch is still held
     finally:
         (gates / "open").touch()
     answers.wait(n)
