@@ -10,10 +10,12 @@ the scheduler's lock; the hold is owned by the scheduler.
 The caller's own queue. While a run holds the caller (a Triton `execute` call), requests wait in
 the caller's queue (Triton's dynamic batcher), which the runtime's admission cannot see: left there,
 overload would queue without bound. `caller_backlog` is told, for each call, whether it came full
-(the caller had at least a batch waiting). Once the calls have come full for `QUEUE_SECONDS` (about
-the work the runtime's own queue bound holds: a burst within it is served whole), `refusing` is
-set and the calls are refused whole, "Exceeds maximum queue size", until one comes that is not
-full (counted in `caller_drains`). A call holds the caller's oldest requests (Triton's batcher
+(the caller had at least a batch waiting). Once the calls have come full for `STANDING_SECONDS` (a
+queue over a batch that long is overload, not a burst: the runtime's standing-queue rule,
+admission.py; 1 s was tried: the bench BERT's bursts at half its rate, Gamma CV 4, lost a call or
+two of 16 in 2 of 2 seeds, and 1.5 s still cut overload's first-phase p99 only to 1.0-1.3 s),
+`refusing` is set and the calls are refused whole, "Exceeds maximum queue size", until one comes
+that is not full (counted in `caller_drains`). A call holds the caller's oldest requests (Triton's batcher
 hands them over in arrival order), so this is the runtime's push-out of the oldest, done in the
 caller's queue; refused unread, a call costs next to nothing, and the queue drains at once. After
 a drain the overload is known: the next drain comes after `STANDING_WAIT` of full calls, until no
@@ -40,7 +42,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from .admission import QUEUE_SECONDS, STANDING_SECONDS, STANDING_WAIT
+from .admission import STANDING_SECONDS, STANDING_WAIT
 from .decisions import BatchTableView, Policy
 from .plan_checks import inline_batches
 
@@ -103,7 +105,7 @@ class InlineHold:
         if self._last_drain is not None and self._last_full < now - STANDING_SECONDS:
             self._last_drain = None  # no full call for that long: the overload is over
         self._last_full = now
-        need = QUEUE_SECONDS if self._last_drain is None else STANDING_WAIT
+        need = STANDING_SECONDS if self._last_drain is None else STANDING_WAIT
         if not self.refusing and now - self._full_since >= need:
             self._last_drain = now
             return True

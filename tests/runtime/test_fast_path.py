@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dvabatch_backend.runtime.admission import QUEUE_SECONDS, STANDING_SECONDS, STANDING_WAIT
+from dvabatch_backend.runtime.admission import STANDING_SECONDS, STANDING_WAIT
 from dvabatch_backend.runtime.errors import QueueFullError, StageFailedError
 from dvabatch_backend.runtime.settings import QueuePolicy
 from dvabatch_backend.runtime.work import ExecutorState
@@ -559,7 +559,7 @@ def test_a_full_calls_rows_run_in_call_batches_each_request_answered_as_its_batc
 
 @pytest.mark.parametrize("long_passage", [False, True])
 def test_the_callers_queue_is_drained_once_its_calls_came_full_for_long(zoo, long_passage: bool) -> None:
-    """Calls that came full for QUEUE_SECONDS are refused whole, "Exceeds maximum queue size", until
+    """Calls that came full for STANDING_SECONDS are refused whole, "Exceeds maximum queue size", until
     one comes that is not full; after a drain, STANDING_WAIT of full calls drains again, until no
     call came full for STANDING_SECONDS; the calls served meanwhile are answered inline, each the
     model's. Quick batches or long (`Admission.long_passage`), the same. A configured bound drains
@@ -590,7 +590,7 @@ def test_the_callers_queue_is_drained_once_its_calls_came_full_for_long(zoo, lon
     assert not pipeline.scheduler.admission.long_passage  # the test model's batches are quick ...
     pipeline.scheduler.admission.long_passage = long_passage  # ... or as if a bs_max batch took long
     assert call(pipeline, True) == "served"
-    now[0] += QUEUE_SECONDS - 0.1
+    now[0] += STANDING_SECONDS - 0.1
     assert call(pipeline, True) == "served"  # full, but not for long enough: a burst
     now[0] += 0.2
     assert [call(pipeline, True) for _ in range(2)] == ["refused", "refused"]  # drained ...
@@ -608,7 +608,7 @@ def test_the_callers_queue_is_drained_once_its_calls_came_full_for_long(zoo, lon
     configured = make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1,
                                 queue=QueuePolicy(max_queue_size=100))
     assert call(configured, True) == "served"
-    now[0] += QUEUE_SECONDS + 0.1
+    now[0] += STANDING_SECONDS + 0.1
     assert call(configured, True) == "handed over"  # the user's bound applies in the pipeline
     assert configured.stats.inline_handovers == 1 and configured.scheduler.inline.handed_over
     assert call(configured, False) == "served" and not configured.scheduler.inline.handed_over

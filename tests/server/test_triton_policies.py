@@ -32,7 +32,7 @@ from slicer import toy
 from slicer.profiler import int_bounds
 from slicer.slice_model import SliceOptions, slice_model
 
-from dvabatch_backend.runtime.admission import QUEUE_SECONDS, STANDING_SECONDS, STANDING_WAIT
+from dvabatch_backend.runtime.admission import STANDING_SECONDS, STANDING_WAIT
 from dvabatch_backend.runtime.inline_hold import STANDING_CALLS
 
 from ..triton_support import Clients, ServedModel, add_variant, admitted_requests, settle
@@ -97,7 +97,7 @@ def server(tmp_path_factory):
     models["standing"] = add_variant(repo, standing, "dense_standing", policy="load",
                                      extra={"max_queue_size": 2, "engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
     # Triton's queue unbounded and no queue policy configured (the slicer's config): calls that came
-    # full for QUEUE_SECONDS are refused whole until one is not full
+    # full for STANDING_SECONDS are refused whole until one is not full
     draining_dir = sliced / "dense_draining"
     shutil.copytree(report.out_dir, draining_dir)  # its own gate files, its quick profile
     draining = ServedModel("dense", draining_dir / "1", report.manifest, {}, 0)
@@ -423,7 +423,7 @@ def test_full_calls_are_refused_once_tritons_queue_stood(server) -> None:
     """Overload on the fast path, as the slicer configures it, is refused in Triton's queue. Each run
     of the stage is held until the test opens it (gate_engine.py:hold_each). A lone request runs
     inline; the 3 * bs + 4 sent meanwhile wait in Triton's queue, so the next call comes full and its
-    run is held at least QUEUE_SECONDS (a lower bound only); then the calls come full that long, and the next
+    run is held at least STANDING_SECONDS (a lower bound only); then the calls come full that long, and the next
     two full calls are refused whole, UNAVAILABLE "Exceeds maximum queue size", without running,
     until the last 4 come in a call that is not full, which runs inline. Each request has exactly
     one answer: a result equal to the unsliced model's, or that refusal."""
@@ -440,7 +440,7 @@ def test_full_calls_are_refused_once_tritons_queue_stood(server) -> None:
         _backlog_behind_a_held_run(triton, model, client, queries, answers, n)
         (gates / "open-1").touch()
         assert _settle((gates / "held-2").exists, bool), "the full call never ran"
-        time.sleep(QUEUE_SECONDS)  # the full calls have come for at least this long
+        time.sleep(STANDING_SECONDS)  # the full calls have come for at least this long
         (gates / "open-2").touch()
         assert _settle((gates / "held-3").exists, bool), "the call that was not full never ran"
         assert int((gates / "held-3").read_text()) == 4  # the two full calls between never ran
