@@ -15,17 +15,17 @@ queue over a batch that long is overload, not a burst: the runtime's standing-qu
 admission.py; 1 s was tried: the bench BERT's bursts at half its rate, Gamma CV 4, lost a call or
 two of 16 in 2 of 2 seeds, and 1.5 s still cut overload's first-phase p99 only to 1.0-1.3 s),
 `refusing` is set and the calls are refused whole, "Exceeds maximum queue size", until one comes
-that is not full (counted in `caller_drains`). A call holds the caller's oldest requests (Triton's batcher
-hands them over in arrival order), so this is the runtime's push-out of the oldest, done in the
-caller's queue; refused unread, a call costs next to nothing, and the queue drains at once. After
-a drain the overload is known: the next drain comes after `STANDING_WAIT` of full calls, until no
-call has come full for `STANDING_SECONDS`. With a configured queue bound or timeout (the user's
-policy) nothing is drained.
+that is not full (counted in `caller_drains`). A call holds the caller's oldest requests (Triton's
+batcher hands them over in arrival order), so this is the runtime's push-out of the oldest, done in
+the caller's queue; refused unread, a call costs next to nothing, and the queue drains at once.
+After a drain the overload is known: the next drain comes after `STANDING_WAIT` of full calls,
+until no call has come full for `STANDING_SECONDS`. With a configured queue bound or timeout (the
+user's policy) nothing is drained.
 
 Drained, not handed to the pipeline (as the calls were where a bs_max batch's passage is long):
 with one buffer pair, the only case where several requests run inline, the pipeline carries a
 backlog more slowly than the fast path (the bench BERT at 3x its sustained rate, 2 cores: 74-81 %
-of that rate answered once handed over, 93-102 % drained; the test-size BERT about 600 queries a
+of that rate answered once handed over, 90-133 % drained; the test-size BERT about 600 queries a
 second against 1,536), and under overload the answered rate is what is left of the fast path's.
 Under a configured queue bound or timeout (the user's policy), where nothing is drained, the
 calls go to the pipeline once they have come full `STANDING_CALLS` times in a row and for
