@@ -157,7 +157,7 @@ class Admission:
         # with one buffer pair, where that passage is each waiting row's wait
         self.backlog_batch = (service.efficient_batch(bs_max, BACKLOG_BATCH_TOLERANCE)
                               if self.long_passage and not overlapping else bs_max)
-        # a full call of the caller's, run inline: in batches no larger than buy throughput at any
+        # a call of the caller's, run inline: in batches no larger than buy throughput at any
         # length, each request answered as its batch is done (`InlineHold.plan`)
         self.call_batch = (service.efficient_batch(bs_max, BACKLOG_BATCH_TOLERANCE, every_length=True)
                            if self.long_passage else bs_max)

@@ -528,14 +528,12 @@ def test_a_request_cancelled_while_it_waits_for_an_earlier_inline_batch_is_not_r
         assert len(pipeline.snapshot().rows) == 0
 
 
-def test_a_full_calls_rows_run_in_call_batches_each_request_answered_as_its_batch_is_done(zoo) -> None:
-    """A call that came full runs its rows in batches of at most `Admission.call_batch` (set by hand
-    here: the test model's profile is too quick for one), each request answered as its batch is
-    done; a call that is not full runs as the policy batches it (one batch). Every answer is the
-    model's."""
+def test_a_calls_rows_run_in_call_batches_each_request_answered_as_its_batch_is_done(zoo) -> None:
+    """A call's rows run in batches of at most `Admission.call_batch` (set by hand here: the test
+    model's profile is too quick for one), each request answered as its batch is done, full or
+    not; at bs_max, as the policy batches them (one batch). Every answer is the model's."""
     model = zoo.stages("token", 2)
     pipeline = make_scheduler(model, create_policy("load"), num_buffer_pairs=1)
-    pipeline.scheduler.admission.call_batch = 1
     rng = np.random.default_rng(0)
     queries = [model.query(rng, length=6) for _ in range(3)]
     requests = [{k: v[None] for k, v in q.items()} for q in queries]
@@ -546,15 +544,18 @@ def test_a_full_calls_rows_run_in_call_batches_each_request_answered_as_its_batc
         order.append(i)
         answers[i] = outputs
 
-    assert pipeline.run_inline_group(requests, answer, full=True) == []
-    assert order == [0, 1, 2]
-    assert pipeline.stats.inline_runs == 3 and pipeline.stats.inline_queries == 3
-    for i, query in enumerate(queries):
-        for name, rows in answers[i].items():
-            np.testing.assert_allclose(rows[0], model.reference(query)[name], atol=1e-4, rtol=0)
-    order.clear()
-    assert pipeline.run_inline_group(requests, answer, full=False) == []
-    assert pipeline.stats.inline_runs == 4 and order == [0, 1, 2]  # one batch of all three
+    assert pipeline.run_inline_group(requests, answer) == []
+    assert pipeline.stats.inline_runs == 1 and order == [0, 1, 2]  # call_batch is bs_max: one batch
+    pipeline.scheduler.admission.call_batch = 1
+    for full in (False, True):
+        order.clear()
+        answers.clear()
+        assert pipeline.run_inline_group(requests, answer, full=full) == []
+        assert order == [0, 1, 2]
+        for i, query in enumerate(queries):
+            for name, rows in answers[i].items():
+                np.testing.assert_allclose(rows[0], model.reference(query)[name], atol=1e-4, rtol=0)
+    assert pipeline.stats.inline_runs == 1 + 3 + 3 and pipeline.stats.inline_queries == 9
 
 
 @pytest.mark.parametrize("long_passage", [False, True])
