@@ -121,7 +121,8 @@ class InlineHold:
 
     def plan(self, lengths: Sequence[int], now: float) -> list[tuple[list[int], int]]:
         """While held: the batches the policy makes of rows of these lengths arriving now at an empty
-        pipeline, as (row indices, pad length), in the order to run them (`plan_checks.inline_batches`)."""
+        pipeline, at most `Admission.call_batch` rows each, as (row indices, pad length), in the order
+        to run them (`plan_checks.inline_batches`)."""
         s = self._scheduler
         with s.lock:
             batches, failures, reshaped = inline_batches(self._policy, self._view, lengths, now, self._ids,

@@ -98,12 +98,12 @@ def pad_unsafe_stretch(batch_id: int, pad_length: int, queries: Sequence[Query])
 
 
 def inline_batches(policy: Policy, view: BatchTableView, lengths: Sequence[int], now: float, ids: Iterator[int],
-                   bs_max: int, manifest: Manifest) -> tuple[list[tuple[list[int], int]], int, int]:
+                   cap: int, manifest: Manifest) -> tuple[list[tuple[list[int], int]], int, int]:
     """The batches `policy` makes of rows of these lengths arriving now at an empty pipeline, as (row
     indices, pad length) in the order to run them; how many times it failed; how many of its batches
-    were split by length (a model that is not pad-safe). Rows it leaves
-    waiting are offered again; rows it never takes (or a policy that fails) go in arrival order,
-    bs_max at a time. A model that is not pad-safe gets one batch per length, as the scheduler
+    were split by length (a model that is not pad-safe). A batch holds at most `cap` rows (bs_max,
+    or fewer: `Admission.call_batch`); rows it leaves waiting are offered again; rows it never takes
+    (or a policy that fails) go in arrival order, `cap` at a time. A model that is not pad-safe gets one batch per length, as the scheduler
     carries out a `New`. `ids`: query ids no real query has."""
     index = {next(ids): i for i in range(len(lengths))}
     waiting = [QueryInfo(qid, lengths[i], now) for qid, i in index.items()]
@@ -121,12 +121,12 @@ def inline_batches(policy: Policy, view: BatchTableView, lengths: Sequence[int],
         left = {q.id: q for q in waiting}
         taken: list[tuple[list[QueryInfo], int | None]] = []
         for d in decisions:
-            # at most bs_max of them; the rest stay waiting, offered again
-            rows = [left.pop(qid) for qid in [q for q in dict.fromkeys(d.query_ids) if q in left][:bs_max]]
+            # at most `cap` of them; the rest stay waiting, offered again
+            rows = [left.pop(qid) for qid in [q for q in dict.fromkeys(d.query_ids) if q in left][:cap]]
             if rows:
                 taken.append((rows, d.pad_length))
         if not taken:  # nothing decided: arrival order
-            taken = [(list(left.values())[:bs_max], None)]
+            taken = [(list(left.values())[:cap], None)]
             for q in taken[0][0]:
                 del left[q.id]
         for rows, pad in taken:
