@@ -71,7 +71,8 @@ import numpy as np
 from dvabatch_backend.runtime.engine import available_cores
 from perf.load.arrivals import gamma
 from perf.load.drivers import alternating
-from perf.load.perf_analyzer import PerfResult, PerfRow, run_perf_analyzer, write_input_data, write_request_intervals
+from perf.load.perf_analyzer import (PerfAnalyzerError, PerfResult, PerfRow, run_perf_analyzer, write_input_data,
+                                     write_request_intervals)
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "work" / "perf"
 LATENCY_TARGET_MS = 500.0
@@ -455,7 +456,7 @@ def measure_sustained(url: str, systems: Sequence[SystemResult], data: Path, pla
                       progress: Any = print, step_rounds: int | None = None) -> None:
     """Poisson at each of `rates` (one grid for every system), lowest first, each level the median of
     the plan's rounds (or `step_rounds`) with the systems' order alternating; a system stops at its first level past the
-    target or not kept up (`sustained`). Fills each system's `steps` and sustained rate."""
+    target or not kept up (`sustained`; perf_analyzer never stable there, past its timeout, too). Fills each system's `steps` and sustained rate."""
     levels: dict[str, list[PerfRow]] = {s.label: [] for s in systems}
     active = list(systems)
     for i, rate in enumerate(rates):
@@ -463,7 +464,11 @@ def measure_sustained(url: str, systems: Sequence[SystemResult], data: Path, pla
         for r in range(step_rounds or plan.load_rounds):
             for system in alternating(active, i + r):
                 progress(f"{system.label}: Poisson at {rate:g}/s, round {r + 1}")
-                result = _run(url, system.model, data, plan, async_mode=True, **arrivals(rate, None))
+                try:
+                    result = _run(url, system.model, data, plan, async_mode=True, **arrivals(rate, None))
+                except PerfAnalyzerError as exc:  # never stable at this level (it fell behind): its last level
+                    progress(f"{system.label}: Poisson at {rate:g}/s not kept up: {str(exc).splitlines()[0]}")
+                    continue
                 _note_errors(result, system, f"request rate {rate:g}")
                 rounds[system.label] += result.rows[:1]
         for system in list(active):

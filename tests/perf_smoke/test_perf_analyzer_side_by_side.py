@@ -87,6 +87,27 @@ def test_every_system_steps_over_one_grid_each_level_the_median_of_its_rounds(mo
     assert [m for m, r in asked if r == 30.0][:2] == ["slow", "fast"]
 
 
+def test_a_level_perf_analyzer_never_stabilises_at_ends_that_systems_steps(monkeypatch: pytest.MonkeyPatch,
+                                                                           tmp_path: Path) -> None:
+    # "fast" keeps up everywhere; "stuck" keeps up at 20/s, and at 30/s perf_analyzer runs past its
+    # timeout (a system that fell behind): its last level, the other system steps on
+    asked: list[tuple[str, float]] = []
+
+    def run(url: str, model: str, data: Path, plan: sbs.Plan, windows_x: int = 1, **load: object) -> sbs.PerfResult:
+        rate = load["request_rate_range"][0]  # type: ignore[index]
+        asked.append((model, rate))
+        if model == "stuck" and rate >= 30.0:
+            raise sbs.PerfAnalyzerError("perf_analyzer ran past 120s: ...")
+        return sbs.PerfResult([], 0, "", "", [_row(rate, 0.99 * rate, 20)], [rate], True)
+
+    monkeypatch.setattr(sbs, "_run", run)
+    fast, stuck = sbs.SystemResult("DVABatch", "fast"), sbs.SystemResult("ZeroBatch", "stuck")
+    plan = sbs.Plan.for_args(quick=True, latency_target_ms=100.0, rounds=1)
+    sbs.measure_sustained("url", [fast, stuck], tmp_path, plan, [20.0, 30.0, 40.0], progress=lambda m: None)
+    assert stuck.sustained_rate == 20.0 and [s["rate"] for s in stuck.steps] == [20.0]
+    assert fast.sustained_rate == 40.0 and ("stuck", 40.0) not in asked
+
+
 def test_concurrency_one_and_the_closed_loop_sweep_alternate_the_order_and_keep_the_median(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # each run answers with the next figure of its system (latency in ms at c=1, throughput in the sweep)
