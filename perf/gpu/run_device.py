@@ -341,13 +341,15 @@ def _filled(argv: Sequence[str], out: str, work: str) -> list[str]:
     return [a.replace("{out}", out).replace("{work}", work) for a in argv]
 
 
-def run_step(step: Step, out: Path) -> int:
-    """Run the step's commands with what is left of its time, then collect into `out`."""
+def run_step(step: Step, out: Path, seconds: int | None = None) -> int:
+    """Run the step's commands with what is left of its time (`seconds` where the call was given
+    less than the step plans: a second call on what device time the first left), then collect into
+    `out`."""
     work = Path(WORK) / step.name
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     out.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + step.timeout_s - 30  # 30 s kept for collecting
+    deadline = time.monotonic() + min(step.timeout_s, seconds or step.timeout_s) - 30  # 30 s kept for collecting
     failures = 0
     with open(work / f"{step.name}.log", "w") as log:
         for argv in step.commands:
@@ -417,11 +419,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     step_parser = sub.add_parser("step", help="run one step (on the GPU machine)")
     step_parser.add_argument("name", choices=[s.name for s in STEPS])
     step_parser.add_argument("--out", type=Path, required=True)
+    step_parser.add_argument("--seconds", type=int, help="the call's time where less than the step plans")
     parser.add_argument("--dry-run", action="store_true", help="print and check every device call (here)")
     parser.add_argument("--wheels", type=Path, default=DEFAULT_DEST)
     args = parser.parse_args(argv)
     if args.what == "step":
-        return run_step(next(s for s in STEPS if s.name == args.name), args.out)
+        return run_step(next(s for s in STEPS if s.name == args.name), args.out, args.seconds)
     if not args.dry_run:
         parser.error("give --dry-run (here) or `step NAME --out DIR` (on the GPU machine)")
     result = plan(REPO, args.wheels.resolve(), requirements(WHEELS_TXT), tree_size(REPO))
