@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     zoo.add_argument("name", help="model name; 'list' lists them")
     zoo.add_argument("--out", type=Path, help="the .onnx file to write")
     zoo.add_argument("--size", default="test",
-                     help="a preset: test (small, for tests), bench (what perf/ runs) or real (full size)")
+                     help="a preset: test (small, for tests), bench (what perf/ runs), real (full depth; "
+                          "vision models at width 16 and 64-128 pixels) or full (the paper's size: what a GPU serves)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo":

@@ -93,11 +93,7 @@ def build_zoo_model(name: str, size: str = "gpu") -> Any:
 
     if name not in ZOO_LAYERS:
         raise ValueError(f"no GPU zoo model {name!r}; there are {sorted(ZOO_LAYERS)}")
-    if name == "resnet152" and size == "gpu":
-        from slicer.zoo.vision import resnet152
-
-        return resnet152()
-    return zoo.build(name, "real" if size == "gpu" else size)
+    return zoo.build(name, "full" if size == "gpu" else size)
 
 
 def layer_outputs(model: Any, pattern: re.Pattern[str]) -> list[str]:

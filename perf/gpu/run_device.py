@@ -127,7 +127,7 @@ STEPS: tuple[Step, ...] = (
     Step("slice", 585, (
         capped(20, "nvidia-smi"),
         sliced_bert(280, "--device cuda --stages auto --candidates 2,3,4"),
-        capped(100, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo resnet152 --size real --out {{work}}/r152.onnx && "
+        capped(100, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo resnet152 --size full --out {{work}}/r152.onnx && "
                f"time {PY} -m dvabatch_backend.tools.cli slice {{work}}/r152.onnx --device cuda --stages auto "
                "--bs-max 16 --repeats 3 --out {work}/repo/resnet152"),
         served_bert(160, "--loads 0.25,0.6,0.9 --delays 500 --py-spy DVABatch,ZeroBatch"),

@@ -71,3 +71,19 @@ def test_zoo_model_slices_into_stages_equal_to_the_model(tmp_path, name: str, st
     assert profile["diversity"]["input"] == bool(max_length)
     assert (tmp_path / name / "config.pbtxt").is_file() and (folder / "model.py").is_file()
     assert len(manifest.extra["stage_times"]) == stages
+
+
+def test_the_full_preset_is_the_papers_size_where_real_is_narrower():
+    """What the GPU machine slices and serves (`zoo resnet152 --size full`): ImageNet's 224x224 with
+    1000 classes at width 64, where "real" is the CPU experiments' width 16 at 64x64; BERT's full
+    size is its real one, max length included."""
+    from slicer.zoo import entry
+    from slicer.zoo.vision import resnet152
+
+    full = entry("resnet152").presets["full"]
+    assert full != entry("resnet152").presets["real"]
+    defaults = resnet152.__defaults__
+    assert (defaults[0], defaults[1], defaults[2]) == (64, 224, 1000) and full == {}
+    bert = entry("bert")
+    assert bert.presets["full"] == bert.presets["real"] and bert.max_length["full"] == 128
+    assert all("full" in e.presets for e in ZOO.values())
