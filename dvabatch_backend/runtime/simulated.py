@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -77,6 +77,11 @@ class DeviceParameters:
 
     def copy_seconds(self, nbytes: int) -> float:
         return 0.0 if nbytes <= 0 else self.copy_latency_s + nbytes / self.copy_bytes_per_s
+
+    def copies_seconds(self, sizes: Iterable[int]) -> float:
+        """One copy per tensor (`sizes` in bytes), each with its latency: how the torch engine
+        moves a run's host inputs in and outputs out, and so how a profile's run paid them."""
+        return sum(self.copy_seconds(n) for n in sizes)
 
 
 Times = dict[int, float]  # seconds by batch size
@@ -357,14 +362,15 @@ class SimulatedStageEngine:
         rows, length = self._rows_and_length(inputs)
         size, bucket_length = self.bucket(rows, length)
         params = self.device.profile.parameters
-        copy_in = sum(a.nbytes for a in inputs.values() if not on_device(a))
-        copy_out = sum(a.nbytes for a in outputs.values() if not on_device(a))
+        # one copy per host tensor, as the torch engine makes them (each pays the copy's latency)
+        copy_in = params.copies_seconds(a.nbytes for a in inputs.values() if not on_device(a))
+        copy_out = params.copies_seconds(a.nbytes for a in outputs.values() if not on_device(a))
         began = self.device_timer.start(self.stream)
         if copy_in:
-            self.device.enqueue(self.stream, params.copy_seconds(copy_in), "in")
+            self.device.enqueue(self.stream, copy_in, "in")
         self.device.enqueue(self.stream, self.compute_seconds(size, bucket_length))
         if copy_out:
-            self.device.enqueue(self.stream, params.copy_seconds(copy_out), "out")
+            self.device.enqueue(self.stream, copy_out, "out")
         self.device_timer.stop(began, self.stream)
         self.replays += 1
         if self._values is not None:
@@ -377,15 +383,15 @@ class SimulatedStageEngine:
 
     def compute_seconds(self, size: int, length: int) -> float:
         """The replay's device time at a bucket: each part's profiled run less its launch and the
-        copies it made (its inputs in and outputs out, host memory, at the bucket's shapes)."""
+        copies it made (each of its inputs in and outputs out, host memory, at the bucket's shapes)."""
         key = (size, length)
         seconds = self._compute_cache.get(key)
         if seconds is None:
             params = self.device.profile.parameters
             seconds = 0.0
             for stage, inputs, outputs in self._parts:
-                copies = sum(params.copy_seconds(sum(math.prod(s.shape(size, max(length, 1))) * s.np_dtype.itemsize
-                                                     for s in specs)) for specs in (inputs, outputs))
+                copies = params.copies_seconds(math.prod(s.shape(size, max(length, 1))) * s.np_dtype.itemsize
+                                               for s in (*inputs, *outputs))
                 profiled = self.device.profile.run_seconds(stage, size, length)
                 seconds += max(0.0, profiled - params.launch_s - copies)
             self._compute_cache[key] = seconds
