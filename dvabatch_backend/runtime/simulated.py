@@ -67,13 +67,20 @@ class DeviceParameters:
       stages replayed on two streams at once took 0.79 of the two one after the other (0.91 against
       1.16 ms), over the 0.75 under which they count as running together: 1, one at a time;
     - sync_wake_s: how late the host notices work done (CUDA's default spin-then-yield sync wakes
-      within microseconds; a sleeping host thread later: the sleep's own lateness is real here)."""
+      within microseconds; a sleeping host thread later: the sleep's own lateness is real here);
+    - host_run_s: the torch engine's own host time for one run (its Python, the copies' and the
+      graph's launches; outputs in device memory, nothing waited for), which the stand-in's run
+      spends on the calling thread before its launch: 0 until a device measures it
+      (`perf.gpu.device_profile` does from 2026-11-28 on). Unpriced, a pipeline whose stage threads
+      each pay it per batch is served too fast: BERT-base with 2 pairs, 26-30 % under the H200's mean at
+      3/5 and 9/10 (README, GPU)."""
 
     launch_s: float = 24e-6
     copy_latency_s: float = 4.4e-6
     copy_bytes_per_s: float = 6.6e9
     concurrent_kernels: int = 1
     sync_wake_s: float = 0.0
+    host_run_s: float = 0.0
 
     def copy_seconds(self, nbytes: int) -> float:
         return 0.0 if nbytes <= 0 else self.copy_latency_s + nbytes / self.copy_bytes_per_s
@@ -214,7 +221,11 @@ class SimulatedDevice:
 
     def wait_until(self, deadline: float) -> None:
         """Block the calling (host) thread until the clock reaches `deadline` (+ the sync's wake-up)."""
-        deadline += self.profile.parameters.sync_wake_s
+        self.host_until(deadline + self.profile.parameters.sync_wake_s)
+
+    def host_until(self, deadline: float) -> None:
+        """Keep the calling (host) thread until the clock reaches `deadline`: waiting, or the host
+        work a real engine would be doing (`DeviceParameters.host_run_s`)."""
         while True:
             left = deadline - self.clock()
             if left <= 0:
@@ -359,9 +370,12 @@ class SimulatedStageEngine:
         return size, length
 
     def run(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> None:
+        called = self.device.clock()
         rows, length = self._rows_and_length(inputs)
         size, bucket_length = self.bucket(rows, length)
         params = self.device.profile.parameters
+        if params.host_run_s:  # the torch engine's host work before its launch, less what this took
+            self.device.host_until(called + params.host_run_s)
         # one copy per host tensor, as the torch engine makes them (each pays the copy's latency)
         copy_in = params.copies_seconds(a.nbytes for a in inputs.values() if not on_device(a))
         copy_out = params.copies_seconds(a.nbytes for a in outputs.values() if not on_device(a))

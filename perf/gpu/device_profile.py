@@ -10,6 +10,8 @@ sources. This measures, with the runtime's torch engine on CUDA:
   (host clock, synchronized), less the kernel's own time (CUDA events);
 - `copy_latency_s`, `copy_bytes_per_s`: copies between pageable host memory and the device (as the
   profile's runs make them), 4 KiB to 16 MiB each way, fitted as latency + bytes / bandwidth;
+- `host_run_s`: the torch engine's host time for one run, inputs and outputs in device memory
+  (nothing waited for), which the stand-in spends on the host thread that runs it;
 - `concurrent_kernels`: two stages' graphs replayed on two streams at once against one after the
   other: 2 where together they take under 75 % of the two apart, else 1;
 - the stage times (`run()` at every graph bucket, as perf.gpu.side_by_side profiles them) and the
@@ -85,15 +87,36 @@ def copy_fit(torch: Any) -> dict[str, float]:
     return {"copy_latency_s": max(0.0, float(intercept)), "copy_bytes_per_s": float(1.0 / slope)}
 
 
-def concurrent_kernels(torch: Any, engines: Sequence[Any], manifest: Any, length: int) -> dict[str, Any]:
-    """Stages 0 and 1 at batch 1 on their own streams together against one after the other."""
-    a, b = engines[0], engines[1]
+def _device_feeds(torch: Any, engines: Sequence[Any], manifest: Any, length: int) -> list[tuple[Any, dict, dict]]:
+    """Each stage engine with its inputs and outputs at batch 1 in device memory (as served between stages)."""
     feeds = []
-    for k, engine in enumerate((a, b)):
-        spec = manifest.stages[k]
+    for engine, spec in zip(engines, manifest.stages):
         inputs = {t.name: torch.zeros(t.shape(1, length), dtype=_dtype(torch, t), device="cuda") for t in spec.inputs}
         outputs = {t.name: torch.empty(t.shape(1, length), dtype=_dtype(torch, t), device="cuda") for t in spec.outputs}
         feeds.append((engine, inputs, outputs))
+    return feeds
+
+
+def host_run_seconds(torch: Any, engines: Sequence[Any], manifest: Any, length: int) -> float:
+    """The torch engine's host time for one run with device-memory inputs and outputs (queued,
+    nothing waited for): each call timed on the host, the median over calls and stages."""
+    per_stage = []
+    for engine, inputs, outputs in _device_feeds(torch, engines, manifest, length):
+        engine.run(inputs, outputs)  # warm-up
+        engine.wait_for_device()
+        calls = []
+        for _ in range(REPEATS):
+            t0 = time.perf_counter()
+            engine.run(inputs, outputs)
+            calls.append(time.perf_counter() - t0)
+        engine.wait_for_device()
+        per_stage.append(float(np.median(calls)))
+    return float(np.median(per_stage))
+
+
+def concurrent_kernels(torch: Any, engines: Sequence[Any], manifest: Any, length: int) -> dict[str, Any]:
+    """Stages 0 and 1 at batch 1 on their own streams together against one after the other."""
+    feeds = _device_feeds(torch, engines[:2], manifest, length)
 
     def timed(together: bool) -> float:
         runs = []
@@ -130,8 +153,10 @@ def measure(model: str, out: Path, stages: int = 4, bs_max: int = 16, max_length
     whole = make_engine(model_dir / "model.onnx", settings, manifest)
     model_times = time_engines([StageSpec("model.onnx", manifest.inputs, manifest.outputs)], [whole], sizes, lengths)
     longest = str(max(lengths))
-    parameters = {"launch_s": launch_seconds(torch), **copy_fit(torch)}
-    overlap = concurrent_kernels(torch, engines, manifest, max(lengths) if manifest.has_seq else 0)
+    longest_length = max(lengths) if manifest.has_seq else 0
+    parameters = {"launch_s": launch_seconds(torch), **copy_fit(torch),
+                  "host_run_s": host_run_seconds(torch, engines, manifest, longest_length)}
+    overlap = concurrent_kernels(torch, engines, manifest, longest_length)
     parameters["concurrent_kernels"] = overlap["concurrent_kernels"]
     doc = {"measured_on": torch.cuda.get_device_name(0),
            "measured": f"{time.strftime('%Y-%m-%d')}, perf.gpu.device_profile --model {model}",

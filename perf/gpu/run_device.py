@@ -109,11 +109,20 @@ def sliced_bert(seconds: int, slice_args: str) -> tuple[str, ...]:
                   "--repeats 3 --out {work}/repo/bert_base")
 
 
-def served_bert(seconds: int, compare_args: str) -> tuple[str, ...]:
-    """{work}/repo/bert_base served on the GPU beside the baselines (`perf.compare --device cuda`,
-    1,000 queries a load, 2 rounds, `compare_args`), the carried py-spy on the PATH, capped."""
-    return capped(seconds, "bash", "-c", f"PATH=/tmp/site/bin:$PATH {PY} -m perf.compare --model-dir {{work}}/repo/bert_base "
+def served_bert(seconds: int, compare_args: str, model: str = "bert_base") -> tuple[str, ...]:
+    """{work}/repo/MODEL (BERT-base unless named) served on the GPU beside the baselines
+    (`perf.compare --device cuda`, 1,000 queries a load, 2 rounds, `compare_args`), the carried
+    py-spy on the PATH, capped."""
+    return capped(seconds, "bash", "-c", f"PATH=/tmp/site/bin:$PATH {PY} -m perf.compare --model-dir {{work}}/repo/{model} "
                   f"--device cuda --queries 1000 --rounds 2 {compare_args} --out {{work}}/served")
+
+
+def sliced_resnet152(seconds: int) -> tuple[str, ...]:
+    """ResNet-152 at the paper's size (224x224, 1000 classes: the zoo's `full`) sliced on the
+    device (`--device cuda --stages auto`, bs_max 16) into {work}/repo/resnet152, timed, capped."""
+    return capped(seconds, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo resnet152 --size full --out {{work}}/r152.onnx && "
+                  f"time {PY} -m dvabatch_backend.tools.cli slice {{work}}/r152.onnx --device cuda --stages auto "
+                  "--bs-max 16 --repeats 3 --out {work}/repo/resnet152")
 
 
 # One call: the device time of a session (15 minutes) holds one machine start and one full call.
@@ -121,19 +130,26 @@ def served_bert(seconds: int, compare_args: str) -> tuple[str, ...]:
 # overlap) with the CPU property tests beside them, the overlap figures, the real server, then the
 # two experiments (BERT under py-spy).
 STEPS: tuple[Step, ...] = (
-    # the next GPU at hand: `dvabatch slice --device cuda` on BERT-base and ResNet-152 (the stage
-    # count and buffer pairs measured on the device; its time), then the device-sliced BERT-base
-    # served beside ZeroBatch and DelayBatch on the same engine (fair baselines, 2026-11-27)
+    # the next GPU at hand (after 2026-11-28 on an H200 ran `slice` and `standin`, where the zoo's
+    # ResNet-152 was its CPU size, width 16 at 64x64): ResNet-152 at the paper's size sliced on the
+    # device and served as sliced beside ZeroBatch and DelayBatch; then call `standin` again (the
+    # engine's host time per run measured now, `host_run_s`)
+    Step("resnet", 420, (
+        capped(20, "nvidia-smi"),
+        sliced_resnet152(180),
+        served_bert(190, "--loads 0.25,0.6,0.9 --delays 500,2000 --py-spy DVABatch,ZeroBatch", model="resnet152"),
+    ), needs=("slicer/serving_engine.py", "slicer/zoo/__init__.py", "perf/compare/on_device.py")),
+    # `dvabatch slice --device cuda` on BERT-base and ResNet-152 (the stage count and buffer pairs
+    # measured on the device; its time), then the device-sliced BERT-base served beside ZeroBatch
+    # and DelayBatch on the same engine (run on an H200, 2026-11-28: 263 s)
     Step("slice", 585, (
         capped(20, "nvidia-smi"),
         sliced_bert(280, "--device cuda --stages auto --candidates 2,3,4"),
-        capped(100, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo resnet152 --size full --out {{work}}/r152.onnx && "
-               f"time {PY} -m dvabatch_backend.tools.cli slice {{work}}/r152.onnx --device cuda --stages auto "
-               "--bs-max 16 --repeats 3 --out {work}/repo/resnet152"),
+        sliced_resnet152(100),
         served_bert(160, "--loads 0.25,0.6,0.9 --delays 500 --py-spy DVABatch,ZeroBatch"),
     ), needs=("slicer/serving_engine.py", "slicer/gpu_config.py", "perf/compare/on_device.py",
-              "perf/compare/stub_profile.py", "perf/baselines/model.py")),
-    # the stand-in's check (issue 40, item 3), the call after `slice` (not run yet), from one device run: its device profile (the stages and the
+              "perf/compare/stub_profile.py", "perf/baselines/model.py"), rerun=True),
+    # the stand-in's check (issue 40, item 3; run on an H200 2026-11-28 after `slice`, 127 s), from one device run: its device profile (the stages and the
     # unsliced model, timed together) and the side by side it is judged against, back to back; the two
     # days' profiles of 2026-11-26/27 disagreed by about 25 % on the same stages (README, sixth replay)
     Step("standin", 420, (

@@ -4,6 +4,7 @@ boundaries in its device memory) answering as the unsliced model, and unknown en
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,21 @@ def test_each_host_tensor_is_a_copy_of_its_own_in_the_charge_and_in_what_the_pro
     inputs = {s.name: np.ones((2, 16, 8), np.float32) for s in specs}
     engine.run(inputs, {"y": np.zeros((2, 16, 8), np.float32)})
     assert clock.now == pytest.approx(params.launch_s + 4 * params.copy_seconds(tensor_bytes) + expected)
+
+
+def test_the_engines_host_work_is_spent_on_the_calling_thread_before_its_launch() -> None:
+    """`host_run_s`: a run with device outputs returns once the host work is done (not at once),
+    and its work reaches the device that much later; the device's time is unchanged."""
+    clock = ManualClock()
+    profile = DeviceProfile.from_json(_profile(launch_s=1e-5))
+    timed = replace(profile, parameters=replace(profile.parameters, host_run_s=2e-4))
+    device = SimulatedDevice(timed, clock, clock.sleep, spin_s=0.0)
+    specs = [TensorSpec("x", "float32", ("batch", "seq", 8))]
+    engine = SimulatedStageEngine(device, specs, [(1, specs, specs)], ([1, 2, 4], [16, 32]), pad_length=True)
+    on_device = {"x": SimulatedMemory(device).zeros(2 * 16 * 8, np.dtype("float32")).reshape(2, 16, 8)}
+    engine.run(on_device, {"x": SimulatedMemory(device).zeros(2 * 16 * 8, np.dtype("float32")).reshape(2, 16, 8)})
+    assert clock.now == pytest.approx(2e-4)  # the host's own work, then the launch returned at once
+    assert engine.stream.tail == pytest.approx(2e-4 + 1e-5 + engine.compute_seconds(2, 16))
 
 
 def test_a_stages_device_time_comes_from_its_events_once_the_device_reached_them() -> None:
