@@ -130,3 +130,31 @@ def test_cuda_needs_the_torch_engine(tmp_path: Path) -> None:
 
     assert main(["slice", str(tmp_path / "m.onnx"), "--device", "cuda", "--engine", "onnxruntime",
                  "--out", str(tmp_path / "out")]) == 2
+
+
+def test_a_candidate_re_profiled_on_its_device_logs_no_warning(sliced, tmp_path: Path, caplog) -> None:
+    """On a GPU each candidate's stages are re-profiled at load on purpose; the warning that tells
+    a user their served model was profiled elsewhere is not logged for it (the stand-in's device
+    takes the GPU's place here). A served load of the same folder still warns."""
+    import logging
+    import shutil
+
+    from slicer.slice_model import measure_pipeline
+
+    _, report = sliced
+    stages = len(report.manifest.stages)
+    profile = tmp_path / "device.json"
+    profile.write_text(json.dumps({"measured_on": "a test GPU", "stage_times": [{"1": 1e-4, "4": 2e-4}] * stages}))
+    settings = RuntimeSettings(engine="simulated", device_profile=str(profile), num_buffer_pairs=1)
+    served, candidate = tmp_path / "served", tmp_path / "candidate"
+    shutil.copytree(report.out_dir, served)
+    shutil.copytree(report.out_dir, candidate)
+    bounds = dict(report.manifest.extra.get("input_bounds", {}))
+    with caplog.at_level(logging.INFO, logger="dvabatch_backend.runtime.device_times"):
+        assert measure_pipeline(candidate / "1", report.manifest, 16, bounds, seconds=0.0, concurrency=2,
+                                settings=settings) > 0
+        quiet = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        with load_pipeline(served / "1", create_policy("load"), settings):
+            pass
+    assert quiet == []
+    assert any("re-profiled at load" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
