@@ -69,5 +69,5 @@ def test_overload(zoo_out: Path) -> None:
 @pytest.mark.server
 def test_refusals(bert_dir: Path) -> None:
     out = run("perf.reliability.refusals", str(bert_dir), "--seconds", "1", "--factor", "2", "--clients", "4",
-              "--systems", "slicer,pipeline", timeout=600)
+              "--systems", "slicer", timeout=600)  # one system: the loop over systems is the same
     assert "sustained" in out and "poisson 2x" in out and "overload: answered p99" in out
