@@ -89,7 +89,8 @@ class FastPath:
 
     def run_requests(self, requests: Sequence[Mapping[str, np.ndarray]],
                      answer: Callable[[int, dict[str, np.ndarray]], None],
-                     cancelled: Callable[[int], bool] | None = None) -> list[int] | None:
+                     cancelled: Callable[[int], bool] | None = None,
+                     between_batches: Callable[[], None] | None = None) -> list[int] | None:
         """Several requests' rows (each input [rows, ...]) batched as the policy batches them at an
         empty pipeline (`InlineHold.plan`: the input policy's length clusters, the load
         policy's one batch), the batches run one after another on this thread; `answer(i, outputs)`
@@ -102,7 +103,9 @@ class FastPath:
 
         `cancelled(i)`: whether request i was cancelled. Asked once for each request not in the first
         batch, before the batch it waited for (the first batch's requests were just handed over);
-        a cancelled request's rows are left out of the runs, and it is among those returned."""
+        a cancelled request's rows are left out of the runs, and it is among those returned.
+        `between_batches()`: called before each batch after the first (where the answers given so
+        far should leave rather than wait for the call's end)."""
         if self._scheduler.settings.num_buffer_pairs > 1:
             return None  # stages overlap in the pipeline (per-stage threads, a GPU): batches belong there
         shapes = [self._check(r, self._scheduler.bs_max) for r in requests]
@@ -119,6 +122,8 @@ class FastPath:
         try:
             for group, pad in self._scheduler.inline.plan([length for _, _, length in rows], self._scheduler.clock()):
                 members = [rows[j] for j in group]
+                if runs and between_batches is not None:
+                    between_batches()
                 if runs and cancelled is not None:  # the requests waited for an earlier batch: still wanted?
                     members = [m for m in members if not _ask(asked, cancelled, m[0])]
                     if not members:

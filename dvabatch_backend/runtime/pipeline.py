@@ -172,24 +172,28 @@ class Pipeline(WorkListener):
 
     def run_inline_requests(self, requests: Sequence[Mapping[str, np.ndarray]],
                             answer: Callable[[int, dict[str, np.ndarray]], None],
-                            cancelled: Callable[[int], bool] | None = None) -> list[int] | None:
+                            cancelled: Callable[[int], bool] | None = None,
+                            between_batches: Callable[[], None] | None = None) -> list[int] | None:
         """Several requests' rows on the fast path, batched as the policy batches them at an empty
         pipeline (`FastPath.run_requests`): `answer(i, outputs)` as each request is done, `cancelled(i)`
-        before a batch a request waited for; None when not taken, else the requests left (for
-        `submit_many`, bar the cancelled)."""
-        return None if self._fast_path is None else self._fast_path.run_requests(requests, answer, cancelled)
+        before a batch a request waited for, `between_batches()` before each batch after the first;
+        None when not taken, else the requests left (for `submit_many`, bar the cancelled)."""
+        return None if self._fast_path is None else self._fast_path.run_requests(requests, answer, cancelled,
+                                                                                  between_batches)
 
     def run_inline_group(self, requests: Sequence[Mapping[str, np.ndarray]],
                          answer: Callable[[int, dict[str, np.ndarray]], None], several: bool = True,
                          cancelled: Callable[[int], bool] | None = None, full: bool = False,
-                         refuse: Callable[[int, QueryError], None] | None = None) -> list[int]:
+                         refuse: Callable[[int, QueryError], None] | None = None,
+                         between_batches: Callable[[], None] | None = None) -> list[int]:
         """The requests one call hands over together (a Triton `execute` call: what queued while the
         last one ran) on the fast path where it takes them: a lone request by `run_inline`, several
         by `run_inline_requests` when `several`. `answer(i, outputs)` for each request answered here;
         returns the others' indices, in order (all of them where it took none): those `cancelled`
         said were, and the rest for `submit_many`. `full`: the call came full (its caller had a
         batch waiting); full calls for too long have the calls refused, `refuse(i, error)` for each
-        request, or under a configured queue policy sent to the pipeline (`InlineHold.caller_backlog`)."""
+        request, or under a configured queue policy sent to the pipeline (`InlineHold.caller_backlog`).
+        `between_batches()`: before each batch of several requests after the first."""
         hold = self.scheduler.inline
         if self._fast_path is None or hold.caller_backlog(full):
             return list(range(len(requests)))
@@ -203,7 +207,7 @@ class Pipeline(WorkListener):
                 return [0]
             answer(0, outputs)
             return []
-        left = self.run_inline_requests(requests, answer, cancelled) if several else None
+        left = self.run_inline_requests(requests, answer, cancelled, between_batches) if several else None
         return list(range(len(requests))) if left is None else left
 
     def cancel(self, query_ids: Sequence[int]) -> None:

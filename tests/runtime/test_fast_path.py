@@ -558,6 +558,25 @@ def test_a_calls_rows_run_in_call_batches_each_request_answered_as_its_batch_is_
     assert pipeline.stats.inline_runs == 1 + 3 + 3 and pipeline.stats.inline_queries == 9
 
 
+def test_between_a_calls_batches_the_caller_hears_what_was_answered_before_the_next_runs(zoo) -> None:
+    """`between_batches` runs before each batch after the first, once the earlier batches'
+    requests are answered (the adapter sends those then); a call run as one batch never calls it
+    (the adapter returns its answers from `execute`: one message, not a send each)."""
+    model = zoo.stages("token", 2)
+    pipeline = make_scheduler(model, create_policy("load"), num_buffer_pairs=1)
+    rng = np.random.default_rng(0)
+    requests = [{k: v[None] for k, v in model.query(rng, length=6).items()} for _ in range(3)]
+    events: list[Any] = []
+    answer = lambda i, outputs: events.append(i)  # noqa: E731
+    between = lambda: events.append("between")  # noqa: E731
+    assert pipeline.run_inline_group(requests, answer, between_batches=between) == []
+    assert events == [0, 1, 2]  # call_batch is bs_max: one batch, nothing between
+    pipeline.scheduler.admission.call_batch = 1
+    events.clear()
+    assert pipeline.run_inline_group(requests, answer, between_batches=between) == []
+    assert events == [0, "between", 1, "between", 2]
+
+
 @pytest.mark.parametrize("long_passage", [False, True])
 def test_the_callers_queue_is_drained_once_its_calls_came_full_for_long(zoo, long_passage: bool) -> None:
     """Calls that came full for STANDING_SECONDS are refused whole, "Exceeds maximum queue size", until
