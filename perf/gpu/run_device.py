@@ -109,7 +109,7 @@ def sliced_bert(seconds: int, slice_args: str) -> tuple[str, ...]:
                   "--repeats 3 --out {work}/repo/bert_base")
 
 
-def served_bert(seconds: int, compare_args: str, model: str = "bert_base") -> tuple[str, ...]:
+def served_model(seconds: int, compare_args: str, model: str = "bert_base") -> tuple[str, ...]:
     """{work}/repo/MODEL (BERT-base unless named) served on the GPU beside the baselines
     (`perf.compare --device cuda`, 1,000 queries a load, 2 rounds, `compare_args`), the carried
     py-spy on the PATH, capped."""
@@ -137,7 +137,7 @@ STEPS: tuple[Step, ...] = (
     Step("resnet", 420, (
         capped(20, "nvidia-smi"),
         sliced_resnet152(180),
-        served_bert(190, "--loads 0.25,0.6,0.9 --delays 500,2000 --py-spy DVABatch,ZeroBatch", model="resnet152"),
+        served_model(190, "--loads 0.25,0.6,0.9 --delays 500,2000 --py-spy DVABatch,ZeroBatch", model="resnet152"),
     ), needs=("slicer/serving_engine.py", "slicer/zoo/__init__.py", "perf/compare/on_device.py")),
     # `dvabatch slice --device cuda` on BERT-base and ResNet-152 (the stage count and buffer pairs
     # measured on the device; its time), then the device-sliced BERT-base served beside ZeroBatch
@@ -146,7 +146,7 @@ STEPS: tuple[Step, ...] = (
         capped(20, "nvidia-smi"),
         sliced_bert(280, "--device cuda --stages auto --candidates 2,3,4"),
         sliced_resnet152(100),
-        served_bert(160, "--loads 0.25,0.6,0.9 --delays 500 --py-spy DVABatch,ZeroBatch"),
+        served_model(160, "--loads 0.25,0.6,0.9 --delays 500 --py-spy DVABatch,ZeroBatch"),
     ), needs=("slicer/serving_engine.py", "slicer/gpu_config.py", "perf/compare/on_device.py",
               "perf/compare/stub_profile.py", "perf/baselines/model.py"), rerun=True),
     # the stand-in's check (issue 40, item 3; run on an H200 2026-11-28 after `slice`, 127 s), from one device run: its device profile (the stages and the
@@ -179,14 +179,14 @@ STEPS: tuple[Step, ...] = (
     # one query at a time and at 0.6x and 0.9x: where the served path's time goes
     Step("diagnose", 300, (
         sliced_bert(150, "--stages 4"),
-        served_bert(140, "--loads 0.6,0.9 --delays '' --variant load:policy=load --py-spy DVABatch,load,ZeroBatch"),
+        served_model(140, "--loads 0.6,0.9 --delays '' --variant load:policy=load --py-spy DVABatch,load,ZeroBatch"),
     ), needs=("perf/compare/on_device.py", "perf/compare/stub_profile.py", "perf/compare/served_metrics.py"),
        rerun=True),
     # after `diagnose` found the baselines answering with no data under the device's numpy 2 (and
     # so sending nothing): the served comparison again with fair baselines, both stubs under py-spy
     Step("confirm", 250, (
         sliced_bert(120, "--stages 4"),
-        served_bert(150, "--loads 0.25,0.6,0.9 --delays 500,2000 --py-spy DVABatch,ZeroBatch"),
+        served_model(150, "--loads 0.25,0.6,0.9 --delays 500,2000 --py-spy DVABatch,ZeroBatch"),
     ), needs=("perf/compare/on_device.py", "perf/compare/stub_profile.py", "perf/baselines/model.py"), rerun=True),
     Step("gpu", 585, (
         capped(20, "nvidia-smi"),
