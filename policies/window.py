@@ -63,6 +63,19 @@ class Stage0Time:
         return sum(self._reference.time(k, bs) for k in self._stages) if self._reference.available else 0.0
 
 
+def passage_ratio(context: PolicyContext) -> float:
+    """A batch's profiled time through every stage over its time in stage 0, at bs_max (or the
+    largest profiled size): with one buffer pair the entry is busy that much longer than stage 0,
+    and the window's upper bound (stage 0's time, the paper's) is read as the entry's. 1 without
+    a profile."""
+    profile = StageProfile(context.stage_times, context.num_stages)
+    if not profile.available:
+        return 1.0
+    bs = min(context.bs_max, max(profile.profiled(0)))
+    first = profile.time(0, bs)
+    return sum(profile.time(k, bs) for k in range(context.num_stages)) / first if first > 0 else 1.0
+
+
 class AdaptiveWindow:
     """When waiting queries should go (module docstring). One per policy; called under the
     scheduler's lock like the policy itself."""
@@ -80,6 +93,8 @@ class AdaptiveWindow:
     def from_context(cls, context: PolicyContext, upper: float) -> AdaptiveWindow:
         serial = context.num_buffer_pairs == 1
         stage0 = Stage0Time(context, context.num_stages if serial else 1)
+        if serial:
+            upper *= passage_ratio(context)
         shortest = min(context.stage_times_by_length, default=0)
         recheck = Stage0Time(context).seconds(1, shortest) if stage0.available else 0.0
         return cls(stage0, upper, recheck if recheck > 0 else 1e-3, serial)

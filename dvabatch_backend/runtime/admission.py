@@ -154,8 +154,10 @@ class Admission:
         # a bs_max batch's passage through the stages matters beside the wait a standing queue allows
         # (and the pipeline's own hand-offs cost little beside it: `InlineHold.caller_backlog`)
         self.long_passage = service.pipeline_time(bs_max) > CAPPED_PASSAGE
-        # with one buffer pair, where that passage is each waiting row's wait
-        self.backlog_batch = (service.efficient_batch(bs_max, BACKLOG_BATCH_TOLERANCE)
+        # with one buffer pair, where that passage is each waiting row's wait; at any length, as a
+        # call's (the batch-size profile alone, one length, gave the bench BERT 2 rows where 16
+        # tokens cost 1.7x per row against 16)
+        self.backlog_batch = (service.efficient_batch(bs_max, BACKLOG_BATCH_TOLERANCE, every_length=True)
                               if self.long_passage and not overlapping else bs_max)
         # a call of the caller's, run inline: in batches no larger than buy throughput at any
         # length, each request answered as its batch is done (`InlineHold.plan`)
@@ -166,6 +168,7 @@ class Admission:
         # timeout is the user's
         self.refuses_standing = queue.max_queue_size is None and not queue.default_timeout_us
         self.door_since: float | None = None  # since when the door refuses (the door rule), None while open
+        self.door_shut_at: float | None = None  # when the door last shut: overload known (`InlineHold`)
 
     @property
     def max_queue_size(self) -> int:
@@ -208,7 +211,7 @@ class Admission:
         if self.door_since is None:
             if queue_since is None or now - queue_since <= STANDING_SECONDS:
                 return None
-            self.door_since = now
+            self.door_since = self.door_shut_at = now
         elif idle:
             self.door_since = None
             return None

@@ -9,29 +9,42 @@ the scheduler's lock; the hold is owned by the scheduler.
 
 The caller's own queue. While a run holds the caller (a Triton `execute` call), requests wait in
 the caller's queue (Triton's dynamic batcher), which the runtime's admission cannot see: left there,
-overload would queue without bound. `caller_backlog` is told, for each call, whether it came full
-(the caller had at least a batch waiting). Once the calls have come full for `STANDING_SECONDS` (a
-queue over a batch that long is overload, not a burst: the runtime's standing-queue rule,
-admission.py; 1 s was tried: the bench BERT's bursts at half its rate, Gamma CV 4, lost a call or
-two of 16 in 2 of 2 seeds, and 1.5 s still cut overload's first-phase p99 only to 1.0-1.3 s),
-`refusing` is set and the calls are refused whole, "Exceeds maximum queue size", until one comes
-that is not full (counted in `caller_drains`). A call holds the caller's oldest requests (Triton's
-batcher hands them over in arrival order), so this is the runtime's push-out of the oldest, done in
-the caller's queue; refused unread, a call costs next to nothing, and the queue drains at once.
-After a drain the overload is known: the next drain comes after `STANDING_WAIT` of full calls,
-until no call has come full for `STANDING_SECONDS`. With a configured queue bound or timeout (the
-user's policy) nothing is drained.
+overload would queue without bound, and the fast path cannot tell a burst from overload by how
+long its calls have come full (the caller gives no arrival times). `caller_backlog` is told, for
+each call, whether it came full (the caller had at least a batch waiting). Three steps:
 
-Drained, not handed to the pipeline (as the calls were where a bs_max batch's passage is long):
-with one buffer pair, the only case where several requests run inline, the pipeline carries a
-backlog more slowly than the fast path (the bench BERT at 3x its sustained rate, 2 cores: 74-81 %
-of that rate answered once handed over, 90-133 % drained; the test-size BERT about 600 queries a
-second against 1,536), and under overload the answered rate is what is left of the fast path's.
-Under a configured queue bound or timeout (the user's policy), where nothing is drained, the
-calls go to the pipeline once they have come full `STANDING_CALLS` times in a row and for
-`STANDING_WAIT` (counted in `inline_handovers`): the caller's queue drains into the runtime's,
-whose admission applies the user's policy; the fast path resumes once a call comes that is not
-full.
+1. **Handed over.** Once the calls have come full `STANDING_CALLS` times in a row and for
+   `STANDING_WAIT`, they go to the pipeline (`handed_over`, counted in `inline_handovers`) until a
+   call comes that is not full: the caller's queue drains into the runtime's, where each query's
+   arrival is known and the admission judges it (admission.py: the derived bound pushes out the
+   oldest, so under overload the answered cross the queue at the arrival rate; a queue standing
+   `STANDING_SECONDS` is overload, and the door shuts). A burst is carried, not refused.
+2. **Back to the fast path.** With one buffer pair the pipeline runs one batch at a time and carries
+   a backlog more slowly than this path (the bench BERT, 16 clients: 43-47 queries a second
+   against 47-52). So `reserve` waits (up to `STANDING_SECONDS`) for the pipeline to empty before a
+   run, and the next calls are served here, except while the pipeline judges an overload (its
+   queue stands, its door still open: the arrivals must reach it).
+3. **Drained.** Once the door has shut, overload is known (`door_shut_at`; until no call has come
+   full for `STANDING_SECONDS`): the pipeline empties (the door keeps its queue to `STANDING_WAIT`
+   of work), the fast path serves at its own rate, and after `STANDING_WAIT` of full calls
+   `refusing` is set and the calls are refused whole, "Exceeds maximum queue size", until one comes
+   that is not full (counted in `caller_drains`). A call holds the caller's oldest requests
+   (Triton's batcher hands them over in arrival order), so this is the push-out of the oldest,
+   done in the caller's queue; refused unread, a call costs next to nothing.
+
+Where a bs_max batch passes quickly (not `Admission.long_passage`: the MLP, 64 rows in 7 ms), the
+pipeline reads a backlog more slowly than overload brings it (each request crosses `execute`'s
+reading and submission on the stub's one thread: handed over, the MLP's answered p99 read 2.4 s at
+3x, 0.85 s drained), so there the calls are drained once they have come full for
+`STANDING_SECONDS`, without a hand-over, and after a drain the overload is known.
+
+Before, every model's calls were drained that way (no hand-over): the
+answered of that first phase waited up to 2 s x (1 - 1/3) at 3x, and the bench BERT's answered p99
+read 1.4-1.65 s (1 s before the first drain refused bursts at half the rate, Gamma CV 4; 1.5 s read
+1.06-1.27 s). Handed over and never back, the answered rate was the pipeline's: 72-90 % of the
+sustained rate, and refusals at 0.9x where the pipeline could not carry it. With a configured
+queue bound or timeout (the user's policy) nothing is drained: the calls are handed over, where
+that policy applies.
 
 A call's rows run in batches of at most `Admission.call_batch` (no larger than buys throughput
 at any profiled length), and where passages are long the adapter answers each request as its batch
@@ -67,7 +80,8 @@ class InlineHold:
         self.handed_over = False
         # the caller's queue is drained (module docstring): its calls are refused while set
         self.refusing = False
-        self._last_drain: float | None = None  # when the last drain began
+        self._known_at: float | None = None  # when overload was last known (a drain, the door shut); None: not
+        self._forgotten_at = float("-inf")  # when it was last forgotten (an older door shut does not count)
         self._last_full = 0.0  # when a call last came full
 
     @property
@@ -77,8 +91,8 @@ class InlineHold:
 
     def caller_backlog(self, full: bool) -> bool:
         """One call of the caller, `full` or not (module docstring): whether its queue is drained
-        (`refusing`); True where, under a configured queue policy, its queue stands and the call's
-        requests go to the pipeline instead of the fast path."""
+        (`refusing`); True where its queue stands and the call's requests go to the pipeline
+        instead of the fast path (`handed_over`)."""
         s = self._scheduler
         with s.lock:
             now = s.clock()
@@ -89,31 +103,48 @@ class InlineHold:
             if not self._full_calls:
                 self._full_since = now
             self._full_calls += 1
-            if s.admission.refuses_standing:
-                drains = self._drains(now)
-                s.stats.caller_drains += drains and not self.refusing
-                self.refusing = drains
+            known = s.admission.refuses_standing and self._overload_known(now)
+            self._last_full = now
+            # quick batches: the pipeline reads a backlog more slowly than overload brings it
+            drains_first = s.admission.refuses_standing and not s.admission.long_passage
+            if known or drains_first:
+                need = STANDING_WAIT if known else STANDING_SECONDS
+                drains = not self.refusing and now - self._full_since >= need
+                if drains:
+                    self._known_at = now
+                s.stats.caller_drains += drains
+                self.refusing = self.refusing or drains
                 return False
             standing = self._full_calls >= STANDING_CALLS and now - self._full_since >= STANDING_WAIT
             s.stats.inline_handovers += standing
             self.handed_over = standing
             return standing
 
-    def _drains(self, now: float) -> bool:
-        """Whether this full call is refused (module docstring). Under the lock."""
-        if self._last_drain is not None and self._last_full < now - STANDING_SECONDS:
-            self._last_drain = None  # no full call for that long: the overload is over
-        self._last_full = now
-        need = STANDING_SECONDS if self._last_drain is None else STANDING_WAIT
-        if not self.refusing and now - self._full_since >= need:
-            self._last_drain = now
-            return True
-        return self.refusing
+    def _overload_known(self, now: float) -> bool:
+        """Whether overload is known (module docstring): the pipeline's door shut, or a drain began,
+        and calls have come full since with no gap of `STANDING_SECONDS` (after one, it is forgotten).
+        Under the lock."""
+        door = self._scheduler.admission.door_shut_at
+        if door is not None and door > self._forgotten_at and (self._known_at is None or door > self._known_at):
+            self._known_at = door
+        if self._known_at is not None and now - max(self._known_at, self._last_full) >= STANDING_SECONDS:
+            self._known_at, self._forgotten_at = None, now
+        return self._known_at is not None
+
+    def _pipeline_judges(self) -> bool:
+        """Whether the pipeline's admission is judging an overload: its queue stands and its door is
+        still open (arrivals must reach it). Under the lock."""
+        s = self._scheduler
+        return s.queries.queue_since is not None and s.admission.door_since is None
 
     def reserve(self, rows: int) -> bool:
         """Hold the pipeline for one run of `rows` rows, if it holds nothing (module docstring)."""
         s = self._scheduler
         with s.lock:
+            if not s.admission.overlapping and not self.held and not self._pipeline_judges():
+                # one pair: the pipeline runs one batch at a time, more slowly than this path; let
+                # it empty, then serve here (module docstring)
+                s.wait_for_nothing_held(STANDING_SECONDS)
             if self.held or rows < 1 or not s.holds_nothing() or s.admission.arrival_refusal(s.clock(), 0):
                 return False
             self.held = True

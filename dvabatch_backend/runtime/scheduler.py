@@ -545,6 +545,10 @@ class Scheduler:
     def pending_count(self) -> int:
         return len(self.queries)
 
+    def wait_for_nothing_held(self, timeout: float) -> bool:
+        """Wait (up to `timeout` s) until the scheduler holds nothing (`holds_nothing`). Under the lock."""
+        return self.progress.wait_until(self.holds_nothing, timeout, lambda: self._stopping)
+
     def wait_until(self, predicate: Callable[["Scheduler"], bool], timeout: float) -> bool:
         """Wait until `predicate(self)` holds after some progress; it is evaluated under the lock."""
         with self.lock:

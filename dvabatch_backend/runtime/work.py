@@ -88,6 +88,11 @@ class Progress:
         self._moved = threading.Condition(lock)
         self._waiters = 0
 
+    @property
+    def waiters(self) -> int:
+        """How many wait now."""
+        return self._waiters
+
     def notify(self) -> None:
         if self._waiters:
             self._moved.notify_all()

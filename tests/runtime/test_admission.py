@@ -307,15 +307,15 @@ def test_a_backlogs_batches_stop_at_the_efficient_size_with_one_pair_and_a_long_
 
 
 def test_a_full_calls_batches_stop_where_no_length_gains_from_a_larger_one() -> None:
-    """`call_batch`: the largest of the efficient sizes over the profiled lengths (a long length's
-    rows are at their least at 2, a short one's gain up to 8); the batch-size profile alone (the
-    backlog's) says 2. A quick bs_max batch: not capped."""
+    """`call_batch` and a backlog's `backlog_batch`: the largest of the efficient sizes over the
+    profiled lengths (a long length's rows are at their least at 2, a short one's gain up to 8),
+    where the batch-size profile alone says 2. A quick bs_max batch: not capped."""
     long_rows = {1: 0.100, 2: 0.160, 4: 0.320, 8: 0.640}  # at 2 rows, 80 ms each from then on
     short_rows = {1: 0.010, 2: 0.016, 4: 0.024, 8: 0.040}  # 10, 8, 6, 5 ms a row
     service = ServiceModel([long_rows], 1, by_length={64: [long_rows], 8: [short_rows]})
     assert service.efficient_batch(8, 0.05) == 2 and service.efficient_batch(8, 0.05, every_length=True) == 8
     admission = Admission(QueuePolicy(), SloPolicy(), service, 8, overlapping=False)
-    assert admission.call_batch == 8 and admission.backlog_batch == 2
+    assert admission.call_batch == 8 and admission.backlog_batch == 8
     quick = ServiceModel([{1: 0.0010, 2: 0.0016, 4: 0.0030, 8: 0.0058}], 1)
     assert Admission(QueuePolicy(), SloPolicy(), quick, 8, overlapping=False).call_batch == 8
     capped = ServiceModel([long_rows], 1)

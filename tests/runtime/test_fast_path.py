@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from typing import Any, Mapping
 
 import numpy as np
@@ -577,23 +578,21 @@ def test_between_a_calls_batches_the_caller_hears_what_was_answered_before_the_n
     assert events == [0, "between", 1, "between", 2]
 
 
-@pytest.mark.parametrize("long_passage", [False, True])
-def test_the_callers_queue_is_drained_once_its_calls_came_full_for_long(zoo, long_passage: bool) -> None:
-    """Calls that came full for STANDING_SECONDS are refused whole, "Exceeds maximum queue size", until
-    one comes that is not full; after a drain, STANDING_WAIT of full calls drains again, until no
-    call came full for STANDING_SECONDS; the calls served meanwhile are answered inline, each the
-    model's. Quick batches or long (`Admission.long_passage`), the same. A configured bound drains
-    nothing: its full calls go to the pipeline, where that bound applies."""
-    model = zoo.stages("token", 2)
-    now = [0.0]
-    rng = np.random.default_rng(0)
-    queries = [model.query(rng) for _ in range(2)]
-    requests = [{k: v[None] for k, v in q.items()} for q in queries]
+class _Calls:
+    """A caller's calls of two one-row requests on the fast path (`run_inline_group`), each told
+    whether it came full: "served" (each answer the model's), "refused" (both, "Exceeds maximum
+    queue size") or "handed over" (both left to the pipeline)."""
 
-    def call(pipeline, full: bool) -> str:
+    def __init__(self, model: SlicedModel) -> None:
+        rng = np.random.default_rng(0)
+        self.model = model
+        self.queries = [model.query(rng) for _ in range(2)]
+        self.requests = [{k: v[None] for k, v in q.items()} for q in self.queries]
+
+    def __call__(self, pipeline, full: bool) -> str:
         answered: dict[int, Any] = {}
         refused: dict[int, Any] = {}
-        left = pipeline.run_inline_group(requests, answered.__setitem__, full=full, refuse=refused.__setitem__)
+        left = pipeline.run_inline_group(self.requests, answered.__setitem__, full=full, refuse=refused.__setitem__)
         if left == [0, 1] and not answered and not refused:
             return "handed over"
         assert left == []
@@ -601,14 +600,23 @@ def test_the_callers_queue_is_drained_once_its_calls_came_full_for_long(zoo, lon
             assert sorted(refused) == [0, 1] and not answered
             assert all(isinstance(e, QueueFullError) and "Exceeds maximum queue size" in str(e) for e in refused.values())
             return "refused"
-        for i, query in enumerate(queries):
+        for i, query in enumerate(self.queries):
             for name, rows in answered[i].items():
-                np.testing.assert_allclose(rows[0], model.reference(query)[name], atol=1e-4, rtol=0)
+                np.testing.assert_allclose(rows[0], self.model.reference(query)[name], atol=1e-4, rtol=0)
         return "served"
 
+
+def test_quick_batches_drain_the_callers_queue_once_its_calls_came_full_for_long(zoo) -> None:
+    """Where a bs_max batch passes quickly (not `Admission.long_passage`), calls that came full for
+    STANDING_SECONDS are refused whole, "Exceeds maximum queue size", until one comes that is not
+    full; after a drain, STANDING_WAIT of full calls drains again, until no call came full for
+    STANDING_SECONDS; nothing is handed over. The calls served meanwhile are answered inline, each
+    the model's."""
+    model = zoo.stages("token", 2)
+    now = [0.0]
+    call = _Calls(model)
     pipeline = make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1)
-    assert not pipeline.scheduler.admission.long_passage  # the test model's batches are quick ...
-    pipeline.scheduler.admission.long_passage = long_passage  # ... or as if a bs_max batch took long
+    assert not pipeline.scheduler.admission.long_passage  # the test model's batches are quick
     assert call(pipeline, True) == "served"
     now[0] += STANDING_SECONDS - 0.1
     assert call(pipeline, True) == "served"  # full, but not for long enough: a burst
@@ -624,12 +632,85 @@ def test_the_callers_queue_is_drained_once_its_calls_came_full_for_long(zoo, lon
     now[0] += STANDING_WAIT + 0.01
     assert call(pipeline, True) == "served"
     assert pipeline.stats.queue_full == 6 and pipeline.stats.caller_drains == 2
+    assert pipeline.stats.inline_handovers == 0
+
+
+def test_long_batches_hand_the_callers_queue_over_then_drain_it_once_overload_is_known(zoo) -> None:
+    """Where a bs_max batch's passage is long (`Admission.long_passage`), calls that came full
+    STANDING_CALLS times and for STANDING_WAIT are handed to the pipeline (its admission sees each
+    arrival; a burst is carried, not refused), until a call is not full. Once the pipeline's door
+    has shut (overload known), STANDING_WAIT of full calls drains: they are refused whole, "Exceeds
+    maximum queue size", until one comes that is not full; the next drain comes after STANDING_WAIT
+    again, until no call came full for STANDING_SECONDS, when full calls are handed over again.
+    The calls served meanwhile are answered inline, each the model's. A configured bound drains
+    nothing: its full calls are handed over, where that bound applies."""
+    model = zoo.stages("token", 2)
+    now = [0.0]
+    call = _Calls(model)
+    pipeline = make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1)
+    admission = pipeline.scheduler.admission
+    admission.long_passage = True  # as if a bs_max batch took long
+    assert call(pipeline, True) == "served"
+    now[0] += STANDING_WAIT - 0.1
+    assert call(pipeline, True) == "served"  # full, but not for long enough
+    now[0] += 0.2
+    assert [call(pipeline, True) for _ in range(2)] == ["handed over", "handed over"]  # the pipeline judges ...
+    assert call(pipeline, False) == "served"  # ... until a call is not full
+    assert pipeline.stats.caller_drains == 0 and pipeline.stats.queue_full == 0
+    # the pipeline's queue stood STANDING_SECONDS and a request would wait past STANDING_WAIT: its door shuts
+    assert admission.door_refusal(now[0], 10 ** 6, now[0] - STANDING_SECONDS - 0.1, idle=False) is not None
+    assert admission.door_refusal(now[0], 0, None, idle=True) is None  # the pipeline emptied: open again
+    assert call(pipeline, True) == "served"  # overload known: full calls stay here ...
+    now[0] += STANDING_WAIT + 0.01
+    assert [call(pipeline, True) for _ in range(2)] == ["refused", "refused"]  # ... and drain
+    assert call(pipeline, False) == "served"  # until a call is not full
+    assert call(pipeline, True) == "served"
+    now[0] += STANDING_WAIT + 0.01
+    assert call(pipeline, True) == "refused"  # still known: half a second of full calls drains again
+    assert call(pipeline, False) == "served"
+    now[0] += STANDING_SECONDS + 0.1  # no full call for that long: over
+    assert call(pipeline, True) == "served"
+    now[0] += STANDING_WAIT + 0.01
+    assert call(pipeline, True) == "handed over"
+    assert pipeline.stats.queue_full == 6 and pipeline.stats.caller_drains == 2
 
     configured = make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1,
                                 queue=QueuePolicy(max_queue_size=100))
+    assert not configured.scheduler.admission.long_passage  # quick batches too
     assert call(configured, True) == "served"
     now[0] += STANDING_SECONDS + 0.1
     assert call(configured, True) == "handed over"  # the user's bound applies in the pipeline
     assert configured.stats.inline_handovers == 1 and configured.scheduler.inline.handed_over
     assert call(configured, False) == "served" and not configured.scheduler.inline.handed_over
     assert configured.stats.queue_full == 0 and configured.stats.caller_drains == 0
+
+
+def test_with_one_pair_a_run_waits_for_the_pipeline_to_empty_and_is_served_inline(zoo) -> None:
+    """One buffer pair: the pipeline runs one batch at a time, more slowly than the fast path, so a
+    run that finds it busy waits for it to empty (`InlineHold.reserve`), then runs inline, rather
+    than queue behind it. The pipeline's batch is held in stage 0 (a gated engine) until the run
+    waits on the scheduler's progress; then both are answered, each the model's."""
+    model = zoo.stages("token", 2)
+    gated = GatedEngine(model.engines()[0])
+    rng = np.random.default_rng(5)
+    collector = Collector()
+    with make_scheduler(model, create_policy("input"), [gated, model.engines()[1]], num_buffer_pairs=1) as pipeline:
+        held = model.query(rng, length=3)
+        qid = pipeline.submit(held, collector)
+        gated.wait_started()
+        lone = [model.query(rng, length=4)]
+        result: dict[str, Any] = {}
+        runner = threading.Thread(target=lambda: result.setdefault("out", pipeline.run_inline(batch_of(lone))),
+                                  name="inline-caller")
+        runner.start()
+        progress, deadline = pipeline.scheduler.progress, time.monotonic() + 10
+        while not progress.waiters and time.monotonic() < deadline:  # until the run waits for the pipeline
+            time.sleep(0.001)
+        assert progress.waiters == 1
+        gated.open()
+        runner.join(10)
+        assert not runner.is_alive()
+        assert result["out"] is not None  # served inline, not left to the pipeline
+        assert_rows_match(model, lone, result["out"])
+        assert collector.wait_for([qid]) and collector.one(qid).ok
+        assert pipeline.stats.inline_queries == 1
