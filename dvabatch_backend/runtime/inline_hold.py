@@ -22,8 +22,12 @@ each call, whether it came full (the caller had at least a batch waiting). Three
 2. **Back to the fast path.** With one buffer pair the pipeline runs one batch at a time and carries
    a backlog more slowly than this path (the bench BERT, 16 clients: 43-47 queries a second
    against 47-52). So `reserve` waits (up to `STANDING_SECONDS`) for the pipeline to empty before a
-   run, and the next calls are served here, except while the pipeline judges an overload (its
-   queue stands, its door still open: the arrivals must reach it).
+   run, and the next calls are served here, except while the pipeline judges an overload: its
+   queue stands, its door is still open, and the caller's rows over the last `ARRIVALS_SECONDS`
+   came `OUTPACED` times faster than the fast path served full calls (`arrivals_outpace`; the
+   calls' rows are the arrivals once handed over, as `execute` returns at once). Without that last
+   condition a load the fast path carries stayed with the slower pipeline once handed over: the
+   bench BERT at 0.9x its sustained rate answered in 228-327 ms on the mean against 74-176.
 3. **Drained.** Once the door has shut, overload is known (`door_shut_at`; until no call has come
    full for `STANDING_SECONDS`): the pipeline empties (the door keeps its queue to `STANDING_WAIT`
    of work), the fast path serves at its own rate, and after `STANDING_WAIT` of full calls
@@ -54,6 +58,7 @@ cut, 69 / 46 ms with every call).
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .admission import STANDING_SECONDS, STANDING_WAIT
@@ -63,7 +68,32 @@ from .plan_checks import inline_batches
 if TYPE_CHECKING:
     from .scheduler import Scheduler
 
-STANDING_CALLS = 2  # full calls in a row that say the caller's queue stands (under a configured policy)
+STANDING_CALLS = 2  # full calls in a row that say the caller's queue stands
+ARRIVALS_SECONDS = STANDING_WAIT * 2  # the caller's arrival rate is counted over this long
+OUTPACED = 1.25  # arrivals this much faster than the fast path serves full calls: overload to judge
+_RATE_EWMA = 0.2  # weight of one full call's run in the fast path's rate
+
+
+class RateWindow:
+    """Rows counted over the last `seconds`: a rate (rows a second). One owner's lock guards it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._counts: deque[tuple[float, int]] = deque()
+        self._total = 0
+
+    def note(self, now: float, rows: int) -> None:
+        self._counts.append((now, rows))
+        self._total += rows
+        self._forget(now)
+
+    def rate(self, now: float) -> float:
+        self._forget(now)
+        return self._total / self.seconds
+
+    def _forget(self, now: float) -> None:
+        while self._counts and self._counts[0][0] <= now - self.seconds:
+            self._total -= self._counts.popleft()[1]
 
 
 class InlineHold:
@@ -73,6 +103,9 @@ class InlineHold:
         self._view = view
         self._ids = ids  # the scheduler's query ids: the planned rows get ids no real query has
         self.held = False
+        self._arrivals = RateWindow(ARRIVALS_SECONDS)  # the rows of the caller's calls
+        self._last_call_full = False  # whether the caller's last call came full
+        self._full_rate: float | None = None  # rows a second the fast path served full calls at (EWMA)
         self._full_calls = 0  # the caller's calls in a row that came full ...
         self._full_since = 0.0  # ... since the first of them
         # under a configured queue policy, the caller's queue stands and its calls go to the
@@ -89,13 +122,15 @@ class InlineHold:
         """Whether the fast path serves: the setting, and a policy that allows it."""
         return self._scheduler.settings.fast_path and type(self._policy).allows_inline()
 
-    def caller_backlog(self, full: bool) -> bool:
-        """One call of the caller, `full` or not (module docstring): whether its queue is drained
-        (`refusing`); True where its queue stands and the call's requests go to the pipeline
-        instead of the fast path (`handed_over`)."""
+    def caller_backlog(self, full: bool, rows: int = 1) -> bool:
+        """One call of the caller of `rows` rows, `full` or not (module docstring): whether its
+        queue is drained (`refusing`); True where its queue stands and the call's requests go to
+        the pipeline instead of the fast path (`handed_over`)."""
         s = self._scheduler
         with s.lock:
             now = s.clock()
+            self._arrivals.note(now, rows)
+            self._last_call_full = full
             if not full:
                 self._full_calls = 0
                 self.handed_over = self.refusing = False
@@ -132,10 +167,17 @@ class InlineHold:
         return self._known_at is not None
 
     def _pipeline_judges(self) -> bool:
-        """Whether the pipeline's admission is judging an overload: its queue stands and its door is
-        still open (arrivals must reach it). Under the lock."""
+        """Whether the pipeline's admission is judging an overload: its queue stands, its door is
+        still open, and the caller's calls bring rows faster than the fast path serves full calls
+        (arrivals must reach it). Under the lock."""
         s = self._scheduler
-        return s.queries.queue_since is not None and s.admission.door_since is None
+        return (s.queries.queue_since is not None and s.admission.door_since is None
+                and self.arrivals_outpace(s.clock()))
+
+    def arrivals_outpace(self, now: float) -> bool:
+        """Whether the caller's rows over the last `ARRIVALS_SECONDS` came `OUTPACED` times faster
+        than the fast path served full calls (True before it served one). Under the lock."""
+        return self._full_rate is None or self._arrivals.rate(now) > OUTPACED * self._full_rate
 
     def reserve(self, rows: int) -> bool:
         """Hold the pipeline for one run of `rows` rows, if it holds nothing (module docstring)."""
@@ -169,6 +211,9 @@ class InlineHold:
         s = self._scheduler
         with s.lock:
             self.held = False
+            if self._last_call_full and seconds and rows:
+                rate = rows / seconds
+                self._full_rate = rate if self._full_rate is None else self._full_rate + _RATE_EWMA * (rate - self._full_rate)
             stats = s.stats
             stats.inline_fallbacks += fell_back
             if seconds is not None and rows:

@@ -191,11 +191,12 @@ class Pipeline(WorkListener):
         by `run_inline_requests` when `several`. `answer(i, outputs)` for each request answered here;
         returns the others' indices, in order (all of them where it took none): those `cancelled`
         said were, and the rest for `submit_many`. `full`: the call came full (its caller had a
-        batch waiting); full calls for too long have the calls refused, `refuse(i, error)` for each
-        request, or under a configured queue policy sent to the pipeline (`InlineHold.caller_backlog`).
+        batch waiting); full calls for too long have the calls handed to the pipeline or refused,
+        `refuse(i, error)` for each request (`InlineHold.caller_backlog`).
         `between_batches()`: before each batch of several requests after the first."""
         hold = self.scheduler.inline
-        if self._fast_path is None or hold.caller_backlog(full):
+        rows = sum(next(iter(r.values())).shape[0] if r else 1 for r in requests)
+        if self._fast_path is None or hold.caller_backlog(full, rows):
             return list(range(len(requests)))
         if hold.refusing and refuse is not None:
             for i, error in enumerate(self.scheduler.refuse_caller_backlog(len(requests))):

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from dvabatch_backend.runtime.admission import STANDING_SECONDS, STANDING_WAIT
 from dvabatch_backend.runtime.errors import QueueFullError, StageFailedError
+from dvabatch_backend.runtime.inline_hold import ARRIVALS_SECONDS, RateWindow
 from dvabatch_backend.runtime.settings import QueuePolicy
 from dvabatch_backend.runtime.work import ExecutorState
 from policies import RandomLegalPolicy, create_policy
@@ -683,6 +684,36 @@ def test_long_batches_hand_the_callers_queue_over_then_drain_it_once_overload_is
     assert configured.stats.inline_handovers == 1 and configured.scheduler.inline.handed_over
     assert call(configured, False) == "served" and not configured.scheduler.inline.handed_over
     assert configured.stats.queue_full == 0 and configured.stats.caller_drains == 0
+
+
+def test_the_pipeline_judges_only_arrivals_that_outpace_the_fast_paths_full_calls(zoo) -> None:
+    """`InlineHold.arrivals_outpace`: the caller's rows over the last ARRIVALS_SECONDS against the rate
+    the fast path served full calls at (OUTPACED times it): a load the fast path carries (0.9x) goes
+    back to it, an overload (3x) stays with the pipeline's admission; before a full call was served,
+    the pipeline judges. The rate window forgets what is older than its span."""
+    window = RateWindow(1.0)
+    window.note(0.0, 4)
+    window.note(0.5, 6)
+    assert window.rate(0.9) == pytest.approx(10.0) and window.rate(1.2) == pytest.approx(6.0)
+    assert window.rate(3.0) == 0.0
+    model = zoo.stages("token", 2)
+    now = [0.0]
+    call = _Calls(model)
+    pipeline = make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1)
+    hold = pipeline.scheduler.inline
+    assert hold.arrivals_outpace(now[0])  # no full call served yet
+    assert call(pipeline, True) == "served"  # a full call of 2 rows, run ...
+    rate = hold._full_rate
+    assert rate is not None and rate > 0  # ... at the rate the fast path serves full calls
+    now[0] += 10.0
+    for _ in range(int(0.9 * rate * ARRIVALS_SECONDS)):  # 0.9x of that rate over the window, a row a call
+        hold.caller_backlog(False, 1)
+    assert not hold.arrivals_outpace(now[0])
+    for _ in range(int(2.1 * rate * ARRIVALS_SECONDS)):  # 3x
+        hold.caller_backlog(False, 1)
+    assert hold.arrivals_outpace(now[0])
+    now[0] += ARRIVALS_SECONDS + 0.01
+    assert not hold.arrivals_outpace(now[0])  # forgotten
 
 
 def test_with_one_pair_a_run_waits_for_the_pipeline_to_empty_and_is_served_inline(zoo) -> None:

@@ -37,9 +37,10 @@ NO_SPLIT = {1: 1 * MS, 2: 1.1 * MS, 4: 1.3 * MS, 8: 1.7 * MS}
 
 def context(num_stages: int = 4, bs_max: int = 8, max_length: int = 12,
             stage_times: Sequence[Mapping[int, float]] = (),
-            stage_times_by_length: Mapping[int, Sequence[Mapping[int, float]]] | None = None) -> PolicyContext:
+            stage_times_by_length: Mapping[int, Sequence[Mapping[int, float]]] | None = None,
+            num_buffer_pairs: int = 2) -> PolicyContext:
     by_length = {n: tuple(dict(s) for s in stages) for n, stages in (stage_times_by_length or {}).items()}
-    return PolicyContext(num_stages, bs_max, max_length, 2, tuple(dict(s) for s in stage_times),
+    return PolicyContext(num_stages, bs_max, max_length, num_buffer_pairs, tuple(dict(s) for s in stage_times),
                          stage_times_by_length=by_length)
 
 

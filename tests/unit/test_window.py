@@ -86,6 +86,19 @@ def test_the_window_grows_with_the_queue_but_never_past_the_upper_bound() -> Non
     assert window.go_at([QueryInfo(2, 5, 20 * MS)], table.view, now=20 * MS) == pytest.approx(21 * MS)  # a recheck
 
 
+def test_with_one_pair_the_upper_bound_is_a_batchs_passage_at_bs_max() -> None:
+    """One buffer pair: the entry is busy while a batch passes every stage, so the paper's window
+    (stage 0's time at bs_max) is read as the entry's: here 4 stages of 8 ms. Held that long, the
+    queries that arrive behind a batch form the next one, instead of a batch each in stage 0's queue."""
+    serial = AdaptiveWindow.from_context(context(stage_times=LINEAR, num_buffer_pairs=1), UPPER)
+    assert serial.serial and serial.upper == pytest.approx(4 * UPPER)
+    assert AdaptiveWindow.from_context(context(stage_times=LINEAR), UPPER).upper == pytest.approx(UPPER)
+    assert AdaptiveWindow.from_context(context(num_buffer_pairs=1), 0.0).upper == 0.0  # no profile: no wait
+    table = busy_table()
+    serial.released(8, 5, 0.0)  # the entry is expected free after the batch's passage: 32 ms
+    assert serial.go_at([QueryInfo(1, 5, 0.0)], table.view, now=1 * MS) == pytest.approx(4 * UPPER)
+
+
 def test_stage0_slower_than_its_profile_is_looked_at_again_within_the_bound() -> None:
     window = AdaptiveWindow.from_context(context(stage_times=LINEAR), UPPER)
     assert window.recheck == pytest.approx(1 * MS)  # stage 0 at one query
