@@ -607,6 +607,22 @@ class _Calls:
         return "served"
 
 
+def _drains_until_forgotten(call: _Calls, pipeline, now: list[float], then: str) -> None:
+    """From a full call due to drain: two calls refused whole, until one is not full; with overload
+    known, STANDING_WAIT of full calls drains again; no full call for STANDING_SECONDS forgets it,
+    and STANDING_WAIT of full calls then gives `then` (where the first phase leads)."""
+    assert [call(pipeline, True) for _ in range(2)] == ["refused", "refused"]  # drained ...
+    assert call(pipeline, False) == "served"  # ... until a call is not full
+    assert call(pipeline, True) == "served"
+    now[0] += STANDING_WAIT + 0.01
+    assert call(pipeline, True) == "refused"  # the overload is known: half a second of full calls
+    assert call(pipeline, False) == "served"
+    now[0] += STANDING_SECONDS + 0.1  # no full call for that long: over
+    assert call(pipeline, True) == "served"
+    now[0] += STANDING_WAIT + 0.01
+    assert call(pipeline, True) == then
+
+
 def test_quick_batches_drain_the_callers_queue_once_its_calls_came_full_for_long(zoo) -> None:
     """Where a bs_max batch passes quickly (not `Admission.long_passage`), calls that came full for
     STANDING_SECONDS are refused whole, "Exceeds maximum queue size", until one comes that is not
@@ -622,16 +638,7 @@ def test_quick_batches_drain_the_callers_queue_once_its_calls_came_full_for_long
     now[0] += STANDING_SECONDS - 0.1
     assert call(pipeline, True) == "served"  # full, but not for long enough: a burst
     now[0] += 0.2
-    assert [call(pipeline, True) for _ in range(2)] == ["refused", "refused"]  # drained ...
-    assert call(pipeline, False) == "served"  # ... until a call is not full
-    assert call(pipeline, True) == "served"
-    now[0] += STANDING_WAIT + 0.01
-    assert call(pipeline, True) == "refused"  # the overload is known: half a second of full calls
-    assert call(pipeline, False) == "served"
-    now[0] += STANDING_SECONDS + 0.1  # no full call for that long: over
-    assert call(pipeline, True) == "served"
-    now[0] += STANDING_WAIT + 0.01
-    assert call(pipeline, True) == "served"
+    _drains_until_forgotten(call, pipeline, now, then="served")
     assert pipeline.stats.queue_full == 6 and pipeline.stats.caller_drains == 2
     assert pipeline.stats.inline_handovers == 0
 
@@ -663,16 +670,7 @@ def test_long_batches_hand_the_callers_queue_over_then_drain_it_once_overload_is
     assert admission.door_refusal(now[0], 0, None, idle=True) is None  # the pipeline emptied: open again
     assert call(pipeline, True) == "served"  # overload known: full calls stay here ...
     now[0] += STANDING_WAIT + 0.01
-    assert [call(pipeline, True) for _ in range(2)] == ["refused", "refused"]  # ... and drain
-    assert call(pipeline, False) == "served"  # until a call is not full
-    assert call(pipeline, True) == "served"
-    now[0] += STANDING_WAIT + 0.01
-    assert call(pipeline, True) == "refused"  # still known: half a second of full calls drains again
-    assert call(pipeline, False) == "served"
-    now[0] += STANDING_SECONDS + 0.1  # no full call for that long: over
-    assert call(pipeline, True) == "served"
-    now[0] += STANDING_WAIT + 0.01
-    assert call(pipeline, True) == "handed over"
+    _drains_until_forgotten(call, pipeline, now, then="handed over")
     assert pipeline.stats.queue_full == 6 and pipeline.stats.caller_drains == 2
 
     configured = make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1,
