@@ -196,12 +196,12 @@ class FastPath:
         gather_rows(sources, views[0], self._manifest.inputs)
         return self._through_engines(views), length
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    def run(self, inputs: Mapping[str, np.ndarray], wait: bool = True) -> dict[str, np.ndarray] | None:
         """The model's outputs for `inputs` (every input [rows, ...], batch axis first), or None when
         the rows must go the usual way: not well-formed or not one batch, the pipeline not empty, or
-        the run failed."""
+        the run failed. `wait`: a busy pipeline with one buffer pair is waited for (`InlineHold.reserve`)."""
         shape = self._check(inputs, self._scheduler.bs_max)
-        if shape is None or not self._scheduler.inline.reserve(shape[0]):
+        if shape is None or not self._scheduler.inline.reserve(shape[0], wait):
             return None
         began = time.perf_counter()
         outputs = None

@@ -22,7 +22,8 @@ each call, whether it came full (the caller had at least a batch waiting). Three
 2. **Back to the fast path.** With one buffer pair the pipeline runs one batch at a time and carries
    a backlog more slowly than this path (the bench BERT, 16 clients: 43-47 queries a second
    against 47-52). So `reserve` waits (up to `STANDING_SECONDS`) for the pipeline to empty before a
-   run, and the next calls are served here, except while the pipeline judges an overload: its
+   run (not a run whose rows carry a deadline: the pipeline keeps deadlines), and the next calls
+   are served here, except while the pipeline judges an overload: its
    queue stands, its door is still open, and the caller's rows over the last `ARRIVALS_SECONDS`
    came `OUTPACED` times faster than the fast path served full calls (`arrivals_outpace`; the
    calls' rows are the arrivals once handed over, as `execute` returns at once). Without that last
@@ -179,11 +180,12 @@ class InlineHold:
         than the fast path served full calls (True before it served one). Under the lock."""
         return self._full_rate is None or self._arrivals.rate(now) > OUTPACED * self._full_rate
 
-    def reserve(self, rows: int) -> bool:
-        """Hold the pipeline for one run of `rows` rows, if it holds nothing (module docstring)."""
+    def reserve(self, rows: int, wait: bool = True) -> bool:
+        """Hold the pipeline for one run of `rows` rows, if it holds nothing (module docstring);
+        `wait`: with one buffer pair, for a busy pipeline to empty first."""
         s = self._scheduler
         with s.lock:
-            if not s.admission.overlapping and not self.held and not self._pipeline_judges():
+            if wait and not s.admission.overlapping and not self.held and not self._pipeline_judges():
                 # one pair: the pipeline runs one batch at a time, more slowly than this path; let
                 # it empty, then serve here (module docstring)
                 s.wait_for_nothing_held(STANDING_SECONDS)

@@ -163,12 +163,13 @@ class Pipeline(WorkListener):
     def refuse_at_door(self, requests: int) -> list[QueryError]:
         return self.scheduler.refuse_at_door(requests)
 
-    def run_inline(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    def run_inline(self, inputs: Mapping[str, np.ndarray], wait: bool = True) -> dict[str, np.ndarray] | None:
         """The fast path (runtime/fast_path.py): the model's outputs for a batch of rows in the model's
         layout, run at once on this thread while the pipeline holds nothing; None when the rows must
         be submitted instead (the fast path is off, the pipeline busy, the rows not one batch, or the
-        run failed)."""
-        return None if self._fast_path is None else self._fast_path.run(inputs)
+        run failed). `wait`: with one buffer pair, wait for a busy pipeline to empty first
+        (`InlineHold.reserve`); not for rows whose deadline the pipeline keeps."""
+        return None if self._fast_path is None else self._fast_path.run(inputs, wait)
 
     def run_inline_requests(self, requests: Sequence[Mapping[str, np.ndarray]],
                             answer: Callable[[int, dict[str, np.ndarray]], None],
@@ -203,7 +204,7 @@ class Pipeline(WorkListener):
                 refuse(i, error)
             return []
         if len(requests) == 1:
-            outputs = self.run_inline(requests[0])
+            outputs = self.run_inline(requests[0], wait=several)  # not several: a deadline, the pipeline's
             if outputs is None:
                 return [0]
             answer(0, outputs)

@@ -717,8 +717,9 @@ def test_the_pipeline_judges_only_arrivals_that_outpace_the_fast_paths_full_call
 def test_with_one_pair_a_run_waits_for_the_pipeline_to_empty_and_is_served_inline(zoo) -> None:
     """One buffer pair: the pipeline runs one batch at a time, more slowly than the fast path, so a
     run that finds it busy waits for it to empty (`InlineHold.reserve`), then runs inline, rather
-    than queue behind it. The pipeline's batch is held in stage 0 (a gated engine) until the run
-    waits on the scheduler's progress; then both are answered, each the model's."""
+    than queue behind it; one whose rows have a deadline (`wait=False`) goes to the pipeline at
+    once. The pipeline's batch is held in stage 0 (a gated engine) until the run waits on the
+    scheduler's progress; then both are answered, each the model's."""
     model = zoo.stages("token", 2)
     gated = GatedEngine(model.engines()[0])
     rng = np.random.default_rng(5)
@@ -728,6 +729,7 @@ def test_with_one_pair_a_run_waits_for_the_pipeline_to_empty_and_is_served_inlin
         qid = pipeline.submit(held, collector)
         gated.wait_started()
         lone = [model.query(rng, length=4)]
+        assert pipeline.run_inline(batch_of(lone), wait=False) is None  # rows with a deadline: not waited
         result: dict[str, Any] = {}
         runner = threading.Thread(target=lambda: result.setdefault("out", pipeline.run_inline(batch_of(lone))),
                                   name="inline-caller")
