@@ -109,8 +109,8 @@ class InlineHold:
         self._full_rate: float | None = None  # rows a second the fast path served full calls at (EWMA)
         self._full_calls = 0  # the caller's calls in a row that came full ...
         self._full_since = 0.0  # ... since the first of them
-        # under a configured queue policy, the caller's queue stands and its calls go to the
-        # pipeline: a backlog, whose batches the scheduler keeps at the backlog's size (admission.py)
+        # the caller's queue stands and its calls go to the pipeline (module docstring, step 1): a
+        # backlog, whose batches the scheduler keeps at the backlog's size (admission.py)
         self.handed_over = False
         # the caller's queue is drained (module docstring): its calls are refused while set
         self.refusing = False
