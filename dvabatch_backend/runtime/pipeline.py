@@ -19,7 +19,7 @@ from .engine import StageEngine
 from .executor import BatchWindow, StageExecutor
 from .fast_path import FastPath
 from .manifest import Manifest
-from .query import Reply
+from .query import Reply, request_rows
 from .admission import Admission
 from .batch_table import TableSnapshot
 from .buffers import BufferState, MemoryFactory
@@ -196,8 +196,7 @@ class Pipeline(WorkListener):
         `refuse(i, error)` for each request (`InlineHold.caller_backlog`).
         `between_batches()`: before each batch of several requests after the first."""
         hold = self.scheduler.inline
-        rows = sum(next(iter(r.values())).shape[0] if r else 1 for r in requests)
-        if self._fast_path is None or hold.caller_backlog(full, rows):
+        if self._fast_path is None or hold.caller_backlog(full, sum(request_rows(requests))):
             return list(range(len(requests)))
         if hold.refusing and refuse is not None:
             for i, error in enumerate(self.scheduler.refuse_caller_backlog(len(requests))):

@@ -101,6 +101,12 @@ def _specs_by_name(specs: tuple[TensorSpec, ...]) -> dict[str, TensorSpec]:
     return {t.name: t for t in specs}
 
 
+def request_rows(requests: Sequence[Mapping[str, np.ndarray]]) -> list[int]:
+    """The rows of each request (its first input's batch axis; 1 for a request without inputs): the
+    fast path's and the Triton adapter's one count of a call's size."""
+    return [next(iter(r.values())).shape[0] if r else 1 for r in requests]
+
+
 def read_query(query_id: int, inputs: Mapping[str, np.ndarray], manifest: Manifest, arrival: float,
                reply: Reply) -> Query | BadInputError:
     """One arrived query, or why its inputs are bad (inputs that are not even tensors included: still

@@ -43,7 +43,7 @@ import triton_python_backend_utils as pb_utils
 from ..runtime.errors import BadInputError, CancelledError, QueryError, RefusedError, ShuttingDownError
 from ..runtime.engine import SPINNING
 from ..runtime.manifest import Manifest
-from ..runtime.query import Answer
+from ..runtime.query import Answer, request_rows
 from ..runtime.loading import load_pipeline
 from ..runtime.pipeline import Pipeline
 from ..runtime.settings import (ENGINES, EVERY_CORE, SIMULATED, QueuePolicy, RuntimeSettings, SloPolicy,
@@ -473,7 +473,7 @@ class TritonPythonModel:
     def _came_full(self, tensors: list[dict[str, np.ndarray]]) -> bool:
         """Whether Triton's batcher handed over a full batch: the next request of the largest size
         here would not have fitted its max_batch_size (`InlineHold.caller_backlog` says why it counts)."""
-        rows = [next(iter(t.values())).shape[0] if t else 1 for t in tensors]
+        rows = request_rows(tensors)
         return bool(self._call_capacity) and sum(rows) + max(rows) > self._call_capacity
 
     def _response(self, outputs: Mapping[str, np.ndarray]) -> Any:
