@@ -4,7 +4,9 @@
         [--param fast_path=false] [--out work/profile]
 
 One tritonserver serves the sliced model folder (its config.pbtxt as written, plus any `--param`)
-beside its ZeroBatch; perf_analyzer drives each in turn at `--clients` (closed loop), or with
+beside its ZeroBatch, twice: onnxruntime's threads asleep between runs, and spinning as they do by
+default (`ZeroBatch-spin`: a user's own model; spinning costs CPU between queries that the first
+does not spend); perf_analyzer drives each in turn at `--clients` (closed loop), or with
 `--rate` at that many Poisson arrivals a second (open loop), while py-spy
 samples that model's stub (every thread; a thread waiting in a lock, event or queue is idle and left
 out). Each sample is charged to one part of
@@ -83,7 +85,7 @@ def profile(model_dir: Path, clients: int, seconds: float, preset: str, params: 
     from dvabatch_backend.tools.serve import TritonServer
     from perf.load.perf_analyzer import ensure_system_deps, run_perf_analyzer
     from slicer.model_config import with_parameters
-    from perf.compare.by_perf_analyzer import (DVA, ZERO, build_repository, failure_counts, stub_pid,
+    from perf.compare.by_perf_analyzer import (DVA, build_repository, failure_counts, stub_pid,
                                                  write_queries)
 
     ensure_system_deps()
@@ -93,15 +95,14 @@ def profile(model_dir: Path, clients: int, seconds: float, preset: str, params: 
                   if rate else {"concurrency_range": (clients,)})
     with tempfile.TemporaryDirectory(prefix="dvabatch-served-profile-") as tmp:
         scratch = Path(tmp)
-        names = build_repository(scratch / "repo", model_dir, delay_batch_too=False)
+        names = build_repository(scratch / "repo", model_dir, delay_batch_too=False, spinning=True)
         config = scratch / "repo" / names[DVA] / "config.pbtxt"
         config.write_text(with_parameters(config.read_text(), params))
         data = write_queries(scratch / "input_data.json", model_dir, {}, preset)
         with TritonServer(scratch / "repo") as server:
             for name in names.values():
                 server.wait_model_ready(name, timeout=300)
-            for label in (DVA, ZERO):
-                model = names[label]
+            for label, model in names.items():
                 run_perf_analyzer(model, server.grpc_url, protocol="grpc", input_data=data,
                                   **load, measurement_interval_ms=500,
                                   stability_percentage=1000.0, max_trials=3)  # warm-up

@@ -57,7 +57,8 @@ def test_large_model_without_serving(tmp_path: Path) -> None:
                     reason="py-spy is not installed")
 def test_served_profile(bert_dir: Path, tmp_path: Path) -> None:
     out = run("perf.costs.served_profile", str(bert_dir), "--clients", "2", "--seconds", "1", "--out", str(tmp_path))
-    assert "DVABatch" in out and "ZeroBatch" in out and (tmp_path / "served_profile.json").is_file()
+    assert "DVABatch" in out and "ZeroBatch (" in out and "ZeroBatch-spin (" in out
+    assert (tmp_path / "served_profile.json").is_file()
 
 
 @pytest.mark.server
