@@ -29,6 +29,7 @@ Only this module imports `triton_python_backend_utils`; the runtime does not.
 """
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -427,6 +428,12 @@ class TritonPythonModel:
         self._cancel_watch = _CancelWatch(self._scheduler)
         self._metrics = StageMetrics(self._scheduler, args["model_name"])
         self._metrics.loaded(load_seconds, device_bytes)
+        # what loading left lives as long as the stub (which exits on unload): kept out of the
+        # collector's full sweeps, which walk every object the loaded model holds (28k, 5.5 ms each
+        # on the residual MLP); at 2 clients that model served 0.85x the spinning ZeroBatch's rate
+        # without it, 0.93x with it (alternating runs, one server each)
+        gc.collect()
+        gc.freeze()
         admission = self._scheduler.admission
         budgets = ", ".join(f"{b * 1000:.1f}" for b in admission.stage_budgets())
         pb_utils.Logger.log_info(
