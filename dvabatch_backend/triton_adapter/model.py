@@ -5,6 +5,9 @@ pipeline holds nothing, the requests of one `execute` call run on the fast path:
 thread, in the batches the policy makes of them (runtime/fast_path.py; parameter `fast_path`,
 default true), their responses returned from `execute` (a send per request from this thread cost
 more throughput than answering short ones first gained: measured on the small encoder).
+Where the model runs on a device (a GPU, or its stand-in), `execute` instead hands the call to a
+thread of its own and returns (`CallHandoff`, parameter `hand_off_calls`, on by default there): the
+host reads the next call while the device runs, and answers leave by response sender.
 Calls that come full (Triton's batcher had max_batch_size rows waiting) say Triton's own queue,
 which the runtime's admission cannot see, is not draining: they go the pipeline's way
 (`InlineHold.caller_backlog`), so overload meets the runtime's bound and is refused.
@@ -22,7 +25,7 @@ bs_max (the manifest's), thread_pool (per_stage), threads_per_stage (0: every av
 (the unsliced model's on, the stages' in_run), engine (onnxruntime, torch, or simulated: the GPU
 stand-in, with device_profile, a file in the version folder or an absolute path),
 device, run_on, fast_path, cuda_graphs (true), device_buffers (true),
-entry_waits_for_device (true), engine_wrapper; Triton's
+entry_waits_for_device (true), hand_off_calls (true on a device), engine_wrapper; Triton's
 queue policy (max_queue_size, default_timeout_microseconds, allow_timeout_override,
 timeout_action); a latency target (slo_ms, slo_action); and policy parameters prefixed "policy.".
 Only this module imports `triton_python_backend_utils`; the runtime does not.
@@ -36,7 +39,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -50,6 +53,7 @@ from ..runtime.pipeline import Pipeline
 from ..runtime.settings import (ENGINES, EVERY_CORE, SIMULATED, QueuePolicy, RuntimeSettings, SloPolicy,
                                 default_buffer_pairs)
 from . import parameters
+from .handoff import CallHandoff, HandedCall
 from .metrics import StageMetrics
 
 
@@ -60,6 +64,7 @@ class AdapterSettings:
     policy_params: dict[str, str]
     runtime: RuntimeSettings
     engine_wrapper: str | None = None  # "file.py:name" or "module:name": wraps each stage's engine
+    hand_off_calls: bool = False  # execute hands fast-path calls to a thread of their own (`CallHandoff`)
 
 
 # every parameter the adapter reads (besides policy.*), with how it is parsed
@@ -79,6 +84,7 @@ _PARSERS: dict[str, parameters.Parser] = {
     "cuda_graphs": parameters.boolean,
     "device_buffers": parameters.boolean,
     "entry_waits_for_device": parameters.boolean,
+    "hand_off_calls": parameters.boolean,
     "engine_wrapper": parameters.text,
     # Triton's default_queue_policy, under the names its config uses
     "max_queue_size": parameters.integer(0),
@@ -142,7 +148,13 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path,
     )
     policy_params = {k[len("policy."):]: v for k, v in params.items() if k.startswith("policy.")}
     return AdapterSettings(manifest, values.get("policy", "pipelined"), policy_params, runtime,
-                           values.get("engine_wrapper"))
+                           values.get("engine_wrapper"), values.get("hand_off_calls", runs_on_device(runtime)))
+
+
+def runs_on_device(runtime: RuntimeSettings) -> bool:
+    """Whether the model's work runs on a device beside the host (a GPU, or its stand-in), where a
+    batch leaves the host free while it runs: the default of `hand_off_calls`."""
+    return runtime.engine == SIMULATED or (runtime.engine == "torch" and runtime.device == "cuda")
 
 
 # The pytriton wheel's backend stub (python_backend 24.10) reads a numpy dtype's item size with a
@@ -184,6 +196,13 @@ class _Responder:
 
     def submit(self, answer: "_RequestAnswer") -> None:
         future = self._pool.submit(_send, answer)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._done)
+
+    def submit_send(self, request: Any, response: Callable[[], Any]) -> None:
+        """Build `request`'s response (`response()`) and send it, on the pool."""
+        future = self._pool.submit(lambda: TritonPythonModel._send(request, response()))
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._done)
@@ -397,6 +416,20 @@ def _request_timeout_us(request: Any) -> int | None:
     return timeout or None
 
 
+def _split_rows(arrays: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """One dict of tensors per row of a request's inputs (each row copied)."""
+    counts = {name: arr.shape[0] if arr.ndim else 0 for name, arr in arrays.items()}
+    if len(set(counts.values())) != 1 or 0 in counts.values():
+        raise ValueError(f"inputs disagree on the number of rows: {counts}")
+    k = next(iter(counts.values()))
+    return [{name: np.array(arr[i], copy=True) for name, arr in arrays.items()} for i in range(k)]
+
+
+def _owned(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A request's inputs copied out of its memory, which lives only while `execute` runs."""
+    return {name: np.array(array) for name, array in tensors.items()}
+
+
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         from policies import load_object, load_policy
@@ -425,6 +458,8 @@ class TritonPythonModel:
         self._answers_early = self._scheduler.admission.long_passage
         self._call_capacity = _call_capacity(config)
         self._responder = _Responder()
+        self._handoff = (CallHandoff(self._run_handed, self._scheduler.bs_max)
+                         if self._fast_path and settings.hand_off_calls else None)
         self._cancel_watch = _CancelWatch(self._scheduler)
         self._metrics = StageMetrics(self._scheduler, args["model_name"])
         self._metrics.loaded(load_seconds, device_bytes)
@@ -452,29 +487,64 @@ class TritonPythonModel:
         if self._fast_path:
             tensors = [self._inputs(request) for request in requests]
             if all(t is not None for t in tensors):
-                done: dict[int, Any] = {}
-                # several only without deadlines: later batches wait for earlier ones, so deadlines
-                # stay the pipeline's to keep
-                several = self._inline_many and not any(_request_timeout_us(r) for r in requests)
-                cancelled: set[int] = set()  # requests Triton reports cancelled while they waited for a batch
-
-                def send_done() -> None:  # a later batch is about to run: the answers so far leave now
-                    for i in list(done):
-                        self._send(requests[i], done.pop(i))
-
-                left = self._scheduler.run_inline_group(  # type: ignore[arg-type]
-                    tensors, lambda i, out: done.__setitem__(i, self._response(out)), several,
-                    lambda i: _is_cancelled(requests[i], i, cancelled), self._came_full(tensors),  # type: ignore[arg-type]
-                    lambda i, error: done.__setitem__(i, _error_response(error)),
-                    send_done if self._answers_early else None)
-                if not left and len(done) == len(requests):  # all answered here: returned by execute
-                    return [done[i] for i in range(len(requests))]
-                for i, response in done.items():  # a batch failed (or answers went early): the rest the usual way
-                    self._send(requests[i], response)
-                for i in cancelled:
-                    self._send(requests[i], _cancelled_response())
-                requests = [requests[i] for i in left if i not in cancelled]
+                full = self._came_full(tensors)  # type: ignore[arg-type]
+                if self._handoff is not None and self._handoff.put(
+                        HandedCall(requests, [_owned(t) for t in tensors], full)):  # type: ignore[arg-type]
+                    return None  # answered by the hand-off's thread: Triton sends the next call meanwhile
+                return self._inline(requests, tensors, full, send_each=False)  # type: ignore[arg-type]
         self._submit(requests)
+        return None
+
+    def _run_handed(self, calls: list[HandedCall]) -> None:
+        """The hand-off's calls (`CallHandoff`) as one group on the fast path, each answer sent as
+        its batch ends; what the fast path does not take goes to the pipeline."""
+        requests = [r for call in calls for r in call.requests]
+        try:
+            self._inline(requests, [t for call in calls for t in call.tensors], any(c.full for c in calls),
+                         send_each=True)
+        except Exception as exc:  # noqa: BLE001 - every request gets an answer; those answered already refuse a second
+            pb_utils.Logger.log_error(f"dvabatch: a handed-off call failed: {exc}")
+            error = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"dvabatch: {exc}", pb_utils.TritonError.INTERNAL))
+            for request in requests:
+                self._send(request, error, quiet=True)
+
+    def _inline(self, requests: list[Any], tensors: list[dict[str, np.ndarray]], full: bool,
+                send_each: bool) -> list[Any] | None:
+        """`requests` (their inputs `tensors`) on the fast path where it takes them. Not `send_each`:
+        where every request was answered here their responses are returned, in order (execute
+        returns them: one message); else each is sent, and the rest handed to the pipeline."""
+        done: dict[int, Any] = {}
+        # several only without deadlines: later batches wait for earlier ones, so deadlines
+        # stay the pipeline's to keep
+        several = self._inline_many and not any(_request_timeout_us(r) for r in requests)
+        cancelled: set[int] = set()  # requests Triton reports cancelled while they waited for a batch
+
+        def answer(i: int, response: Callable[[], Any]) -> None:
+            if send_each and self._handoff is not None and self._handoff.waiting():
+                # built and sent by the responder's threads: this one runs the next call's batch
+                self._responder.submit_send(requests[i], response)
+            elif send_each:  # no call waits for this thread: no other thread to wake
+                self._send(requests[i], response())
+            else:
+                done[i] = response()
+
+        def send_done() -> None:  # a later batch is about to run: the answers so far leave now
+            for i in list(done):
+                self._send(requests[i], done.pop(i))
+
+        left = self._scheduler.run_inline_group(  # type: ignore[arg-type]
+            tensors, lambda i, out: answer(i, lambda: self._response(out)), several,
+            lambda i: _is_cancelled(requests[i], i, cancelled), full,
+            lambda i, error: answer(i, lambda: _error_response(error)),
+            send_done if self._answers_early and not send_each else None)
+        if not send_each and not left and len(done) == len(requests):  # all answered here: returned by execute
+            return [done[i] for i in range(len(requests))]
+        for i, response in done.items():  # a batch failed (or answers went early): the rest the usual way
+            self._send(requests[i], response)
+        for i in cancelled:
+            self._send(requests[i], _cancelled_response())
+        rest = [i for i in left if i not in cancelled]
+        self._submit([requests[i] for i in rest], [tensors[i] for i in rest])
         return None
 
     def _came_full(self, tensors: list[dict[str, np.ndarray]]) -> bool:
@@ -488,19 +558,22 @@ class TritonPythonModel:
             output_tensor(name, self._served_layout(name, rows)) for name, rows in outputs.items()])
 
     @staticmethod
-    def _send(request: Any, response: Any) -> None:
-        """Send a response the fast path made, when others of its `execute` call go the usual way."""
+    def _send(request: Any, response: Any, quiet: bool = False) -> None:
+        """Send a response the fast path made, when it is not returned by `execute`. `quiet`: a
+        failure is not logged (an error sent where an answer may have left already)."""
         try:
             request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as exc:  # noqa: BLE001 - a client gone: its answer was given, and is lost alone
-            pb_utils.Logger.log_error(f"dvabatch: sending a response failed: {exc}")
+            if not quiet:
+                pb_utils.Logger.log_error(f"dvabatch: sending a response failed: {exc}")
 
-    def _submit(self, requests: list[Any]) -> None:
-        """Hand each request's rows to the scheduler; answered through its response sender."""
-        for request in requests:
+    def _submit(self, requests: list[Any], tensors: list[dict[str, np.ndarray]] | None = None) -> None:
+        """Hand each request's rows to the scheduler; answered through its response sender.
+        `tensors`: the requests' inputs, read already (else read here, while `execute` runs)."""
+        for k, request in enumerate(requests):
             sender = request.get_response_sender()
             try:
-                rows = self._rows(request)
+                rows = self._rows(request) if tensors is None else _split_rows(tensors[k])
             except ValueError as exc:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -534,14 +607,12 @@ class TritonPythonModel:
             if tensor is None:
                 raise ValueError(f"missing input {spec.name!r}; the model expects {[t.name for t in self._manifest.inputs]}")
             arrays[spec.name] = input_array(tensor)
-        counts = {name: arr.shape[0] if arr.ndim else 0 for name, arr in arrays.items()}
-        if len(set(counts.values())) != 1 or 0 in counts.values():
-            raise ValueError(f"inputs disagree on the number of rows: {counts}")
-        k = next(iter(counts.values()))
-        return [{name: np.array(arr[i], copy=True) for name, arr in arrays.items()} for i in range(k)]
+        return _split_rows(arrays)
 
     def finalize(self) -> None:
         """Answer what is in flight ("shutting down") and join every thread the model started."""
+        if self._handoff is not None:
+            self._handoff.close()  # runs the calls handed to it first
         self._cancel_watch.close()
         self._scheduler.stop()  # its last answers go to the responder, which sends them before it ends
         self._responder.close()

@@ -4,13 +4,19 @@ stand-in's engine, ZeroBatch and a DelayBatch beside it on the same engine. With
 that has the values computed, every system answers concurrent queries of mixed lengths as the
 unsliced model; the dvabatch model re-profiled its CPU-profiled stages on the stand-in at load and
 kept the times beside its manifest, and its metrics give the device's time of the work it ran (from
-the stand-in's events, as from CUDA's on a GPU)."""
+the stand-in's events, as from CUDA's on a GPU). On a device the adapter hands each call to a thread
+of its own (`hand_off_calls`, on by default there): a request the fast path does not take (longer
+than any profiled length) goes from that thread to the pipeline and gets its own error, while the
+queries sent with it are answered as the unsliced model."""
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import replace
 
 import numpy as np
+import pytest
+from tritonclient.utils import InferenceServerException
 
 from dvabatch_backend.tools.serve import TritonServer
 from perf.compare.on_device import build_repository
@@ -32,6 +38,7 @@ def test_a_model_and_its_baselines_served_on_the_stand_in_answer_as_the_unsliced
     systems = build_repository(repo, base.version_dir.parent, "simulated", str(profile), delays_us=(500,))
     written = parameters((repo / systems["DVABatch"] / "config.pbtxt").read_text())
     assert (written["engine"], written["device_profile"]) == ("simulated", str(profile))
+    assert "hand_off_calls" not in written  # the device's default, not a setting
     with TritonServer(repo) as server:
         for name in systems.values():
             server.wait_model_ready(name, timeout=180)
@@ -42,6 +49,7 @@ def test_a_model_and_its_baselines_served_on_the_stand_in_answer_as_the_unsliced
             model: ServedModel = replace(base, name=name)
             work = [(mode, model.query(rng)) for mode in modes for _ in range(3)]  # 12 queries, mixed lengths
             assert unequal_answers(modes, model, work, rtol=1e-3) == [], name
+        _over_long_beside_good_queries(clients, replace(base, name=systems["DVABatch"]), rng)
         device_seconds = settle(lambda: _device_seconds(scrape(server.metrics_url), systems["DVABatch"]),
                                 lambda seconds: seconds > 0, timeout=10)
         assert device_seconds > 0, "no device time in the dvabatch model's metrics"
@@ -56,3 +64,18 @@ def _device_seconds(snapshot: dict, model: str) -> float:
     """The device time the model's metrics report: its stages' and its fast path's."""
     names = ("dvabatch_stage_device_seconds_total", "dvabatch_fast_path_device_seconds_total")
     return sum(v for (name, m, _), v in snapshot.items() if name in names and m == model)
+
+
+def _over_long_beside_good_queries(clients: Clients, model: ServedModel, rng: np.random.Generator) -> None:
+    """An over-long request sent among good ones: it alone gets an error, naming its length."""
+    longest = model.manifest.max_length
+    too_long = {name: np.ones(longest + 8, np.int64) for name in ("input_ids", "attention_mask")}
+    modes = clients.modes()
+    work = [(mode, model.query(rng)) for mode in modes for _ in range(2)]
+    failures: list[str] = []
+    good = threading.Thread(target=lambda: failures.extend(unequal_answers(modes, model, work, rtol=1e-3)))
+    good.start()
+    with pytest.raises(InferenceServerException, match=f"length {longest + 8}, longer than the largest profiled"):
+        clients.grpc_sync(model.name, too_long)
+    good.join(60)
+    assert not good.is_alive() and failures == []

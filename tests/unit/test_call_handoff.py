@@ -1,0 +1,88 @@
+"""The hand-off of `execute` calls to a thread of their own (triton_adapter/handoff.py), ordered by
+gates: each call runs exactly once, in order; calls that came while one ran are run together up to
+the limit; `put` waits while a batch's rows already wait; `close` runs what was handed over first."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from dvabatch_backend.triton_adapter.handoff import CallHandoff, HandedCall
+
+
+def call(name: str, rows: int = 1) -> HandedCall:
+    return HandedCall([name], [{"x": np.zeros((rows, 2), np.float32)}], full=False)
+
+
+class GatedRun:
+    """The hand-off's `run`: records each group of calls, and waits at a gate before returning."""
+
+    def __init__(self) -> None:
+        self.groups: list[list[str]] = []
+        self.entered = threading.Semaphore(0)
+        self.gate = threading.Semaphore(0)
+
+    def __call__(self, calls: list[HandedCall]) -> None:
+        self.groups.append([c.requests[0] for c in calls])
+        self.entered.release()
+        assert self.gate.acquire(timeout=30)
+
+
+def test_calls_that_came_while_one_ran_run_together_up_to_the_limit() -> None:
+    run = GatedRun()
+    handoff = CallHandoff(run, limit=4)
+    assert handoff.put(call("a"))
+    assert run.entered.acquire(timeout=30)  # "a" runs, held at the gate
+    for name, rows in (("b", 1), ("c", 2), ("d", 2)):
+        assert handoff.put(call(name, rows))
+    run.gate.release()
+    assert run.entered.acquire(timeout=30)
+    run.gate.release()
+    assert run.entered.acquire(timeout=30)
+    run.gate.release()
+    handoff.close()
+    assert run.groups == [["a"], ["b", "c"], ["d"]]  # b and c fill 3 of 4 rows: d (2 rows) waits its turn
+
+
+def test_put_waits_while_a_batchs_rows_wait_and_close_runs_what_was_handed_over() -> None:
+    run = GatedRun()
+    handoff = CallHandoff(run, limit=2)
+    assert handoff.put(call("a"))
+    assert run.entered.acquire(timeout=30)
+    assert handoff.put(call("b", 2))  # 2 rows wait: the limit
+    returned = threading.Event()
+
+    def put_c() -> None:
+        handoff.put(call("c"))
+        returned.set()
+
+    putter = threading.Thread(target=put_c)
+    putter.start()
+    assert not returned.is_set()  # "a" is still at its gate, so "b" still waits, so "c" cannot go in
+    run.gate.release()  # "a" ends; "b" is taken, which makes room for "c"
+    assert run.entered.acquire(timeout=30)
+    assert returned.wait(timeout=30)
+    closer = threading.Thread(target=handoff.close)
+    closer.start()  # "c" is run before the thread ends
+    run.gate.release()
+    assert run.entered.acquire(timeout=30)
+    run.gate.release()
+    closer.join(timeout=30)
+    assert not closer.is_alive()
+    assert run.groups == [["a"], ["b"], ["c"]]
+    assert not handoff.put(call("late"))  # closed: the caller runs it
+
+
+def test_a_run_that_raises_does_not_stop_the_thread() -> None:
+    seen: list[str] = []
+
+    def run(calls: list[HandedCall]) -> None:
+        seen.extend(c.requests[0] for c in calls)
+        if seen == ["a"]:
+            raise RuntimeError("a batch failed")
+
+    handoff = CallHandoff(run, limit=1)
+    handoff.put(call("a"))
+    handoff.put(call("b"))
+    handoff.close()
+    assert seen == ["a", "b"]
