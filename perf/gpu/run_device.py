@@ -58,7 +58,6 @@ START_S = 120  # a fresh machine's start, counted against the budget per call
 SERVER_BUNDLE = "tritonserver-bundle.tar.gz"
 OUT_FILES = 8  # files the device tool brings back from $OUT
 OUT_FILE_LIMIT = 16 * MiB
-KIND = "nvidia-h100-x1"
 PY = "python3"  # the device's interpreter, the one with torch
 WORK = "/tmp/dvabatch-gpu"  # where a step writes before collecting into OUT
 
@@ -130,7 +129,16 @@ def sliced_resnet152(seconds: int) -> tuple[str, ...]:
 # overlap) with the CPU property tests beside them, the overlap figures, the real server, then the
 # two experiments (BERT under py-spy).
 STEPS: tuple[Step, ...] = (
-    # the next GPU at hand (after 2026-11-28 on an H200 ran `slice` and `standin`, where the zoo's
+    # the next GPU at hand, first: BERT-base sliced on the device as a user slices it, served beside
+    # ZeroBatch and DelayBatch with the adapter's hand-off of calls on a device (the default since
+    # 2026-11-28) and without it (`sync`, as the H200 served it that day); the stubs under py-spy
+    Step("handoff", 560, (
+        capped(20, "nvidia-smi"),
+        sliced_bert(200, "--device cuda --stages auto --candidates 2,4"),
+        served_model(300, "--loads 0.25,0.6,0.9,1.1 --delays 500 --variant sync:hand_off_calls=false "
+                     "--py-spy DVABatch,ZeroBatch"),
+    ), needs=("dvabatch_backend/triton_adapter/handoff.py", "perf/compare/on_device.py", "slicer/serving_engine.py")),
+    # then, a second call where `handoff` left the time (after 2026-11-28 on an H200 ran `slice` and `standin`, where the zoo's
     # ResNet-152 was its CPU size, width 16 at 64x64): ResNet-152 at the paper's size sliced on the
     # device and served as sliced beside ZeroBatch and DelayBatch; then call `standin` again (the
     # engine's host time per run measured now, `host_run_s`)
@@ -138,7 +146,7 @@ STEPS: tuple[Step, ...] = (
         capped(20, "nvidia-smi"),
         sliced_resnet152(180),
         served_model(190, "--loads 0.25,0.6,0.9 --delays 500,2000 --py-spy DVABatch,ZeroBatch", model="resnet152"),
-    ), needs=("slicer/serving_engine.py", "slicer/zoo/__init__.py", "perf/compare/on_device.py")),
+    ), needs=("slicer/serving_engine.py", "slicer/zoo/__init__.py", "perf/compare/on_device.py"), rerun=True),
     # `dvabatch slice --device cuda` on BERT-base and ResNet-152 (the stage count and buffer pairs
     # measured on the device; its time), then the device-sliced BERT-base served beside ZeroBatch
     # and DelayBatch on the same engine (run on an H200, 2026-11-28: 263 s)
@@ -337,7 +345,7 @@ def print_plan(result: Plan, repo: Path) -> None:
           f"{result.transfer_bytes / MiB:.2f} MiB (limit {TRANSFER_LIMIT // MiB} MiB)")
     for k, call in enumerate(result.calls, 1):
         print(f"\ndevice call {k}/{len(result.calls)}: step {call.step.name}")
-        print("  run(" + json.dumps({"kind": KIND, "timeout_s": call.timeout_s, "carry": list(call.carry),
+        print("  run(" + json.dumps({"timeout_s": call.timeout_s, "carry": list(call.carry),
                                      "command": call.command}, indent=None) + ")")
         print("  runs there, in the repository root:")
         for argv in call.step.commands:
