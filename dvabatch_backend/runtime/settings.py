@@ -111,6 +111,12 @@ def default_buffer_pairs(device: str, thread_pool: str, threads_per_stage: int =
     return 1 if device != "cpu" or stages_share_cores(thread_pool, threads_per_stage) else 2
 
 
+def runs_on_device(settings: RuntimeSettings) -> bool:
+    """Whether the model's work runs on a device beside the host (a GPU, or its stand-in), where a
+    batch leaves the host free while it runs (the adapter's `hand_off_calls` default)."""
+    return settings.engine == SIMULATED or (settings.engine == "torch" and settings.device == "cuda")
+
+
 def replays_graphs(settings: RuntimeSettings) -> bool:
     """Whether the stages replay CUDA graphs captured per batch-size and length bucket (the
     simulated engine stands for such stages, and is charged at their buckets)."""

@@ -51,7 +51,7 @@ from ..runtime.query import Answer, request_rows
 from ..runtime.loading import load_pipeline
 from ..runtime.pipeline import Pipeline
 from ..runtime.settings import (ENGINES, EVERY_CORE, SIMULATED, QueuePolicy, RuntimeSettings, SloPolicy,
-                                default_buffer_pairs)
+                                default_buffer_pairs, runs_on_device)
 from . import parameters
 from .handoff import CallHandoff, HandedCall
 from .metrics import StageMetrics
@@ -149,12 +149,6 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path,
     policy_params = {k[len("policy."):]: v for k, v in params.items() if k.startswith("policy.")}
     return AdapterSettings(manifest, values.get("policy", "pipelined"), policy_params, runtime,
                            values.get("engine_wrapper"), values.get("hand_off_calls", runs_on_device(runtime)))
-
-
-def runs_on_device(runtime: RuntimeSettings) -> bool:
-    """Whether the model's work runs on a device beside the host (a GPU, or its stand-in), where a
-    batch leaves the host free while it runs: the default of `hand_off_calls`."""
-    return runtime.engine == SIMULATED or (runtime.engine == "torch" and runtime.device == "cuda")
 
 
 # The pytriton wheel's backend stub (python_backend 24.10) reads a numpy dtype's item size with a

@@ -6,7 +6,9 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
+from dvabatch_backend.runtime.settings import RuntimeSettings, runs_on_device
 from dvabatch_backend.triton_adapter.handoff import CallHandoff, HandedCall
 
 
@@ -86,3 +88,10 @@ def test_a_run_that_raises_does_not_stop_the_thread() -> None:
     handoff.put(call("b"))
     handoff.close()
     assert seen == ["a", "b"]
+
+
+@pytest.mark.parametrize("engine, device, handed", [
+    ("onnxruntime", "cpu", False), ("torch", "cpu", False), ("torch", "cuda", True), ("simulated", "cpu", True)])
+def test_calls_are_handed_off_by_default_only_where_a_device_runs_the_batches(engine: str, device: str,
+                                                                            handed: bool) -> None:
+    assert runs_on_device(RuntimeSettings(engine=engine, device=device)) is handed  # the CPU path is untouched
