@@ -202,7 +202,10 @@ def row_line(load: Mapping[str, Any]) -> str:
 
 def run(model_dir: Path, device: str, device_profile: str | None, out: Path, queries: int = QUERIES,
         rounds: int = ROUNDS, loads: Sequence[float] = LOADS, delays_us: Sequence[int] = DELAYS_US,
-        variants: Mapping[str, Mapping[str, str]] | None = None, spied: Sequence[str] = ()) -> int:
+        variants: Mapping[str, Mapping[str, str]] | None = None, spied: Sequence[str] = (),
+        stub_site: Path | None = None) -> int:
+    """`stub_site`: a folder the backend stubs import from first (numpy 2 unpacked there, as the GPU
+    machine's stubs run: under numpy 2 every answer crosses by DLPack, which costs the host)."""
     import onnx
 
     from slicer.profiler import int_bounds
@@ -211,6 +214,8 @@ def run(model_dir: Path, device: str, device_profile: str | None, out: Path, que
     manifest = Manifest.load(version_dir / "manifest.json")
     full = onnx.load(str(version_dir / (manifest.full_model or "model.onnx")), load_external_data=False)
     began = time.perf_counter()
+    if stub_site is not None:  # the server hands this process's sys.path to the stubs, first (tools/serve.py)
+        sys.path.insert(0, str(stub_site.resolve()))
     with tempfile.TemporaryDirectory(prefix="dvabatch-on-device-") as tmp:
         systems = build_repository(Path(tmp), model_dir, device, device_profile, delays_us, variants)
         with TritonServer(Path(tmp)) as server:
@@ -222,7 +227,8 @@ def run(model_dir: Path, device: str, device_profile: str | None, out: Path, que
             print(f"every model ready {time.perf_counter() - began:.0f} s after the start (the server's start, the "
                   "stages re-profiled on the device, the graphs captured)", flush=True)
             header = {"device": device, "device_profile": device_profile, "model": manifest.name, "systems": systems,
-                      "queries_per_load": queries, "rounds": rounds}
+                      "queries_per_load": queries, "rounds": rounds,
+                      "stub_site": str(stub_site) if stub_site is not None else None}
             out.mkdir(parents=True, exist_ok=True)
 
             def write(result: dict[str, Any]) -> None:
@@ -252,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also serve the model with these config parameters set, as the system LABEL")
     parser.add_argument("--py-spy", default="", metavar="LABEL,...",
                         help="profile these systems' backend stubs with py-spy (OUT/MODEL/py-spy/PHASE.LABEL.txt)")
+    parser.add_argument("--stub-site", type=Path, metavar="DIR",
+                        help="a folder the backend stubs import from first: numpy 2 unpacked there "
+                             "(pip download numpy==2.2.6, unzip), as the GPU machine's stubs run")
     parser.add_argument("--out", type=Path, default=REPO / "work" / "perf" / "on_device")
     args = parser.parse_args(argv)
     variants = {}
@@ -263,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     profile = str(args.device_profile.resolve()) if args.device_profile else None
     return run(args.model_dir, args.device, profile, args.out / args.model_dir.name, args.queries, args.rounds,
                tuple(float(f) for f in args.loads.split(",")), tuple(int(d) for d in args.delays.split(",") if d),
-               variants, tuple(label for label in args.py_spy.split(",") if label))
+               variants, tuple(label for label in args.py_spy.split(",") if label), args.stub_site)
 
 
 if __name__ == "__main__":
