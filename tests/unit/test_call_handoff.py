@@ -7,6 +7,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dvabatch_backend.runtime.settings import RuntimeSettings, runs_on_device
 from dvabatch_backend.triton_adapter.handoff import CallHandoff, HandedCall
@@ -95,3 +97,28 @@ def test_a_run_that_raises_does_not_stop_the_thread() -> None:
 def test_calls_are_handed_off_by_default_only_where_a_device_runs_the_batches(engine: str, device: str,
                                                                             handed: bool) -> None:
     assert runs_on_device(RuntimeSettings(engine=engine, device=device)) is handed  # the CPU path is untouched
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=24), st.integers(1, 8), st.integers(1, 3))
+def test_every_call_runs_once_in_order_in_groups_within_the_limit(rows: list[int], limit: int,
+                                                                 producers: int) -> None:
+    """Calls of random rows put by several threads at once (each its own calls, in its own order),
+    however the threads interleave: each call runs exactly once, each thread's calls in the order it
+    put them, a group holds more than `limit` rows only where it is one call, and `close` returns
+    after running all of them."""
+    groups: list[list[HandedCall]] = []
+    handoff = CallHandoff(groups.append, limit)
+    mine = [[call(f"p{k}-{i}", r) for i, r in enumerate(rows) if i % producers == k] for k in range(producers)]
+    threads = [threading.Thread(target=lambda calls=calls: [handoff.put(c) for c in calls]) for calls in mine]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    handoff.close()
+    ran = [c.requests[0] for group in groups for c in group]
+    assert sorted(ran) == sorted(c.requests[0] for calls in mine for c in calls)  # each once
+    for calls in mine:
+        names = [c.requests[0] for c in calls]
+        assert [n for n in ran if n in names] == names
+    assert all(len(g) == 1 or sum(c.rows for c in g) <= limit for g in groups)
