@@ -493,27 +493,32 @@ class TritonPythonModel:
         """The hand-off's calls (`CallHandoff`) as one group on the fast path, each answer sent as
         its batch ends; what the fast path does not take goes to the pipeline."""
         requests = [r for call in calls for r in call.requests]
+        settled: set[int] = set()
         try:
             self._inline(requests, [t for call in calls for t in call.tensors], any(c.full for c in calls),
-                         send_each=True)
-        except Exception as exc:  # noqa: BLE001 - every request gets an answer; those answered already refuse a second
+                         send_each=True, settled=settled)
+        except Exception as exc:  # noqa: BLE001 - the requests not yet answered (nor the pipeline's) get an error
             pb_utils.Logger.log_error(f"dvabatch: a handed-off call failed: {exc}")
             error = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"dvabatch: {exc}", pb_utils.TritonError.INTERNAL))
-            for request in requests:
-                self._send(request, error, quiet=True)
+            for i, request in enumerate(requests):
+                if i not in settled:
+                    self._send(request, error)
 
     def _inline(self, requests: list[Any], tensors: list[dict[str, np.ndarray]], full: bool,
-                send_each: bool) -> list[Any] | None:
+                send_each: bool, settled: set[int] | None = None) -> list[Any] | None:
         """`requests` (their inputs `tensors`) on the fast path where it takes them. Not `send_each`:
         where every request was answered here their responses are returned, in order (execute
-        returns them: one message); else each is sent, and the rest handed to the pipeline."""
+        returns them: one message); else each is sent, and the rest handed to the pipeline.
+        `settled` gets each request answered here or handed to the pipeline, as it is."""
         done: dict[int, Any] = {}
+        settled = set() if settled is None else settled
         # several only without deadlines: later batches wait for earlier ones, so deadlines
         # stay the pipeline's to keep
         several = self._inline_many and not any(_request_timeout_us(r) for r in requests)
         cancelled: set[int] = set()  # requests Triton reports cancelled while they waited for a batch
 
         def answer(i: int, response: Callable[[], Any]) -> None:
+            settled.add(i)
             if send_each and self._handoff is not None and self._handoff.waiting():
                 # built and sent by the responder's threads: this one runs the next call's batch
                 self._responder.submit_send(requests[i], response)
@@ -536,9 +541,12 @@ class TritonPythonModel:
         for i, response in done.items():  # a batch failed (or answers went early): the rest the usual way
             self._send(requests[i], response)
         for i in cancelled:
+            settled.add(i)
             self._send(requests[i], _cancelled_response())
-        rest = [i for i in left if i not in cancelled]
-        self._submit([requests[i] for i in rest], [tensors[i] for i in rest])
+        for i in left:
+            if i not in cancelled:
+                self._submit([requests[i]], [tensors[i]])
+                settled.add(i)
         return None
 
     def _came_full(self, tensors: list[dict[str, np.ndarray]]) -> bool:
