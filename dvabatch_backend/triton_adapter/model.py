@@ -189,14 +189,13 @@ class _Responder:
         self._lock = threading.Lock()  # guards _pending (added by execute's callers, removed by the pool)
 
     def submit(self, answer: "_RequestAnswer") -> None:
-        future = self._pool.submit(_send, answer)
-        with self._lock:
-            self._pending.add(future)
-        future.add_done_callback(self._done)
+        self._track(self._pool.submit(_send, answer))
 
     def submit_send(self, request: Any, response: Callable[[], Any]) -> None:
         """Build `request`'s response (`response()`) and send it, on the pool."""
-        future = self._pool.submit(lambda: TritonPythonModel._send(request, response()))
+        self._track(self._pool.submit(lambda: TritonPythonModel._send(request, response())))
+
+    def _track(self, future: "Future[None]") -> None:
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._done)
