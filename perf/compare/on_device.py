@@ -16,7 +16,9 @@ which sets the loads (`LOADS`: fractions of it); then at each load the same seed
 schedule of RTE-like queries (at least `--queries`) to every system, in `--rounds` rounds, the
 order alternating; each figure is the median of the rounds. A refusal or an error is an
 unanswered query. Prints the table (mean / p99 ms per system and load, DVABatch's ratios to
-ZeroBatch and to the better baseline) and writes OUT/on_device.json.
+ZeroBatch and to the better baseline) and writes OUT/on_device.json. `--sustained LABEL,...` also
+finds those systems' sustained rates (`sustained_fraction`: the highest Poisson rate, in steps of 0.1x
+ZeroBatch's peak, with p99 within 5x ZeroBatch's lone-query mean and every query answered).
 """
 from __future__ import annotations
 
@@ -53,6 +55,10 @@ PEAK_SECONDS = 4.0
 TIMEOUT_S = 30.0
 DVA = "DVABatch"
 SPIED_LONE = 300  # queries one at a time to each system under py-spy (--py-spy)
+# the sustained rate (--sustained): the highest Poisson rate, in steps of 10 % of ZeroBatch's peak,
+# whose p99 is within SUSTAINED_P99_LONE x ZeroBatch's lone-query mean with every query answered
+SUSTAINED_START, SUSTAINED_STEP, SUSTAINED_STOP = 0.5, 0.1, 2.5
+SUSTAINED_P99_LONE = 5.0
 
 
 def gpu_config_module() -> Any:
@@ -107,7 +113,7 @@ def build_repository(scratch: Path, model_dir: Path, device: str, device_profile
 def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: Mapping[str, int], queries: int,
             rounds: int, loads: Sequence[float], seed: int = 0, metrics_url: str | None = None,
             partial: Callable[[dict[str, Any]], None] = lambda result: None, spy_out: Path | None = None,
-            spied: Sequence[str] = ()) -> dict[str, Any]:
+            spied: Sequence[str] = (), sustained: Sequence[str] = ()) -> dict[str, Any]:
     """c1, ZeroBatch's peak, then every load's rounds (module docstring), each load's batch sizes
     from the server's metrics where `metrics_url` is given; `partial` gets the result so far after
     each part, so a run stopped at its time limit keeps what it measured. With `spy_out`, the
@@ -154,7 +160,65 @@ def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: 
         for label, report in load.get("batches", {}).items():
             print(f"  {label} batches: {json.dumps(report)}", flush=True)
         partial(result)
+    if sustained:
+        result["sustained"] = sustained_rates(url, systems, sustained, manifest, int_high, peak,
+                                              lone["ZeroBatch"]["latency_mean_ms"], queries, seed)
+        partial(result)
     return result
+
+
+def sustained_rates(url: str, systems: Mapping[str, str], labels: Sequence[str], manifest: Manifest,
+                    int_high: Mapping[str, int], peak: float, zero_lone_ms: float, queries: int,
+                    seed: int) -> dict[str, Any]:
+    """Each of `labels`' sustained rate (`SUSTAINED_*`): one round a rate, the same seeded Poisson
+    schedule of RTE-like queries at a rate for every system; every rate tried is kept."""
+    unknown = [label for label in labels if label not in systems]
+    if unknown:
+        raise ValueError(f"--sustained: no system {unknown}; the systems are {list(systems)}")
+    bound_ms = SUSTAINED_P99_LONE * zero_lone_ms
+    out: dict[str, Any] = {"p99_bound_ms": bound_ms, "systems": {}}
+    for label in labels:
+        tried: dict[str, Any] = {}
+
+        def passes(fraction: float) -> bool:
+            rate = fraction * peak
+            n = max(queries, int(rate * 2))
+            sample, lengths = sample_queries(manifest, int_high, n, seed + 500 + round(fraction * 100))
+            offsets = poisson(rate, n, rng=seed + 600 + round(fraction * 100))
+            summary = run_open_loop(url, systems[label], sample, offsets, timeout=TIMEOUT_S, lengths=lengths).summary()
+            ok = summary["answered"] == summary["queries"] and (summary.get("latency_p99_ms") or 1e18) <= bound_ms
+            tried[f"{fraction:g}"] = {"rate_qps": rate, "p99_ms": summary.get("latency_p99_ms"),
+                                      "mean_ms": summary.get("latency_mean_ms"), "answered": summary["answered"],
+                                      "queries": summary["queries"], "passed": ok}
+            return ok
+
+        fraction = sustained_fraction(passes)
+        out["systems"][label] = {"fraction": fraction, "rate_qps": fraction * peak, "tried": tried}
+        print(f"sustained {label}: {fraction * peak:.0f} qps ({fraction:g}x ZeroBatch's peak; p99 within "
+              f"{bound_ms:.1f} ms, every query answered)", flush=True)
+    zero = out["systems"].get("ZeroBatch", {}).get("rate_qps")
+    for label, figure in out["systems"].items():
+        figure["over_zerobatch"] = figure["rate_qps"] / zero if zero else None
+    return out
+
+
+def sustained_fraction(passes: Callable[[float], bool], start: float = SUSTAINED_START, step: float = SUSTAINED_STEP,
+                       stop: float = SUSTAINED_STOP) -> float:
+    """The highest load (a fraction of ZeroBatch's peak, on the grid start + k * step) that `passes`:
+    from `start` up while each passes, or down from it until one does; 0 where none does."""
+    def grid(k: int) -> float:  # the grid's k-th point, free of float drift
+        return round(start + k * step, 6)
+
+    k = 0
+    if not passes(grid(0)):
+        while grid(k - 1) > 0:
+            k -= 1
+            if passes(grid(k)):
+                return grid(k)
+        return 0.0
+    while grid(k + 1) <= stop + 1e-9 and passes(grid(k + 1)):
+        k += 1
+    return grid(k)
 
 
 def median_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -203,7 +267,7 @@ def row_line(load: Mapping[str, Any]) -> str:
 def run(model_dir: Path, device: str, device_profile: str | None, out: Path, queries: int = QUERIES,
         rounds: int = ROUNDS, loads: Sequence[float] = LOADS, delays_us: Sequence[int] = DELAYS_US,
         variants: Mapping[str, Mapping[str, str]] | None = None, spied: Sequence[str] = (),
-        stub_site: Path | None = None) -> int:
+        stub_site: Path | None = None, sustained: Sequence[str] = ()) -> int:
     """`stub_site`: a folder the backend stubs import from first (numpy 2 unpacked there, as the GPU
     machine's stubs run: under numpy 2 every answer crosses by DLPack, which costs the host)."""
     import onnx
@@ -237,7 +301,7 @@ def run(model_dir: Path, device: str, device_profile: str | None, out: Path, que
 
             result = measure(server.grpc_url, systems, manifest, int_bounds(full), queries, rounds, loads,
                              metrics_url=server.metrics_url, partial=write, spy_out=out / "py-spy" if spied else None,
-                             spied=spied)
+                             spied=spied, sustained=sustained)
     write(result)
     print(f"wrote {out / 'on_device.json'} ({result['seconds']:.0f} s)")
     unanswered = sum(v["queries"] - v["answered"] for load in result["loads"] for v in load["systems"].values())
@@ -258,6 +322,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also serve the model with these config parameters set, as the system LABEL")
     parser.add_argument("--py-spy", default="", metavar="LABEL,...",
                         help="profile these systems' backend stubs with py-spy (OUT/MODEL/py-spy/PHASE.LABEL.txt)")
+    parser.add_argument("--sustained", default="", metavar="LABEL,...",
+                        help="also each of these systems' sustained rate (ZeroBatch's among them for the ratio): "
+                             "the highest Poisson rate, in steps of 0.1x ZeroBatch's peak, with p99 within 5x "
+                             "ZeroBatch's lone-query mean and every query answered")
     parser.add_argument("--stub-site", type=Path, metavar="DIR",
                         help="a folder the backend stubs import from first: numpy 2 unpacked there "
                              "(pip download numpy==2.2.6, unzip), as the GPU machine's stubs run")
@@ -272,7 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     profile = str(args.device_profile.resolve()) if args.device_profile else None
     return run(args.model_dir, args.device, profile, args.out / args.model_dir.name, args.queries, args.rounds,
                tuple(float(f) for f in args.loads.split(",")), tuple(int(d) for d in args.delays.split(",") if d),
-               variants, tuple(label for label in args.py_spy.split(",") if label), args.stub_site)
+               variants, tuple(label for label in args.py_spy.split(",") if label), args.stub_site,
+               tuple(label for label in args.sustained.split(",") if label))
 
 
 if __name__ == "__main__":

@@ -131,12 +131,13 @@ def sliced_resnet152(seconds: int) -> tuple[str, ...]:
 STEPS: tuple[Step, ...] = (
     # the next GPU at hand, first: BERT-base sliced on the device as a user slices it, served beside
     # ZeroBatch and DelayBatch with the adapter's hand-off of calls on a device (the default since
-    # 2026-11-28) and without it (`sync`, as the H200 served it that day); the stubs under py-spy
+    # 2026-11-28) and without it (`sync`, as the H200 served it that day), each one's sustained
+    # rate (issue 41, item 2); the stubs under py-spy
     Step("handoff", 560, (
         capped(20, "nvidia-smi"),
         sliced_bert(200, "--device cuda --stages auto --candidates 2,4"),
-        served_model(300, "--loads 0.25,0.6,0.9,1.1 --delays 500 --variant sync:hand_off_calls=false "
-                     "--py-spy DVABatch,ZeroBatch"),
+        served_model(340, "--loads 0.25,0.6,0.9 --delays 500 --variant sync:hand_off_calls=false "
+                     "--sustained DVABatch,sync,ZeroBatch,DelayBatch-0.5ms --py-spy DVABatch,ZeroBatch"),
     ), needs=("dvabatch_backend/triton_adapter/handoff.py", "perf/compare/on_device.py", "slicer/serving_engine.py")),
     # then, a second call where `handoff` left the time (after 2026-11-28 on an H200 ran `slice` and `standin`, where the zoo's
     # ResNet-152 was its CPU size, width 16 at 64x64): ResNet-152 at the paper's size sliced on the
