@@ -161,22 +161,23 @@ def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: 
             print(f"  {label} batches: {json.dumps(report)}", flush=True)
         partial(result)
     if sustained:
-        result["sustained"] = sustained_rates(url, systems, sustained, manifest, int_high, peak,
-                                              lone["ZeroBatch"]["latency_mean_ms"], queries, seed)
-        partial(result)
+        result["sustained"] = {}  # filled system by system: a run stopped at its limit keeps those found
+        sustained_rates(url, systems, sustained, manifest, int_high, peak, lone["ZeroBatch"]["latency_mean_ms"],
+                        queries, seed, result["sustained"], lambda: partial(result))
     return result
 
 
 def sustained_rates(url: str, systems: Mapping[str, str], labels: Sequence[str], manifest: Manifest,
                     int_high: Mapping[str, int], peak: float, zero_lone_ms: float, queries: int,
-                    seed: int) -> dict[str, Any]:
-    """Each of `labels`' sustained rate (`SUSTAINED_*`): one round a rate, the same seeded Poisson
-    schedule of RTE-like queries at a rate for every system; every rate tried is kept."""
+                    seed: int, out: dict[str, Any], found: Callable[[], None] = lambda: None) -> None:
+    """Each of `labels`' sustained rate (`SUSTAINED_*`) into `out`, `found()` after each: one round a
+    rate, the same seeded Poisson schedule of RTE-like queries at a rate for every system; every rate
+    tried is kept."""
     unknown = [label for label in labels if label not in systems]
     if unknown:
         raise ValueError(f"--sustained: no system {unknown}; the systems are {list(systems)}")
     bound_ms = SUSTAINED_P99_LONE * zero_lone_ms
-    out: dict[str, Any] = {"p99_bound_ms": bound_ms, "systems": {}}
+    out.update({"p99_bound_ms": bound_ms, "systems": {}})
     for label in labels:
         tried: dict[str, Any] = {}
 
@@ -196,10 +197,10 @@ def sustained_rates(url: str, systems: Mapping[str, str], labels: Sequence[str],
         out["systems"][label] = {"fraction": fraction, "rate_qps": fraction * peak, "tried": tried}
         print(f"sustained {label}: {fraction * peak:.0f} qps ({fraction:g}x ZeroBatch's peak; p99 within "
               f"{bound_ms:.1f} ms, every query answered)", flush=True)
-    zero = out["systems"].get("ZeroBatch", {}).get("rate_qps")
-    for label, figure in out["systems"].items():
-        figure["over_zerobatch"] = figure["rate_qps"] / zero if zero else None
-    return out
+        zero = out["systems"].get("ZeroBatch", {}).get("rate_qps")
+        for figure in out["systems"].values():
+            figure["over_zerobatch"] = figure["rate_qps"] / zero if zero else None
+        found()
 
 
 def sustained_fraction(passes: Callable[[float], bool], start: float = SUSTAINED_START, step: float = SUSTAINED_STEP,
