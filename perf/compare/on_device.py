@@ -119,6 +119,9 @@ def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: 
     each part, so a run stopped at its time limit keeps what it measured. With `spy_out`, the
     `spied` systems' stubs under py-spy (perf/compare/stub_profile.py): `SPIED_LONE` more queries
     one at a time, and each of their open-loop runs."""
+    unknown = [label for label in sustained if label not in systems]
+    if unknown:  # before any measuring: a misspelt label would cost the whole run
+        raise ValueError(f"--sustained: no system {unknown}; the systems are {list(systems)}")
     names = list(systems.values())
     labels = {model: label for label, model in systems.items()}
     zero = systems["ZeroBatch"]
@@ -140,9 +143,8 @@ def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: 
     for k, fraction in enumerate(loads):
         before = scrape(metrics_url) if metrics_url else None
         rate = fraction * peak
-        n = max(queries, int(rate * 2))
-        sample, lengths = sample_queries(manifest, int_high, n, seed + 200 + k)
-        offsets = poisson(rate, n, rng=seed + 100 + k)
+        sample, lengths, offsets = poisson_schedule(manifest, int_high, rate, queries, seed + 200 + k, seed + 100 + k)
+        n = len(sample)
         per_round: dict[str, list[dict[str, Any]]] = {label: [] for label in systems}
         for turn in range(rounds):
             for model in alternating(names, k + turn):
@@ -173,9 +175,6 @@ def sustained_rates(url: str, systems: Mapping[str, str], labels: Sequence[str],
     """Each of `labels`' sustained rate (`SUSTAINED_*`) into `out`, `found()` after each: one round a
     rate, the same seeded Poisson schedule of RTE-like queries at a rate for every system; every rate
     tried is kept."""
-    unknown = [label for label in labels if label not in systems]
-    if unknown:
-        raise ValueError(f"--sustained: no system {unknown}; the systems are {list(systems)}")
     bound_ms = SUSTAINED_P99_LONE * zero_lone_ms
     out.update({"p99_bound_ms": bound_ms, "systems": {}})
     for label in labels:
@@ -183,9 +182,8 @@ def sustained_rates(url: str, systems: Mapping[str, str], labels: Sequence[str],
 
         def passes(fraction: float) -> bool:
             rate = fraction * peak
-            n = max(queries, int(rate * 2))
-            sample, lengths = sample_queries(manifest, int_high, n, seed + 500 + round(fraction * 100))
-            offsets = poisson(rate, n, rng=seed + 600 + round(fraction * 100))
+            k = round(fraction * 100)
+            sample, lengths, offsets = poisson_schedule(manifest, int_high, rate, queries, seed + 500 + k, seed + 600 + k)
             summary = run_open_loop(url, systems[label], sample, offsets, timeout=TIMEOUT_S, lengths=lengths).summary()
             ok = summary["answered"] == summary["queries"] and (summary.get("latency_p99_ms") or 1e18) <= bound_ms
             tried[f"{fraction:g}"] = {"rate_qps": rate, "p99_ms": summary.get("latency_p99_ms"),
@@ -220,6 +218,15 @@ def sustained_fraction(passes: Callable[[float], bool], start: float = SUSTAINED
     while grid(k + 1) <= stop + 1e-9 and passes(grid(k + 1)):
         k += 1
     return grid(k)
+
+
+def poisson_schedule(manifest: Manifest, int_high: Mapping[str, int], rate: float, queries: int, sample_seed: int,
+                     arrival_seed: int) -> tuple[list[dict], list[int] | None, Any]:
+    """A seeded Poisson schedule at `rate` of RTE-like queries, at least `queries` and 2 s of them:
+    (queries, their lengths, send offsets), the same for every system given the same seeds."""
+    n = max(queries, int(rate * 2))
+    sample, lengths = sample_queries(manifest, int_high, n, sample_seed)
+    return sample, lengths, poisson(rate, n, rng=arrival_seed)
 
 
 def median_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
