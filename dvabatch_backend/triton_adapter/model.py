@@ -65,6 +65,9 @@ class AdapterSettings:
     runtime: RuntimeSettings
     engine_wrapper: str | None = None  # "file.py:name" or "module:name": wraps each stage's engine
     hand_off_calls: bool = False  # execute hands fast-path calls to a thread of their own (`CallHandoff`)
+    # after this many calls in a row that met no other, execute runs calls itself until one does
+    # (`CallHandoff.run_here`); 0: every call is handed over
+    lone_calls: int = 8
 
 
 # every parameter the adapter reads (besides policy.*), with how it is parsed
@@ -85,6 +88,7 @@ _PARSERS: dict[str, parameters.Parser] = {
     "device_buffers": parameters.boolean,
     "entry_waits_for_device": parameters.boolean,
     "hand_off_calls": parameters.boolean,
+    "lone_calls": parameters.integer(0),
     "engine_wrapper": parameters.text,
     # Triton's default_queue_policy, under the names its config uses
     "max_queue_size": parameters.integer(0),
@@ -148,7 +152,8 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path,
     )
     policy_params = {k[len("policy."):]: v for k, v in params.items() if k.startswith("policy.")}
     return AdapterSettings(manifest, values.get("policy", "pipelined"), policy_params, runtime,
-                           values.get("engine_wrapper"), values.get("hand_off_calls", runs_on_device(runtime)))
+                           values.get("engine_wrapper"), values.get("hand_off_calls", runs_on_device(runtime)),
+                           values.get("lone_calls", AdapterSettings.lone_calls))
 
 
 # The pytriton wheel's backend stub (python_backend 24.10) reads a numpy dtype's item size with a
@@ -400,6 +405,18 @@ def _call_capacity(config: Mapping[str, Any]) -> int:
     return int(config.get("max_batch_size") or 0) if "dynamic_batching" in config else 0
 
 
+# Triton's round trip from `execute`'s return to the next call, where a request was queued: 0.05-0.15
+# ms on the stand-in here; one client's next query came 0.8 ms or more after the return
+TRITON_ROUND_TRIP_US = 300
+
+
+def _queued_within_us(config: Mapping[str, Any]) -> int:
+    """How soon after `execute` returned a call comes that was queued meanwhile (`CallHandoff.run_here`):
+    Triton's round trip, and its batcher's queue delay (which holds a queued request back that long)."""
+    delay = int((config.get("dynamic_batching") or {}).get("max_queue_delay_microseconds") or 0)
+    return TRITON_ROUND_TRIP_US + delay
+
+
 def _request_timeout_us(request: Any) -> int | None:
     """The request's own timeout (the client's `timeout` parameter, microseconds), or None."""
     try:
@@ -451,7 +468,8 @@ class TritonPythonModel:
         self._answers_early = self._scheduler.admission.long_passage
         self._call_capacity = _call_capacity(config)
         self._responder = _Responder()
-        self._handoff = (CallHandoff(self._run_handed, self._scheduler.bs_max)
+        self._handoff = (CallHandoff(self._run_handed, self._scheduler.bs_max, _queued_within_us(config) / 1e6,
+                                     settings.lone_calls or None)
                          if self._fast_path and settings.hand_off_calls else None)
         self._cancel_watch = _CancelWatch(self._scheduler)
         self._metrics = StageMetrics(self._scheduler, args["model_name"])
@@ -474,6 +492,14 @@ class TritonPythonModel:
         )
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
+        if self._handoff is None:
+            return self._execute(requests)
+        try:
+            return self._execute(requests)
+        finally:
+            self._handoff.returned()  # a call that comes soon after was queued meanwhile (`run_here`)
+
+    def _execute(self, requests: list[Any]) -> list[Any] | None:
         refused = self._scheduler.refuse_at_door(len(requests))  # overload: refused unread (admission.py)
         if refused:  # returned by execute: one message to the server, not a send each
             return [_error_response(e) for e in refused]
@@ -481,12 +507,22 @@ class TritonPythonModel:
             tensors = [self._inputs(request) for request in requests]
             if all(t is not None for t in tensors):
                 full = self._came_full(tensors)  # type: ignore[arg-type]
-                if self._handoff is not None and self._handoff.put(
-                        HandedCall(requests, [_owned(t) for t in tensors], full)):  # type: ignore[arg-type]
-                    return None  # answered by the hand-off's thread: Triton sends the next call meanwhile
-                return self._inline(requests, tensors, full, send_each=False)  # type: ignore[arg-type]
+                return self._fast(requests, tensors, full)  # type: ignore[arg-type]
         self._submit(requests)
         return None
+
+    def _fast(self, requests: list[Any], tensors: list[dict[str, np.ndarray]], full: bool) -> list[Any] | None:
+        """A call the fast path may take: handed over (`CallHandoff`), or run here, as a lone call is."""
+        if self._handoff is None:
+            return self._inline(requests, tensors, full, send_each=False)
+        if self._handoff.run_here(len(requests)):
+            try:
+                return self._inline(requests, tensors, full, send_each=False)
+            finally:
+                self._handoff.ran_here()
+        if self._handoff.put(HandedCall(requests, [_owned(t) for t in tensors], full)):
+            return None  # answered by the hand-off's thread: Triton sends the next call meanwhile
+        return self._inline(requests, tensors, full, send_each=False)  # closed: the last calls run here
 
     def _run_handed(self, calls: list[HandedCall]) -> None:
         """The hand-off's calls (`CallHandoff`) as one group on the fast path, each answer sent as

@@ -5,9 +5,9 @@ that has the values computed, every system answers concurrent queries of mixed l
 unsliced model; the dvabatch model re-profiled its CPU-profiled stages on the stand-in at load and
 kept the times beside its manifest, and its metrics give the device's time of the work it ran (from
 the stand-in's events, as from CUDA's on a GPU). On a device the adapter hands each call to a thread
-of its own (`hand_off_calls`, on by default there): a request the fast path does not take (longer
-than any profiled length) goes from that thread to the pipeline and gets its own error, while the
-queries sent with it are answered as the unsliced model."""
+of its own (`hand_off_calls`, on by default there), or runs it itself once calls come alone
+(`lone_calls`): a request the fast path does not take (longer than any profiled length) goes to the
+pipeline and gets its own error, while the queries sent with it are answered as the unsliced model."""
 from __future__ import annotations
 
 import json

@@ -1,9 +1,12 @@
 """The hand-off of `execute` calls to a thread of their own (triton_adapter/handoff.py), ordered by
 gates: each call runs exactly once, in order; calls that came while one ran are run together up to
-the limit; `put` waits while a batch's rows already wait; `close` runs what was handed over first."""
+the limit; `put` waits while a batch's rows already wait; `close` runs what was handed over first.
+Calls that come alone are their caller's to run (`run_here`, on a clock of the test's own): after
+`quiet_calls` in a row that met no other, until one meets another, and never beside a handed run."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -92,6 +95,73 @@ def test_a_run_that_raises_does_not_stop_the_thread() -> None:
     assert seen == ["a", "b"]
 
 
+class Clock:
+    """The hand-off's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def lone_caller(handoff: CallHandoff, clock: Clock, requests: int = 1, after_s: float = 1.0) -> bool:
+    """One `execute` call of `requests` requests, `after_s` after the last one returned: whether it
+    ran on the caller's thread."""
+    clock.now += after_s
+    here = handoff.run_here(requests)
+    if here:
+        handoff.ran_here()
+    handoff.returned()
+    return here
+
+
+def test_calls_that_come_alone_run_on_the_callers_thread_until_one_meets_another() -> None:
+    clock = Clock()
+    handoff = CallHandoff(lambda calls: None, limit=4, queued_within_s=0.001, quiet_calls=3, clock=clock)
+    assert [lone_caller(handoff, clock) for _ in range(5)] == [False, False, True, True, True]
+    # a call with others in it (Triton's batcher queued them together) meets another: handed over
+    assert not lone_caller(handoff, clock, requests=2)
+    assert [lone_caller(handoff, clock) for _ in range(3)] == [False, False, True]
+    # a call that came within Triton's round trip of the return was queued behind the last
+    assert not lone_caller(handoff, clock, after_s=0.0005)
+    assert [lone_caller(handoff, clock) for _ in range(3)] == [False, False, True]
+    handoff.close()
+
+
+def test_a_call_meeting_a_handed_run_is_handed_over() -> None:
+    clock = Clock()
+    run = GatedRun()
+    handoff = CallHandoff(run, limit=4, queued_within_s=0.001, quiet_calls=1, clock=clock)
+    assert handoff.put(call("a"))
+    assert run.entered.acquire(timeout=30)  # "a" runs, held at its gate
+    clock.now += 1.0
+    assert not handoff.run_here(1)  # alone by the clock, but it met "a": handed over
+    run.gate.release()
+    handoff.close()
+
+
+def test_a_put_while_the_caller_runs_its_own_call_waits_for_it_to_end() -> None:
+    own_run_ended = threading.Event()
+    ran: list[tuple[str, bool]] = []  # each call run, and whether the caller's own run had ended then
+    handoff = CallHandoff(lambda calls: ran.extend((c.requests[0], own_run_ended.is_set()) for c in calls),
+                          limit=4, queued_within_s=0.001, quiet_calls=1, clock=Clock())
+    assert handoff.run_here(1)  # the first call, alone: the caller runs it
+    assert handoff.put(call("b"))  # put meanwhile (from another thread, in a server with several)
+    assert handoff.put(call("c"))
+    own_run_ended.set()
+    handoff.ran_here()
+    handoff.close()  # runs "b" and "c" before it returns
+    assert ran == [("b", True), ("c", True)]
+
+
+def test_with_no_quiet_calls_set_every_call_is_handed_over() -> None:
+    clock = Clock()
+    handoff = CallHandoff(lambda calls: None, limit=4, clock=clock)
+    assert not any(lone_caller(handoff, clock, after_s=10.0) for _ in range(20))
+    handoff.close()
+
+
 @pytest.mark.parametrize("engine, device, handed", [
     ("onnxruntime", "cpu", False), ("torch", "cpu", False), ("torch", "cuda", True), ("simulated", "cpu", True)])
 def test_calls_are_handed_off_by_default_only_where_a_device_runs_the_batches(engine: str, device: str,
@@ -122,3 +192,47 @@ def test_every_call_runs_once_in_order_in_groups_within_the_limit(rows: list[int
         names = [c.requests[0] for c in calls]
         assert [n for n in ran if n in names] == names
     assert all(len(g) == 1 or sum(c.rows for c in g) <= limit for g in groups)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=24), st.integers(1, 3))
+def test_own_runs_and_handed_runs_never_overlap_and_every_call_runs_once(alone: list[bool], producers: int) -> None:
+    """Several threads make calls, each either run by its caller (where `run_here` allows) or put:
+    however they interleave, no two runs are ever under way at once (they share the engines and
+    scratch buffers) and every call runs exactly once."""
+    ran: list[str] = []
+    active, most = [0], [0]
+    lock = threading.Lock()
+
+    def running(names: list[str]) -> None:
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        for _ in range(5):  # a batch's work: it lets go of the GIL, as an engine's run does
+            time.sleep(0)
+        with lock:
+            ran.extend(names)
+            active[0] -= 1
+
+    handoff = CallHandoff(lambda calls: running([c.requests[0] for c in calls]), limit=4,
+                          queued_within_s=0.0, quiet_calls=1, clock=Clock())
+
+    def produce(k: int) -> None:
+        for i, lone in enumerate(alone):
+            if i % producers != k:
+                continue
+            name = f"p{k}-{i}"
+            if lone and handoff.run_here(1):
+                running([name])
+                handoff.ran_here()
+            else:
+                assert handoff.put(call(name))
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(producers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    handoff.close()
+    assert sorted(ran) == sorted(f"p{i % producers}-{i}" for i in range(len(alone)))
+    assert most[0] == 1
