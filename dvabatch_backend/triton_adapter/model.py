@@ -7,7 +7,8 @@ default true), their responses returned from `execute` (a send per request from 
 more throughput than answering short ones first gained: measured on the small encoder).
 Where the model runs on a device (a GPU, or its stand-in), `execute` instead hands the call to a
 thread of its own and returns (`CallHandoff`, parameter `hand_off_calls`, on by default there): the
-host reads the next call while the device runs, and answers leave by response sender.
+host reads the next call while the device runs, and answers leave by response sender; while calls
+come alone (`lone_calls` in a row met no other) it runs them itself, as on the CPU.
 Calls that come full (Triton's batcher had max_batch_size rows waiting) say Triton's own queue,
 which the runtime's admission cannot see, is not draining: they go the pipeline's way
 (`InlineHold.caller_backlog`), so overload meets the runtime's bound and is refused.
@@ -25,7 +26,7 @@ bs_max (the manifest's), thread_pool (per_stage), threads_per_stage (0: every av
 (the unsliced model's on, the stages' in_run), engine (onnxruntime, torch, or simulated: the GPU
 stand-in, with device_profile, a file in the version folder or an absolute path),
 device, run_on, fast_path, cuda_graphs (true), device_buffers (true),
-entry_waits_for_device (true), hand_off_calls (true on a device), engine_wrapper; Triton's
+entry_waits_for_device (true), hand_off_calls (true on a device), lone_calls (8), engine_wrapper; Triton's
 queue policy (max_queue_size, default_timeout_microseconds, allow_timeout_override,
 timeout_action); a latency target (slo_ms, slo_action); and policy parameters prefixed "policy.".
 Only this module imports `triton_python_backend_utils`; the runtime does not.
