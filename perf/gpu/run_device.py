@@ -141,12 +141,15 @@ STEPS: tuple[Step, ...] = (
     ), needs=("dvabatch_backend/triton_adapter/handoff.py", "perf/compare/on_device.py", "slicer/serving_engine.py")),
     # then, a second call where `handoff` left the time (after 2026-11-28 on an H200 ran `slice` and `standin`, where the zoo's
     # ResNet-152 was its CPU size, width 16 at 64x64): ResNet-152 at the paper's size sliced on the
-    # device and served as sliced beside ZeroBatch and DelayBatch; then call `standin` again (the
+    # device and served as sliced beside ZeroBatch and DelayBatch, with the hand-off of calls and
+    # without it (`sync`: on the stand-in's 2 cores the hand-off lost on ResNet-152 at 224x224, its
+    # inputs' copies competing for the host, and won at 64x64); then call `standin` again (the
     # engine's host time per run measured now, `host_run_s`)
     Step("resnet", 420, (
         capped(20, "nvidia-smi"),
         sliced_resnet152(180),
-        served_model(190, "--loads 0.25,0.6,0.9 --delays 500,2000 --py-spy DVABatch,ZeroBatch", model="resnet152"),
+        served_model(190, "--loads 0.25,0.6,0.9 --delays 500,2000 --variant sync:hand_off_calls=false "
+                     "--py-spy DVABatch,ZeroBatch", model="resnet152"),
     ), needs=("slicer/serving_engine.py", "slicer/zoo/__init__.py", "perf/compare/on_device.py"), rerun=True),
     # `dvabatch slice --device cuda` on BERT-base and ResNet-152 (the stage count and buffer pairs
     # measured on the device; its time), then the device-sliced BERT-base served beside ZeroBatch
