@@ -53,8 +53,9 @@ class CallHandoff:
     `put` waits while `limit` rows already wait: Triton's queue then holds what comes, as it does
     while `execute` runs a batch itself (where its batcher forms full calls and overload is seen,
     `InlineHold.caller_backlog`). `close` runs what was handed over, then ends the thread; a call
-    put after it is the caller's to run. Its state (`_calls`, `_rows`, `_running`, `_closed`) is
-    guarded by `_cond`; `_returned` is the caller's alone."""
+    put after it is the caller's to run. Its state (`_calls`, `_rows`, `_running`, `_closed`, `_quiet`
+    and the counts `handed`, `ran_here_calls`, read unlocked by the metrics) is guarded by `_cond`;
+    `_returned` is the caller's alone."""
 
     def __init__(self, run: Callable[[list[HandedCall]], None], limit: int, queued_within_s: float = 0.0,
                  quiet_calls: int | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -69,6 +70,8 @@ class CallHandoff:
         self._running = False  # a run under way: the thread's, or its caller's (`run_here`)
         self._closed = False
         self._returned = -math.inf  # when the caller last returned to Triton (`returned`)
+        self.handed = 0  # calls handed over (`put`), and run by their caller (`run_here`): the metrics'
+        self.ran_here_calls = 0
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="dvabatch-call-handoff", daemon=True)
         self._thread.start()
@@ -82,6 +85,7 @@ class CallHandoff:
                 return False
             self._calls.append(call)
             self._rows += call.rows
+            self.handed += 1
             self._cond.notify_all()
         return True
 
@@ -95,6 +99,7 @@ class CallHandoff:
             if busy or self._quiet_needed is None or self._quiet < self._quiet_needed:
                 return False
             self._running = True
+            self.ran_here_calls += 1
             return True
 
     def ran_here(self) -> None:

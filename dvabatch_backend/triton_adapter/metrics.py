@@ -11,6 +11,7 @@ import threading
 import triton_python_backend_utils as pb_utils
 
 from ..runtime.pipeline import Pipeline
+from .handoff import CallHandoff
 
 _COUNTERS = {
     "dvabatch_stage_batches_total": "Batch items run by each stage",
@@ -25,8 +26,10 @@ _REFUSALS = {"queue_full": "queue_full", "timeout": "timed_out", "cancelled": "c
 
 
 class StageMetrics:
-    def __init__(self, scheduler: Pipeline, model: str, period: float = 0.25) -> None:
+    def __init__(self, scheduler: Pipeline, model: str, period: float = 0.25,
+                 handoff: CallHandoff | None = None) -> None:
         self._scheduler = scheduler
+        self._handoff = handoff
         self._model = model
         self._period = period
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
@@ -67,6 +70,12 @@ class StageMetrics:
         self._goodput = goodput.Metric(labels={"model": model})
         self._families = [*families.values(), queue, ops, queued, refused, goodput, fast, fast_batches, fast_device,
                           handovers, drains]  # alive while reporting
+        if handoff is not None:
+            calls = pb_utils.MetricFamily(name="dvabatch_device_calls_total", kind=counter,
+                                          description="execute calls on the fast path where the model runs on a device: handed to "
+                                                      "the hand-off's thread (handed), or run by execute itself, as calls come alone (here)")
+            self._calls = {path: calls.Metric(labels={"model": model, "path": path}) for path in ("handed", "here")}
+            self._families.append(calls)
         self._last: dict[tuple[str, int], float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dvabatch-metrics", daemon=True)
@@ -112,6 +121,9 @@ class StageMetrics:
         self._increment(self._handovers, "inline_handovers", stats.inline_handovers)
         self._increment(self._drains, "caller_drains", stats.caller_drains)
         self._set(self._queued, ("queued", -1), stats.queued)
+        if self._handoff is not None:
+            self._increment(self._calls["handed"], "calls_handed", self._handoff.handed)
+            self._increment(self._calls["here"], "calls_here", self._handoff.ran_here_calls)
 
     def _increment(self, metric: object, key: str, total: float) -> None:
         self._counter(metric, (key, -1), total)

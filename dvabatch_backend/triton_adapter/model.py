@@ -473,7 +473,7 @@ class TritonPythonModel:
                                      settings.lone_calls or None)
                          if self._fast_path and settings.hand_off_calls else None)
         self._cancel_watch = _CancelWatch(self._scheduler)
-        self._metrics = StageMetrics(self._scheduler, args["model_name"])
+        self._metrics = StageMetrics(self._scheduler, args["model_name"], handoff=self._handoff)
         self._metrics.loaded(load_seconds, device_bytes)
         # what loading left lives as long as the stub (which exits on unload): kept out of the
         # collector's full sweeps, which walk every object the loaded model holds (28k, 5.5 ms each

@@ -67,6 +67,9 @@ def batch_report(before: Snapshot, after: Snapshot, model: str) -> dict[str, Any
         report["inline_runs"], report["inline_mean_batch"] = inline, _ratio(inline_queries, inline)
         report["meta_operations"] = {k: v for k, v in _delta(before, after, "dvabatch_meta_operations_total", model).items()
                                      if v}
+        calls = _delta(before, after, "dvabatch_device_calls_total", model)
+        if calls:  # the hand-off's calls, by path (labels "path=handed", "path=here")
+            report["device_calls"] = {k.split("=", 1)[-1]: v for k, v in sorted(calls.items())}
     return report
 
 

@@ -50,6 +50,7 @@ def test_a_model_and_its_baselines_served_on_the_stand_in_answer_as_the_unsliced
             work = [(mode, model.query(rng)) for mode in modes for _ in range(3)]  # 12 queries, mixed lengths
             assert unequal_answers(modes, model, work, rtol=1e-3) == [], name
         _over_long_beside_good_queries(clients, replace(base, name=systems["DVABatch"]), rng)
+        _lone_queries_run_on_executes_thread(server, clients, replace(base, name=systems["DVABatch"]), rng)
         device_seconds = settle(lambda: _device_seconds(scrape(server.metrics_url), systems["DVABatch"]),
                                 lambda seconds: seconds > 0, timeout=10)
         assert device_seconds > 0, "no device time in the dvabatch model's metrics"
@@ -64,6 +65,23 @@ def _device_seconds(snapshot: dict, model: str) -> float:
     """The device time the model's metrics report: its stages' and its fast path's."""
     names = ("dvabatch_stage_device_seconds_total", "dvabatch_fast_path_device_seconds_total")
     return sum(v for (name, m, _), v in snapshot.items() if name in names and m == model)
+
+
+def _lone_queries_run_on_executes_thread(server: TritonServer, clients: Clients, model: ServedModel,
+                                         rng: np.random.Generator) -> None:
+    """Queries one after another, each call alone: after `lone_calls` of them (8, the default) in a
+    row execute runs them itself, as the metrics count, and they are answered as the unsliced model."""
+    def calls() -> dict[str, float]:
+        return {labels: v for (name, m, labels), v in scrape(server.metrics_url).items()
+                if name == "dvabatch_device_calls_total" and m == model.name}
+
+    before = settle(calls, lambda c: bool(c), timeout=10)
+    lone = 8 + 4
+    work = [("grpc", model.query(rng)) for _ in range(lone)]
+    assert unequal_answers(clients.modes(), model, work, concurrent=False, rtol=1e-3) == []
+    after = settle(calls, lambda c: sum(c.values()) >= sum(before.values()) + lone, timeout=10)
+    here = after.get("path=here", 0.0) - before.get("path=here", 0.0)
+    assert here >= lone - 8, (before, after)  # the last of them at least, whatever the calls before met
 
 
 def _over_long_beside_good_queries(clients: Clients, model: ServedModel, rng: np.random.Generator) -> None:
