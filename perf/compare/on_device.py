@@ -276,8 +276,11 @@ def run(model_dir: Path, device: str, device_profile: str | None, out: Path, que
         rounds: int = ROUNDS, loads: Sequence[float] = LOADS, delays_us: Sequence[int] = DELAYS_US,
         variants: Mapping[str, Mapping[str, str]] | None = None, spied: Sequence[str] = (),
         stub_site: Path | None = None, sustained: Sequence[str] = ()) -> int:
-    """`stub_site`: a folder the backend stubs import from first (numpy 2 unpacked there, as the GPU
-    machine's stubs run: under numpy 2 every answer crosses by DLPack, which costs the host)."""
+    """`stub_site`: a folder the backend stubs import from first, holding another numpy than this
+    process's: numpy 2 on the stand-in, as the GPU machine's stubs served until they were given the
+    package's numpy 1 (under numpy 2 every answer crosses by DLPack, about 110 us a response tensor
+    in the stub against 4 us by numpy); numpy 1 on the GPU machine, as a user's install serves
+    (`perf.gpu.run_device.STUB_SITE`)."""
     import onnx
 
     from slicer.profiler import int_bounds
@@ -335,8 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "the highest Poisson rate, in steps of 0.1x ZeroBatch's peak, with p99 within 5x "
                              "ZeroBatch's lone-query mean and every query answered")
     parser.add_argument("--stub-site", type=Path, metavar="DIR",
-                        help="a folder the backend stubs import from first: numpy 2 unpacked there "
-                             "(pip download numpy==2.2.6, unzip), as the GPU machine's stubs run")
+                        help="a folder the backend stubs import from first: another numpy unpacked there "
+                             "(pip download numpy==2.2.6, unzip: the GPU machine's own numpy; the GPU steps "
+                             "give its stubs the package's numpy 1)")
     parser.add_argument("--out", type=Path, default=REPO / "work" / "perf" / "on_device")
     args = parser.parse_args(argv)
     variants = {}

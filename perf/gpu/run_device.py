@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from perf.gpu.fetch_wheels import DEFAULT_DEST, REPO, WHEELS_TXT, requirements
+from perf.gpu.fetch_wheels import DEFAULT_DEST, REPO, STUB_SITE_DIR, WHEELS_TXT, requirements
 
 MiB = 1 << 20
 TRANSFER_LIMIT = 64 * MiB  # the working tree plus carried paths, per call
@@ -108,12 +108,25 @@ def sliced_bert(seconds: int, slice_args: str) -> tuple[str, ...]:
                   "--repeats 3 --out {work}/repo/bert_base")
 
 
+STUB_SITE = "/tmp/stub-site"  # the carried numpy 1 (fetch_wheels.STUB_NUMPY), for the backend stubs alone
+# whether the stubs can serve with it: what a stub imports (the runtime, onnx, onnxruntime), and the
+# torch engine's numpy bridge to CUDA
+STUB_SITE_CHECK = ('import numpy, torch, onnx, onnxruntime, dvabatch_backend.runtime.loading; '
+                   'assert numpy.__version__ < "2", numpy.__version__; '
+                   'torch.from_numpy(numpy.ones(2, "float32")).cuda().cpu().numpy()')
+
+
 def served_model(seconds: int, compare_args: str, model: str = "bert_base") -> tuple[str, ...]:
     """{work}/repo/MODEL (BERT-base unless named) served on the GPU beside the baselines
     (`perf.compare --device cuda`, 1,000 queries a load, 2 rounds, `compare_args`), the carried
-    py-spy on the PATH, capped."""
-    return capped(seconds, "bash", "-c", f"PATH=/tmp/site/bin:$PATH {PY} -m perf.compare --model-dir {{work}}/repo/{model} "
-                  f"--device cuda --queries 1000 --rounds 2 {compare_args} --out {{work}}/served")
+    py-spy on the PATH, capped. The backend stubs import numpy from `STUB_SITE` first, as a user's
+    install of this package serves (numpy below 2), where it works with the machine's torch; else
+    the machine's numpy 2, and the log says which."""
+    check = f"PYTHONPATH={STUB_SITE}:$PYTHONPATH {PY} -c {shlex.quote(STUB_SITE_CHECK)}"
+    return capped(seconds, "bash", "-c", f"STUB=; if {check}; then STUB='--stub-site {STUB_SITE}'; fi; "
+                  f"echo \"backend stubs: ${{STUB:-numpy of the machine}}\"; "
+                  f"PATH=/tmp/site/bin:$PATH {PY} -m perf.compare --model-dir {{work}}/repo/{model} "
+                  f"--device cuda --queries 1000 --rounds 2 {compare_args} $STUB --out {{work}}/served")
 
 
 def sliced_resnet152(seconds: int) -> tuple[str, ...]:
@@ -293,20 +306,23 @@ def tree_size(repo: Path = REPO) -> int:
     return sum((repo / p).stat().st_size for p in listed if p and (repo / p).is_file())
 
 
-def install_command(wheels: Sequence[Wheel], repo: Path, bundle: Path | None = None) -> str:
+def install_command(wheels: Sequence[Wheel], repo: Path, bundle: Path | None = None,
+                    stub_wheel: Path | None = None) -> str:
     """The device's install of the carried wheels (named one by one), the server bundle unpacked
-    beside them, and the path setting."""
+    beside them, the stubs' numpy unpacked apart (`STUB_SITE`), and the path setting."""
     if not wheels:
         return "export PYTHONPATH=$PWD"
     files = " ".join(shlex.quote(str(w.path.relative_to(repo))) for w in wheels if w.path)
     unpack = f" && tar xzf {shlex.quote(str(bundle.relative_to(repo)))} -C /tmp/site" if bundle else ""
+    stub = f" && {PY} -m zipfile -e {shlex.quote(str(stub_wheel.relative_to(repo)))} {STUB_SITE}" if stub_wheel else ""
     return (f"{PY} -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
-            f"{files}{unpack} && export PYTHONPATH=/tmp/site:$PWD || exit 1")
+            f"{files}{unpack}{stub} && export PYTHONPATH=/tmp/site:$PWD || exit 1")
 
 
 def device_call(step: Step, wheels: Sequence[Wheel], wheel_dir: Path, repo: Path) -> DeviceCall:
     bundle = wheel_dir / SERVER_BUNDLE if (wheel_dir / SERVER_BUNDLE).is_file() else None
-    command = (f"{install_command(wheels, repo, bundle)}; set -o pipefail; PYTHONUNBUFFERED=1 "
+    stub_wheel = next(iter(sorted((wheel_dir / STUB_SITE_DIR).glob("*.whl"))), None) if wheels else None
+    command = (f"{install_command(wheels, repo, bundle, stub_wheel)}; set -o pipefail; PYTHONUNBUFFERED=1 "
                f"{PY} -m perf.gpu.run_device step {step.name} --out $OUT")
     carry = (str(wheel_dir.relative_to(repo)),) if wheels else ()
     names = (*(str(w.path.relative_to(repo)) for w in wheels if w.path), "perf/gpu/run_device.py", *step.needs)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from perf.gpu import run_device
-from perf.gpu.fetch_wheels import WHEELS_TXT, download_command, requirements
+from perf.gpu.fetch_wheels import STUB_SITE_DIR, WHEELS_TXT, download_command, requirements
 from perf.gpu.run_device import MiB, STEPS, TRANSFER_LIMIT, plan
 
 SPECS = ["hypothesis==6.170.15", "pytest-timeout==2.4.0"]
@@ -43,6 +43,28 @@ def test_plan_finds_every_wheel_and_names_only_existing_files(repo: Path) -> Non
         for name in FILES:  # the install names each wheel, by its path in the tree
             assert f"work/wheels/{name}" in call.command
         assert f"perf.gpu.run_device step {call.step.name} --out $OUT" in call.command
+
+
+def test_the_stubs_numpy_is_unpacked_apart_and_served_with_where_the_machine_takes_it(repo: Path) -> None:
+    """A numpy in work/wheels/stub-site/ is unpacked into its own folder, not into /tmp/site (the
+    machine's own processes keep their numpy); each served step hands it to the stubs only where a
+    process with it first on its path imports torch and reaches CUDA, and says which it used."""
+    stub = repo / "work" / "wheels" / STUB_SITE_DIR
+    stub.mkdir()
+    (stub / "numpy-1.26.4-cp312-cp312-manylinux_2_17_x86_64.whl").write_bytes(b"0" * 1024)
+    result = plan(repo, repo / "work" / "wheels", SPECS, tree_bytes=MiB)
+    assert result.problems == []
+    for call in result.calls:
+        unpack = f"-m zipfile -e work/wheels/{STUB_SITE_DIR}/numpy-1.26.4-cp312-cp312-manylinux_2_17_x86_64.whl"
+        assert f"{unpack} {run_device.STUB_SITE}" in call.command
+        assert "--target /tmp/site" in call.command.split(unpack)[0]
+    served = run_device.served_model(60, "--loads 0.5")[-1]
+    assert f"--stub-site {run_device.STUB_SITE}" in served and "$STUB --out" in served
+    assert "import numpy, torch" in served and "backend stubs:" in served
+    steps = {s.name: s for s in STEPS}
+    assert all(any("$STUB --out" in c[-1] for c in steps[name].commands) for name in ("handoff", "resnet"))
+    without = plan(repo, repo / "work" / "wheels", [], tree_bytes=MiB)  # nothing carried: nothing unpacked
+    assert all("zipfile" not in c.command for c in without.calls)
 
 
 def test_missing_wheel_is_a_problem(repo: Path) -> None:
