@@ -325,7 +325,8 @@ def device_call(step: Step, wheels: Sequence[Wheel], wheel_dir: Path, repo: Path
     command = (f"{install_command(wheels, repo, bundle, stub_wheel)}; set -o pipefail; PYTHONUNBUFFERED=1 "
                f"{PY} -m perf.gpu.run_device step {step.name} --out $OUT")
     carry = (str(wheel_dir.relative_to(repo)),) if wheels else ()
-    names = (*(str(w.path.relative_to(repo)) for w in wheels if w.path), "perf/gpu/run_device.py", *step.needs)
+    names = (*(str(w.path.relative_to(repo)) for w in wheels if w.path),
+             *([str(stub_wheel.relative_to(repo))] if stub_wheel else []), "perf/gpu/run_device.py", *step.needs)
     return DeviceCall(step, command, carry, step.timeout_s, names)
 
 
