@@ -58,11 +58,11 @@ class CallHandoff:
     `_returned` is the caller's alone."""
 
     def __init__(self, run: Callable[[list[HandedCall]], None], limit: int, queued_within_s: float = 0.0,
-                 quiet_calls: int | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+                 quiet_calls: int = 0, clock: Callable[[], float] = time.perf_counter) -> None:
         self._run = run
         self._limit = max(1, limit)
         self._queued_within_s = queued_within_s
-        self._quiet_needed = quiet_calls  # None: every call is handed over
+        self._quiet_needed = quiet_calls  # 0: every call is handed over
         self._quiet = 0  # calls in a row that met no other (`run_here`)
         self._clock = clock
         self._calls: list[HandedCall] = []
@@ -96,7 +96,7 @@ class CallHandoff:
             busy = bool(self._calls) or self._running
             met = busy or requests > 1 or self._clock() - self._returned <= self._queued_within_s
             self._quiet = 0 if met else self._quiet + 1
-            if busy or self._quiet_needed is None or self._quiet < self._quiet_needed:
+            if busy or not self._quiet_needed or self._quiet < self._quiet_needed:
                 return False
             self._running = True
             self.ran_here_calls += 1

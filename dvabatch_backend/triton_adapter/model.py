@@ -470,7 +470,7 @@ class TritonPythonModel:
         self._call_capacity = _call_capacity(config)
         self._responder = _Responder()
         self._handoff = (CallHandoff(self._run_handed, self._scheduler.bs_max, _queued_within_us(config) / 1e6,
-                                     settings.lone_calls or None)
+                                     settings.lone_calls)
                          if self._fast_path and settings.hand_off_calls else None)
         self._cancel_watch = _CancelWatch(self._scheduler)
         self._metrics = StageMetrics(self._scheduler, args["model_name"], handoff=self._handoff)
