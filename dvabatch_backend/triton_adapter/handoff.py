@@ -40,22 +40,24 @@ class CallHandoff:
     to `limit` rows, one batch: the entry's stretch), each answer sent as its batch ends.
 
     A call is its caller's to run (`run_here`), as `execute` ran every call before, while calls come
-    alone: where nothing handed over waits or runs and none of the last `quiet_calls` calls met
-    another (found one waiting or running here, came with other requests, or came within
-    `queued_within_s` of the caller's last return to Triton, its round trip to a call it had
-    queued). Then nothing would run beside it, and a thread's wake and a send of its own only add to
-    its latency (+0.42 ms a lone query on the stand-in). Gaps alone do not tell load from a lone
-    client: on the stand-in one client's next query came 0.8-1.2 ms after the return, and under
-    Poisson load at 9/10 a call finding the device idle 0.3-1.3 ms after it; calls that meet are what
-    load is, and under it a call run here costs the next one the overlap (the 9/10 mean 13.5 ms
-    against 8.7 ms handed over, with a gap rule of 0.5 ms).
+    alone: where nothing handed over waits or has a request unanswered, and none of the last
+    `quiet_calls` calls met another (found one waiting or unanswered here, came with other requests,
+    or came within `queued_within_s` of the end of the caller's last own run, Triton's round trip to
+    a call it queued meanwhile). Then nothing would run beside it, and a thread's wake and a send of
+    its own only add to its latency (+0.42 ms a lone query on the stand-in). Gaps alone do not tell
+    load from a lone client: on the stand-in one client's next query came 0.8-1.2 ms after the
+    return, and under Poisson load at 9/10 a call finding the device idle 0.3-1.3 ms after it; calls
+    that meet are what load is, and under it a call run here costs the next one the overlap (the 9/10
+    mean 13.5 ms against 8.7 ms handed over, with a gap rule of 0.5 ms). A handed run whose requests
+    are all answered (`settled`) meets no call: a lone client's next query can come before the run's
+    last steps end (on a machine with cores to spare it did, every time), and waits for them.
 
     `put` waits while `limit` rows already wait: Triton's queue then holds what comes, as it does
     while `execute` runs a batch itself (where its batcher forms full calls and overload is seen,
     `InlineHold.caller_backlog`). `close` runs what was handed over, then ends the thread; a call
-    put after it is the caller's to run. Its state (`_calls`, `_rows`, `_running`, `_closed`, `_quiet`
-    and the counts `handed`, `ran_here_calls`, read unlocked by the metrics) is guarded by `_cond`;
-    `_returned` is the caller's alone."""
+    put after it is the caller's to run. Its state (`_calls`, `_rows`, `_running`, `_unsettled`,
+    `_closed`, `_quiet`, `_own_run_ended` and the counts `handed`, `ran_here_calls`, read unlocked by
+    the metrics) is guarded by `_cond`."""
 
     def __init__(self, run: Callable[[list[HandedCall]], None], limit: int, queued_within_s: float = 0.0,
                  quiet_calls: int = 0, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -68,8 +70,9 @@ class CallHandoff:
         self._calls: list[HandedCall] = []
         self._rows = 0
         self._running = False  # a run under way: the thread's, or its caller's (`run_here`)
+        self._unsettled = 0  # requests of the thread's run not yet answered (`settled`)
         self._closed = False
-        self._returned = -math.inf  # when the caller last returned to Triton (`returned`)
+        self._own_run_ended = -math.inf  # when the caller's last own run ended (`ran_here`)
         self.handed = 0  # calls handed over (`put`), and run by their caller (`run_here`): the metrics'
         self.ran_here_calls = 0
         self._cond = threading.Condition()
@@ -91,26 +94,31 @@ class CallHandoff:
 
     def run_here(self, requests: int) -> bool:
         """Whether the caller runs its call of `requests` requests itself (calls come alone: see the
-        class). True holds back what is put meanwhile until `ran_here`: one run at a time."""
+        class). True holds back what is put meanwhile until `ran_here`: one run at a time; where the
+        thread's run has answered all its requests, its last steps end first."""
         with self._cond:
-            busy = bool(self._calls) or self._running
-            met = busy or requests > 1 or self._clock() - self._returned <= self._queued_within_s
+            busy = bool(self._calls) or self._unsettled > 0
+            met = busy or requests > 1 or self._clock() - self._own_run_ended <= self._queued_within_s
             self._quiet = 0 if met else self._quiet + 1
             if busy or not self._quiet_needed or self._quiet < self._quiet_needed:
                 return False
+            while self._running:  # the thread's run after its last answer (no call waits: the caller puts)
+                self._cond.wait()
             self._running = True
             self.ran_here_calls += 1
             return True
 
     def ran_here(self) -> None:
-        """The caller's own run (`run_here`) ended."""
+        """The caller's own run (`run_here`) ended: a call that comes soon after was queued meanwhile."""
         with self._cond:
             self._running = False
+            self._own_run_ended = self._clock()
             self._cond.notify_all()
 
-    def returned(self) -> None:
-        """The caller returned to Triton (the end of `execute`): where `run_here`'s gap starts."""
-        self._returned = self._clock()
+    def settled(self, requests: int = 1) -> None:
+        """The thread's run answered `requests` of its requests (or handed them on)."""
+        with self._cond:
+            self._unsettled -= requests
 
     def waiting(self) -> bool:
         """Whether a call waits to run (read without the lock: a hint for where answers are sent)."""
@@ -136,6 +144,7 @@ class CallHandoff:
                     return  # closed, and nothing left to run
                 calls = self._take()
                 self._running = True
+                self._unsettled = sum(len(call.requests) for call in calls)
                 self._cond.notify_all()  # room for a waiting `put`
             try:
                 self._run(calls)
@@ -144,6 +153,8 @@ class CallHandoff:
             finally:
                 with self._cond:
                     self._running = False
+                    self._unsettled = 0
+                    self._cond.notify_all()  # a caller waiting to run its own call (`run_here`)
 
     def close(self, timeout: float = 60.0) -> None:
         with self._cond:

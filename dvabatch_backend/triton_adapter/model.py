@@ -493,14 +493,6 @@ class TritonPythonModel:
         )
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
-        if self._handoff is None:
-            return self._execute(requests)
-        try:
-            return self._execute(requests)
-        finally:
-            self._handoff.returned()  # a call that comes soon after was queued meanwhile (`run_here`)
-
-    def _execute(self, requests: list[Any]) -> list[Any] | None:
         refused = self._scheduler.refuse_at_door(len(requests))  # overload: refused unread (admission.py)
         if refused:  # returned by execute: one message to the server, not a send each
             return [_error_response(e) for e in refused]
@@ -545,16 +537,22 @@ class TritonPythonModel:
         """`requests` (their inputs `tensors`) on the fast path where it takes them. Not `send_each`:
         where every request was answered here their responses are returned, in order (execute
         returns them: one message); else each is sent, and the rest handed to the pipeline.
-        `settled` gets each request answered here or handed to the pipeline, as it is."""
+        `settled` gets each request answered here or handed to the pipeline, as it is; where each is
+        sent, the hand-off is told (`CallHandoff.settled`) before its answer leaves."""
         done: dict[int, Any] = {}
         settled = set() if settled is None else settled
+
+        def settle(i: int) -> None:
+            settled.add(i)
+            if send_each and self._handoff is not None:
+                self._handoff.settled()
         # several only without deadlines: later batches wait for earlier ones, so deadlines
         # stay the pipeline's to keep
         several = self._inline_many and not any(_request_timeout_us(r) for r in requests)
         cancelled: set[int] = set()  # requests Triton reports cancelled while they waited for a batch
 
         def answer(i: int, response: Callable[[], Any]) -> None:
-            settled.add(i)
+            settle(i)
             if send_each and self._handoff is not None and self._handoff.waiting():
                 # built and sent by the responder's threads: this one runs the next call's batch
                 self._responder.submit_send(requests[i], response)
@@ -577,12 +575,12 @@ class TritonPythonModel:
         for i, response in done.items():  # a batch failed (or answers went early): the rest the usual way
             self._send(requests[i], response)
         for i in cancelled:
-            settled.add(i)
+            settle(i)
             self._send(requests[i], _cancelled_response())
         for i in left:
             if i not in cancelled:
                 self._submit([requests[i]], [tensors[i]])
-                settled.add(i)
+                settle(i)  # after: where the submit fails, `_run_handed` answers it
         return None
 
     def _came_full(self, tensors: list[dict[str, np.ndarray]]) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -70,15 +71,20 @@ def _device_seconds(snapshot: dict, model: str) -> float:
 def _lone_queries_run_on_executes_thread(server: TritonServer, clients: Clients, model: ServedModel,
                                          rng: np.random.Generator) -> None:
     """Queries one after another, each call alone: after `lone_calls` of them (8, the default) in a
-    row execute runs them itself, as the metrics count, and they are answered as the unsliced model."""
+    row execute runs them itself, as the metrics count, and they are answered as the unsliced model.
+    Each is sent once the one before was answered (a handed one meets no call after its answer left,
+    however soon it comes), and a pause after it: longer than Triton's round trip to a call queued
+    behind the last (`_queued_within_us`, 0.3 ms with no batcher delay), which a call sooner meets."""
     def calls() -> dict[str, float]:
         return {labels: v for (name, m, labels), v in scrape(server.metrics_url).items()
                 if name == "dvabatch_device_calls_total" and m == model.name}
 
     before = settle(calls, lambda c: bool(c), timeout=10)
     lone = 8 + 4
+    grpc = clients.modes()["grpc"]
+    paused = {"grpc": lambda name, query: (time.sleep(0.01), grpc(name, query))[1]}
     work = [("grpc", model.query(rng)) for _ in range(lone)]
-    assert unequal_answers(clients.modes(), model, work, concurrent=False, rtol=1e-3) == []
+    assert unequal_answers(paused, model, work, concurrent=False, rtol=1e-3) == []
     after = settle(calls, lambda c: sum(c.values()) >= sum(before.values()) + lone, timeout=10)
     here = after.get("path=here", 0.0) - before.get("path=here", 0.0)
     assert here >= lone - 8, (before, after)  # the last of them at least, whatever the calls before met

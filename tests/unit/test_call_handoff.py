@@ -2,7 +2,8 @@
 gates: each call runs exactly once, in order; calls that came while one ran are run together up to
 the limit; `put` waits while a batch's rows already wait; `close` runs what was handed over first.
 Calls that come alone are their caller's to run (`run_here`, on a clock of the test's own): after
-`quiet_calls` in a row that met no other, until one meets another, and never beside a handed run."""
+`quiet_calls` in a row that met no other, until one meets another, and never beside a handed run; a
+handed run whose requests are all answered meets no call, which waits for the run's last steps."""
 from __future__ import annotations
 
 import threading
@@ -106,27 +107,88 @@ class Clock:
 
 
 def lone_caller(handoff: CallHandoff, clock: Clock, requests: int = 1, after_s: float = 1.0) -> bool:
-    """One `execute` call of `requests` requests, `after_s` after the last one returned: whether it
-    ran on the caller's thread."""
+    """One `execute` call of `requests` requests, `after_s` after the last one: whether it ran on the
+    caller's thread (a call handed over runs at once, and answers before the next)."""
     clock.now += after_s
     here = handoff.run_here(requests)
     if here:
         handoff.ran_here()
-    handoff.returned()
+    else:
+        assert handoff.put(HandedCall([f"call-{clock.now}"] * requests, [{"x": np.zeros((requests, 2), np.float32)}],
+                                      full=False))
     return here
+
+
+class AnsweringRun:
+    """The hand-off's `run`: answers each request (`CallHandoff.settled`), then records it."""
+
+    def __init__(self) -> None:
+        self.handoff: CallHandoff | None = None
+        self.answered = threading.Semaphore(0)
+
+    def __call__(self, calls: list[HandedCall]) -> None:
+        for c in calls:
+            assert self.handoff is not None
+            self.handoff.settled(len(c.requests))
+            self.answered.release()
+
+
+def answering_handoff(clock: Clock, quiet_calls: int) -> tuple[CallHandoff, AnsweringRun]:
+    run = AnsweringRun()
+    handoff = CallHandoff(run, limit=4, queued_within_s=0.001, quiet_calls=quiet_calls, clock=clock)
+    run.handoff = handoff
+    return handoff, run
 
 
 def test_calls_that_come_alone_run_on_the_callers_thread_until_one_meets_another() -> None:
     clock = Clock()
-    handoff = CallHandoff(lambda calls: None, limit=4, queued_within_s=0.001, quiet_calls=3, clock=clock)
-    assert [lone_caller(handoff, clock) for _ in range(5)] == [False, False, True, True, True]
+    handoff, run = answering_handoff(clock, quiet_calls=3)
+
+    def lone(requests: int = 1, after_s: float = 1.0) -> bool:
+        here = lone_caller(handoff, clock, requests, after_s)
+        if not here:
+            assert run.answered.acquire(timeout=30)  # its client's next query comes after its answer
+        return here
+
+    assert [lone() for _ in range(5)] == [False, False, True, True, True]
     # a call with others in it (Triton's batcher queued them together) meets another: handed over
-    assert not lone_caller(handoff, clock, requests=2)
-    assert [lone_caller(handoff, clock) for _ in range(3)] == [False, False, True]
-    # a call that came within Triton's round trip of the return was queued behind the last
-    assert not lone_caller(handoff, clock, after_s=0.0005)
-    assert [lone_caller(handoff, clock) for _ in range(3)] == [False, False, True]
+    assert not lone(requests=2)
+    assert [lone() for _ in range(3)] == [False, False, True]
+    # a call that came within Triton's round trip of the caller's own run was queued behind it
+    assert not lone(after_s=0.0005)
+    # one as soon after a handed call meets none: `execute` returned at once, holding nothing back
+    assert [lone(after_s=0.0005) for _ in range(3)] == [False, False, True]
     handoff.close()
+
+
+def test_a_call_after_a_handed_run_answered_waits_for_its_last_steps_and_runs_here() -> None:
+    clock = Clock()
+    events: list[str] = []
+    answered, gate = threading.Event(), threading.Event()
+    handoff: CallHandoff
+
+    def run(calls: list[HandedCall]) -> None:
+        handoff.settled(sum(len(c.requests) for c in calls))
+        answered.set()
+        assert gate.wait(timeout=30)  # the run's last steps, after its answer left
+        events.append("handed run ended")
+
+    handoff = CallHandoff(run, limit=4, queued_within_s=0.001, quiet_calls=1, clock=clock)
+    assert handoff.put(call("a"))
+    assert answered.wait(timeout=30)
+    clock.now += 1.0
+    decided: list[bool] = []
+    caller = threading.Thread(target=lambda: decided.append(handoff.run_here(1)))
+    caller.start()
+    caller.join(0.05)
+    assert decided == []  # it met nothing, so it is the caller's, once the run's last steps end
+    gate.set()
+    caller.join(30)
+    assert decided == [True]
+    events.append("own run")
+    handoff.ran_here()
+    handoff.close()
+    assert events == ["handed run ended", "own run"]
 
 
 def test_a_call_meeting_a_handed_run_is_handed_over() -> None:
