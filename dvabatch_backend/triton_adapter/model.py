@@ -546,6 +546,7 @@ class TritonPythonModel:
             settled.add(i)
             if send_each and self._handoff is not None:
                 self._handoff.settled()
+
         # several only without deadlines: later batches wait for earlier ones, so deadlines
         # stay the pipeline's to keep
         several = self._inline_many and not any(_request_timeout_us(r) for r in requests)
