@@ -412,8 +412,9 @@ TRITON_ROUND_TRIP_US = 300
 
 
 def _queued_within_us(config: Mapping[str, Any]) -> int:
-    """How soon after `execute` returned a call comes that was queued meanwhile (`CallHandoff.run_here`):
-    Triton's round trip, and its batcher's queue delay (which holds a queued request back that long)."""
+    """How soon after a call `execute` ran itself a call comes that was queued meanwhile
+    (`CallHandoff.run_here`): Triton's round trip, and its batcher's queue delay (which holds a queued
+    request back that long)."""
     delay = int((config.get("dynamic_batching") or {}).get("max_queue_delay_microseconds") or 0)
     return TRITON_ROUND_TRIP_US + delay
 
