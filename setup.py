@@ -9,6 +9,9 @@ SERVE = ["nvidia-pytriton==0.7.0", "tritonclient[all]==2.51.0", "nvidia-cuda-run
 
 PERF = ["matplotlib>=3.7,<3.11"]
 
+# the manual in docs/: mkdocs-material, the Python and policy APIs by mkdocstrings (built strict by a test)
+DOCS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=1.0,<2"]
+
 setup(
     name="dvabatch",
     version="0.1.0",
@@ -42,8 +45,10 @@ setup(
             "py-spy>=0.3",  # perf.costs.served_profile, run by a smoke test
             *SERVE,
             *PERF,
+            *DOCS,
         ],
         "serve": SERVE,
+        "docs": DOCS,
         "perf": [*SERVE, *PERF],  # python -m perf.paper.experiments: its PNG plots
         "gpu": ["cuda-python>=12.0"],
     },

@@ -1,35 +1,24 @@
 """The Triton adapter: a thin `TritonPythonModel` over the runtime.
 
-It translates requests into queries and answers into responses, nothing more. When the
-pipeline holds nothing, the requests of one `execute` call run on the fast path: inline on this
-thread, in the batches the policy makes of them (runtime/fast_path.py; parameter `fast_path`,
-default true), their responses returned from `execute` (a send per request from this thread cost
-more throughput than answering short ones first gained: measured on the small encoder).
-Where the model runs on a device (a GPU, or its stand-in), `execute` instead hands the call to a
-thread of its own and returns (`CallHandoff`, parameter `hand_off_calls`, on by default there): the
-host reads the next call while the device runs, and answers leave by response sender; while calls
-come alone (`lone_calls` in a row met no other) it runs them itself, as on the CPU.
-Calls that come full (Triton's batcher had max_batch_size rows waiting) say Triton's own queue,
-which the runtime's admission cannot see, is not draining: they go the pipeline's way
-(`InlineHold.caller_backlog`), so overload meets the runtime's bound and is refused.
-Otherwise `execute` hands every request to the scheduler and returns None at once (Triton then
-sends the next requests while earlier batches are in flight); each request is answered through its response
-sender when all of its rows have left the pipeline. A request of shape [k, ...] is k queries
-that share one response. Responses are built and sent by responder threads, not by the
-stage executor whose batch finished: a send is a round trip to the server process, and the
-last stage would otherwise stand idle through one per query of its batch.
+It translates requests into queries and answers into responses. When the pipeline holds nothing,
+the requests of one `execute` call run on the fast path: inline on this thread, in the batches the
+policy makes of them (`runtime/fast_path.py`), their responses returned from `execute` as one
+message to the server rather than a send per request. Where the model runs on a device (a GPU, or
+its stand-in), `execute` instead hands the call to a thread of its own and returns (`CallHandoff`,
+parameter `hand_off_calls`): the host reads the next call while the device runs, and answers leave
+by response sender; while calls come alone it runs them itself, as on the CPU.
 
-Settings come from `config.pbtxt` parameters, each checked at load with the bad value named
-(`_PARSERS` lists them): manifest (default manifest.json), policy (default pipelined),
-num_buffer_pairs (1 on the CPU where each stage runs on every core and on a GPU, else 2: `default_buffer_pairs`),
-bs_max (the manifest's), thread_pool (per_stage), threads_per_stage (0: every available core), spinning
-(the unsliced model's on, the stages' in_run), engine (onnxruntime, torch, or simulated: the GPU
-stand-in, with device_profile, a file in the version folder or an absolute path),
-device, run_on, fast_path, cuda_graphs (true), device_buffers (true),
-entry_waits_for_device (true), hand_off_calls (true on a device), lone_calls (8), engine_wrapper; Triton's
-queue policy (max_queue_size, default_timeout_microseconds, allow_timeout_override,
-timeout_action); a latency target (slo_ms, slo_action); and policy parameters prefixed "policy.".
-Only this module imports `triton_python_backend_utils`; the runtime does not.
+Calls that come full (Triton's batcher had max_batch_size rows waiting) say Triton's own queue, which
+the runtime's admission cannot see, is not draining: they go the pipeline's way
+(`InlineHold.caller_backlog`), so overload meets the runtime's bound and is refused. Otherwise
+`execute` hands every request to the scheduler and returns None at once; each request is answered
+through its response sender when all of its rows have left the pipeline. A request of shape [k, ...]
+is k queries that share one response. Responses are built and sent by responder threads, not by the
+stage executor whose batch finished: a send is a round trip to the server process, and the last
+stage would otherwise stand idle through one per query of its batch.
+
+Settings come from `config.pbtxt` parameters (`config.PARAMETERS`, checked at load with the bad value
+named). Only this module imports `triton_python_backend_utils`; the runtime does not.
 """
 from __future__ import annotations
 
@@ -38,7 +27,6 @@ import json
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -46,115 +34,14 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..runtime.errors import BadInputError, CancelledError, QueryError, RefusedError, ShuttingDownError
-from ..runtime.engine import SPINNING
 from ..runtime.manifest import Manifest
 from ..runtime.query import Answer, request_rows
 from ..runtime.loading import load_pipeline
 from ..runtime.pipeline import Pipeline
-from ..runtime.settings import (ENGINES, EVERY_CORE, SIMULATED, QueuePolicy, RuntimeSettings, SloPolicy,
-                                default_buffer_pairs, runs_on_device)
 from . import parameters
+from .config import parse_parameters
 from .handoff import CallHandoff, HandedCall
 from .metrics import StageMetrics
-
-
-@dataclass(frozen=True)
-class AdapterSettings:
-    manifest: Path
-    policy: str
-    policy_params: dict[str, str]
-    runtime: RuntimeSettings
-    engine_wrapper: str | None = None  # "file.py:name" or "module:name": wraps each stage's engine
-    hand_off_calls: bool = False  # execute hands fast-path calls to a thread of their own (`CallHandoff`)
-    # after this many calls in a row that met no other, execute runs calls itself until one does
-    # (`CallHandoff.run_here`); 0: every call is handed over
-    lone_calls: int = 8
-
-
-# every parameter the adapter reads (besides policy.*), with how it is parsed
-_PARSERS: dict[str, parameters.Parser] = {
-    "manifest": parameters.text,
-    "policy": parameters.text,
-    "num_buffer_pairs": parameters.integer(1),
-    "bs_max": parameters.integer(1),
-    "threads_per_stage": parameters.integer(0),
-    "engine": parameters.choice(*ENGINES),
-    "device_profile": parameters.text,
-    "device": parameters.choice("cpu", "cuda"),
-    "thread_pool": parameters.choice("global", "per_stage"),
-    "spinning": parameters.choice(*SPINNING),
-    "run_on": parameters.boolean,
-    "fast_path": parameters.boolean,
-    "cuda_graphs": parameters.boolean,
-    "device_buffers": parameters.boolean,
-    "entry_waits_for_device": parameters.boolean,
-    "hand_off_calls": parameters.boolean,
-    "lone_calls": parameters.integer(0),
-    "engine_wrapper": parameters.text,
-    # Triton's default_queue_policy, under the names its config uses
-    "max_queue_size": parameters.integer(0),
-    "default_timeout_microseconds": parameters.integer(0),
-    "allow_timeout_override": parameters.boolean,
-    "timeout_action": parameters.choice("reject", "delay"),
-    "slo_ms": parameters.positive_float,
-    "slo_action": parameters.choice("reject", "serve_late"),
-}
-
-
-# the stub process is ours alone: each stage in turn on a pool of every core of its own (runtime/settings.py says why not the global pool)
-SERVED_THREAD_POOL, SERVED_THREADS_PER_STAGE = "per_stage", EVERY_CORE
-
-# parameters Triton's Python backend reads itself (the GPU config sets the first)
-TRITON_PARAMETERS = frozenset({"FORCE_CPU_ONLY_INPUT_TENSORS", "EXECUTION_ENV_PATH"})
-
-
-def parse_parameters(params: Mapping[str, str], model_dir: Path,
-                     queue_defaults: QueuePolicy | None = None) -> AdapterSettings:
-    """Read and check the config.pbtxt parameters; a ValueError names the bad one. `queue_defaults`:
-    the queue policy where no parameter sets one (`parameters.triton_queue_policy`)."""
-    values = parameters.read(params, _PARSERS, also=TRITON_PARAMETERS, prefixes=("policy.",))
-    manifest = model_dir / values.get("manifest", "manifest.json")
-    if not manifest.is_file():
-        raise ValueError(f"parameter 'manifest': {manifest} not found")
-    defaults = RuntimeSettings()
-    queue_defaults = queue_defaults or defaults.queue
-    device = values.get("device", defaults.device)
-    engine = values.get("engine", defaults.engine)
-    thread_pool = values.get("thread_pool", SERVED_THREAD_POOL)
-    threads = values.get("threads_per_stage", SERVED_THREADS_PER_STAGE)
-    profile = values.get("device_profile")
-    if profile is not None:  # relative to the version folder, or absolute
-        profile = str(model_dir / profile)
-        if not Path(profile).is_file():
-            raise ValueError(f"parameter 'device_profile': {profile} not found")
-    # the GPU stand-in's stages run on (simulated) streams of their own, as a GPU's do
-    pairs_device = "cuda" if engine == SIMULATED else device
-    runtime = RuntimeSettings(
-        num_buffer_pairs=values.get("num_buffer_pairs", default_buffer_pairs(pairs_device, thread_pool, threads)),
-        bs_max=values.get("bs_max"),
-        threads_per_stage=threads,
-        engine=engine,
-        device=device,
-        device_profile=profile,
-        thread_pool=thread_pool,
-        spinning=values.get("spinning", defaults.spinning),
-        run_on=values.get("run_on", defaults.run_on),
-        fast_path=values.get("fast_path", defaults.fast_path),
-        cuda_graphs=values.get("cuda_graphs", defaults.cuda_graphs),
-        device_buffers=values.get("device_buffers", defaults.device_buffers),
-        entry_waits_for_device=values.get("entry_waits_for_device", defaults.entry_waits_for_device),
-        queue=QueuePolicy(
-            max_queue_size=values.get("max_queue_size", queue_defaults.max_queue_size),
-            default_timeout_us=values.get("default_timeout_microseconds", queue_defaults.default_timeout_us),
-            allow_timeout_override=values.get("allow_timeout_override", queue_defaults.allow_timeout_override),
-            timeout_action=values.get("timeout_action", queue_defaults.timeout_action),
-        ),
-        slo=SloPolicy(slo_ms=values.get("slo_ms"), action=values.get("slo_action", defaults.slo.action)),
-    )
-    policy_params = {k[len("policy."):]: v for k, v in params.items() if k.startswith("policy.")}
-    return AdapterSettings(manifest, values.get("policy", "pipelined"), policy_params, runtime,
-                           values.get("engine_wrapper"), values.get("hand_off_calls", runs_on_device(runtime)),
-                           values.get("lone_calls", AdapterSettings.lone_calls))
 
 
 # The pytriton wheel's backend stub (python_backend 24.10) reads a numpy dtype's item size with a
@@ -301,10 +188,9 @@ def _describe(errors: list[QueryError]) -> str:
 
 
 CANCEL_POLL_SECONDS = 0.05
-# Requests asked per round. Each `is_cancelled` is a round trip to the server, about 145 us of the
-# stub's time here; asking 64 a round, a backlog (the zoo UNet at 3x its peak, 128 queued) spent 2.6 s
-# of 15 on asking, a core's sixth taken from the stages. 8 a round asks each of 128 queued
-# requests about once a second, a backlog's longest wait (admission.py: STANDING_WAIT, the bound).
+# Requests asked per round. Each `is_cancelled` is a round trip to the server on the stub's one
+# core, taken from the stages: a few a round, so that a deep backlog is asked about once in the
+# time it may wait (admission.py: STANDING_WAIT, the bound) without the asking costing a core.
 CANCEL_POLL_MAX = 8
 
 
@@ -406,8 +292,9 @@ def _call_capacity(config: Mapping[str, Any]) -> int:
     return int(config.get("max_batch_size") or 0) if "dynamic_batching" in config else 0
 
 
-# Triton's round trip from `execute`'s return to the next call, where a request was queued: 0.05-0.15
-# ms on the stand-in here; one client's next query came 0.8 ms or more after the return
+# Triton's round trip from `execute`'s return to the next call, where a request was queued: a call
+# sooner than this after one `execute` ran itself was queued meanwhile, not sent by a lone client
+# that had its answer (the round trip and a client's next query measured: docs/benchmarks.md)
 TRITON_ROUND_TRIP_US = 300
 
 
@@ -465,8 +352,8 @@ class TritonPythonModel:
         runtime = settings.runtime  # timeouts and a latency target: the pipeline drops what misses them
         self._inline_many = runtime.slo.slo_ms is None and runtime.queue.default_timeout_us == 0
         # where a call's batches take long, the requests answered before a later batch runs leave
-        # then (a send each: 0.75 ms of the stub's thread, the small BERT at 2 clients), not with
-        # the call's last batch; a call run as one batch is returned by execute (one message)
+        # then (a send each, on the stub's thread), not with the call's last batch; a call run as
+        # one batch is returned by execute (one message)
         self._answers_early = self._scheduler.admission.long_passage
         self._call_capacity = _call_capacity(config)
         self._responder = _Responder()
@@ -477,9 +364,8 @@ class TritonPythonModel:
         self._metrics = StageMetrics(self._scheduler, args["model_name"], handoff=self._handoff)
         self._metrics.loaded(load_seconds, device_bytes)
         # what loading left lives as long as the stub (which exits on unload): kept out of the
-        # collector's full sweeps, which walk every object the loaded model holds (28k, 5.5 ms each
-        # on the residual MLP); at 2 clients that model served 0.85x the spinning ZeroBatch's rate
-        # without it, 0.93x with it (alternating runs, one server each)
+        # collector's full sweeps, which would walk every object the loaded model holds while
+        # queries wait
         gc.collect()
         gc.freeze()
         admission = self._scheduler.admission
