@@ -5,13 +5,11 @@ Five rules, each refusing with Triton's code and wording where Triton has one, a
     "queued"; where a request would take them past the bound, the oldest queued requests that no
     stage has started are refused "Exceeds maximum queue size", whole, to make room for it (the
     request itself when they are too few), those still waiting before batched ones queued less
-    than `STANDING_WAIT` (a batch about to run, hollowed, runs the backlog a row or two at a time:
-    the bench BERT at 3x made 610 batches and ran 264 of them, at 1.9 rows; kept, 440 and 290, at
-    2.0; kept whatever their age, 2.2 rows, but a deep stage-0 queue (the zoo UNet's, bs_max 64:
-    8 batches) could then hold batched rows whole for seconds, where the age bounds them). The
-    oldest, not the newest: under overload a queue drained at the head and pushed at the tail is
-    crossed at the arrival rate, not the service rate, so what is answered waits a fraction of the
-    bound (a third at 3x the peak); a burst
+    than `STANDING_WAIT` (a batch about to run, hollowed, would run the backlog a row or two at a
+    time; batched rows kept whatever their age could sit whole behind a deep stage-0 queue, so
+    the age bounds them). The oldest, not the newest: under overload a queue drained at the head
+    and pushed at the tail is crossed at the arrival rate, not the service rate, so what is
+    answered waits a fraction of the bound (the service rate over the arrival rate); a burst
     within the bound refuses nothing either way. The default bound is about `QUEUE_SECONDS` of
     work at the pipeline's peak (bs_max rows through the slowest stage, or through every stage in
     a row with one buffer pair), and at least `QUEUE_BATCHES` full batches (`derived_queue_bound`);
@@ -22,25 +20,25 @@ Five rules, each refusing with Triton's code and wording where Triton has one, a
     timeout expired" before it runs. Bursts and a load the stages carry, whose queue keeps falling
     back, are served whole; overload is answered within about STANDING_WAIT plus a batch's
     passage, also as it stops (the queue then drains at the service rate, no newer request pushing
-    it on). "Has not emptied" was tried and left: a load near the peak keeps a few queued for
-    seconds, and was refused. CoDel's least wait over an interval is not used: by it, the queue left
+    it on). "Has not emptied" is not the test: a load near the peak keeps a few queued for long
+    and would be refused. CoDel's least wait over an interval is not used: by it, the queue left
     as overload stops is a burst like any other;
   - the door (with the standing-queue rule): once a queue has stood, an arrival that would wait
     longer than `STANDING_WAIT` behind what is queued (at the rate the stages carry a backlog, the
     measured correction applied: `backlog_rate`) is refused "Exceeds maximum queue size" before it
     is read, until an arrival finds the pipeline holding nothing; meanwhile batches stay at the
-    backlog's size (below). Under overload most arrivals end here, where each pushed-out
-    one cost a copy of its rows, an admission and a send of its own (the zoo UNet at 3x its peak:
-    about 1 ms of the stub's cores each, a third of them taken from the stages); the answered then
-    wait up to STANDING_WAIT, where pushed out they waited the bound crossed at the arrival rate;
+    backlog's size (below). Under overload most arrivals end here, where each pushed-out one
+    would cost a copy of its rows, an admission and a send of its own, on the stub's cores the
+    stages share; the answered then wait up to STANDING_WAIT, where pushed out they waited the
+    bound crossed at the arrival rate;
   - the backlog's batches (not a refusal): with one buffer pair (batches through the stages one at
-    a time), while more than a batch is queued, batches are made no larger than `backlog_batch`, the smallest profiled size whose time per row is within
-    `BACKLOG_BATCH_TOLERANCE` of the least, where a bs_max batch's passage through the stages
-    takes more than `CAPPED_PASSAGE` (`ServiceModel.efficient_batch`; the scheduler carries a
-    policy's larger `New` out as several, and refuses a `Stretch` past it). A backlog gains no
-    throughput from a larger batch on such a device (a CPU: the zoo UNet's row costs 8.6 ms at 8 and
-    8.3 ms at 64), while every row of it waits for all of them: there, under overload, the answered
-    p99 fell from 2.2 s to 0.66 s at the same answered rate;
+    a time), while more than a batch is queued, batches are made no larger than `backlog_batch`,
+    the smallest profiled size whose time per row is within `BACKLOG_BATCH_TOLERANCE` of the
+    least, where a bs_max batch's passage through the stages takes more than `CAPPED_PASSAGE`
+    (`ServiceModel.efficient_batch`; the scheduler carries a policy's larger `New` out as several,
+    and refuses a `Stretch` past it). A backlog gains no throughput from a larger batch on such a
+    device (a CPU, typically), while every row of it waits for all of them: capping the batch cuts
+    the answered tail under overload at the same answered rate;
   - the timeout (Triton's `default_timeout_microseconds`, a request's own `timeout` where
     `allow_timeout_override`): a query still queued at its deadline is answered "Request timeout
     expired" and never runs (with `timeout_action` "delay" it runs anyway);
@@ -51,7 +49,7 @@ Five rules, each refusing with Triton's code and wording where Triton has one, a
     again when stage 0 is about to take it -- rather than served late (`action` "serve_late" keeps it).
 
 `ServiceModel` is the prediction; `Admission` applies the rules. Both are owned by the
-scheduler and used under its lock.
+scheduler and used under its lock. docs/queues-and-overload.md has the whole picture.
 """
 from __future__ import annotations
 
@@ -110,8 +108,7 @@ class ServiceModel:
         are within `tolerance` of the fewest at any profiled size up to bs_max: past it, a larger
         batch buys next to no throughput and makes each of its rows wait for all of them. With
         `every_length`, the largest such size over the profiled lengths (a short length's rows gain
-        from a batch where a long one's are at their least: the bench BERT's 16 tokens 1.7x per row
-        from 2 rows to 16, its 64 tokens 2 %). bs_max without a profile."""
+        from a batch where a long one's are at their least). bs_max without a profile."""
         if not self.cost.available:
             return bs_max
         sizes = sorted(b for b in self.cost.profiled(0) if b <= bs_max)
@@ -155,8 +152,8 @@ class Admission:
         # (and the pipeline's own hand-offs cost little beside it: `InlineHold.caller_backlog`)
         self.long_passage = service.pipeline_time(bs_max) > CAPPED_PASSAGE
         # with one buffer pair, where that passage is each waiting row's wait; at any length, as a
-        # call's (the batch-size profile alone, one length, gave the bench BERT 2 rows where 16
-        # tokens cost 1.7x per row against 16)
+        # call's (the batch-size profile alone is taken at one length, and a shorter length's rows
+        # may still gain from a larger batch)
         self.backlog_batch = (service.efficient_batch(bs_max, BACKLOG_BATCH_TOLERANCE, every_length=True)
                               if self.long_passage and not overlapping else bs_max)
         # a call of the caller's, run inline: in batches no larger than buy throughput at any
@@ -173,9 +170,9 @@ class Admission:
     @property
     def max_queue_size(self) -> int:
         """The bound in effect (0: none). Derived: the pipeline's peak at bs_max and the longest
-        length from the profile, times `QUEUE_SECONDS`; fixed at load. (Following the measured
-        correction instead was tried: under contention, or with a slow engine, it shrank the bound
-        to a few batches and refused load the pipeline would have carried.)"""
+        length from the profile, times `QUEUE_SECONDS`; fixed at load, not following the measured
+        correction: under contention, or with a slow engine, that would shrink the bound to a few
+        batches and refuse load the pipeline would carry."""
         if self.queue.max_queue_size is not None:
             return self.queue.max_queue_size
         return self._derived_bound

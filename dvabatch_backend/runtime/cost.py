@@ -50,8 +50,8 @@ class StageCost:
         self.by_length_available = len(self._lengths) >= 2 and all(
             len(stages) == num_stages and all(len(xs) for xs, _ in stages) for stages in self._by_length)
         # the profile never changes: each price is computed once and read from this table after
-        # (a policy prices every cluster and merge of every call; interpolating each time took 16 %
-        # of the served stub's time on BERT-base at 0.9x load, on the GPU stand-in)
+        # (a policy prices every cluster and merge of every call, so interpolating each time
+        # would be a large share of the served stub's time)
         self._prices: dict[tuple[int, int | None, int, int], float] = {}
 
     @property

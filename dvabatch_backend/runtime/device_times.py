@@ -16,8 +16,7 @@ Two models over one version folder (variants of one sliced model) load at once i
 first to load times the stages while holding a lock beside the kept file, the other waits and reads
 what it kept, so the device is timed once and never by two at the same time.
 
-What it costs at load: one warm-up and `REPEATS` timed runs per stage and bucket (BERT-base in 4
-stages on an H100, 20 buckets: about 0.5 s, from the stage times in ../shared/gpu-profiles/).
+What it costs at load: one warm-up and `REPEATS` timed runs per stage and bucket.
 """
 from __future__ import annotations
 

@@ -15,11 +15,11 @@ spin-waiting is bounded by `session.force_spinning_stop`: the pool's threads sto
 as a run returns.
 
 Spinning (`SPINNING`, per-stage pools): onnxruntime's threads spin-wait for work by default, before
-and after a run. Within a run that saves each parallel operator a thread wake-up (a lone query
-of the small BERT, 2 cores: 1.58 ms against 1.99 ms with threads that sleep); after it, the spin
-only takes the cores from the server, the clients and the next stage. The runtime's engines spin
-within a run and stop when it returns (`IN_RUN`: allowed, and `session.force_spinning_stop`);
-`OFF` never spins, `ON` is onnxruntime's own default (the baselines serve both as a user's would).
+and after a run. Within a run that saves each parallel operator a thread wake-up, which a small
+stage's run feels; after it, the spin only takes the cores from the server, the clients and the
+next stage. The runtime's engines spin within a run and stop when it returns (`IN_RUN`: allowed,
+and `session.force_spinning_stop`); `OFF` never spins, `ON` is onnxruntime's own default (the
+baselines serve both as a user's would).
 """
 from __future__ import annotations
 

@@ -19,16 +19,15 @@ each call, whether it came full (the caller had at least a batch waiting). Three
    arrival is known and the admission judges it (admission.py: the derived bound pushes out the
    oldest, so under overload the answered cross the queue at the arrival rate; a queue standing
    `STANDING_SECONDS` is overload, and the door shuts). A burst is carried, not refused.
-2. **Back to the fast path.** With one buffer pair the pipeline runs one batch at a time and carries
-   a backlog more slowly than this path (the bench BERT, 16 clients: 43-47 queries a second
-   against 47-52). So `reserve` waits (up to `STANDING_SECONDS`) for the pipeline to empty before a
-   run (not a run whose rows carry a deadline: the pipeline keeps deadlines), and the next calls
-   are served here, except while the pipeline judges an overload: its
-   queue stands, its door is still open, and the caller's rows over the last `ARRIVALS_SECONDS`
-   came `OUTPACED` times faster than the fast path served full calls (`arrivals_outpace`; the
-   calls' rows are the arrivals once handed over, as `execute` returns at once). Without that last
-   condition a load the fast path carries stayed with the slower pipeline once handed over: the
-   bench BERT at 0.9x its sustained rate answered in 228-327 ms on the mean against 74-176.
+2. **Back to the fast path.** With one buffer pair the pipeline runs one batch at a time and
+   carries a backlog more slowly than this path, so `reserve` waits (up to `STANDING_SECONDS`)
+   for the pipeline to empty before a run (not a run whose rows carry a deadline: the pipeline
+   keeps deadlines) and the next calls are served here, except while the pipeline judges an
+   overload: its queue stands, its door is still open, and the caller's rows over the last
+   `ARRIVALS_SECONDS` came `OUTPACED` times faster than the fast path served full calls
+   (`arrivals_outpace`; once handed over the calls' rows are the arrivals, as `execute` returns
+   at once). Without that last condition a load the fast path carries would stay with the slower
+   pipeline once handed over.
 3. **Drained.** Once the door has shut, overload is known (`door_shut_at`; until no call has come
    full for `STANDING_SECONDS`): the pipeline empties (the door keeps its queue to `STANDING_WAIT`
    of work), the fast path serves at its own rate, and after `STANDING_WAIT` of full calls
@@ -37,25 +36,17 @@ each call, whether it came full (the caller had at least a batch waiting). Three
    (Triton's batcher hands them over in arrival order), so this is the push-out of the oldest,
    done in the caller's queue; refused unread, a call costs next to nothing.
 
-Where a bs_max batch passes quickly (not `Admission.long_passage`: the MLP, 64 rows in 7 ms), the
-pipeline reads a backlog more slowly than overload brings it (each request crosses `execute`'s
-reading and submission on the stub's one thread: handed over, the MLP's answered p99 read 2.4 s at
-3x, 0.85 s drained), so there the calls are drained once they have come full for
-`STANDING_SECONDS`, without a hand-over, and after a drain the overload is known.
-
-Before, every model's calls were drained that way (no hand-over): the
-answered of that first phase waited up to 2 s x (1 - 1/3) at 3x, and the bench BERT's answered p99
-read 1.4-1.65 s (1 s before the first drain refused bursts at half the rate, Gamma CV 4; 1.5 s read
-1.06-1.27 s). Handed over and never back, the answered rate was the pipeline's: 72-90 % of the
-sustained rate, and refusals at 0.9x where the pipeline could not carry it. With a configured
-queue bound or timeout (the user's policy) nothing is drained: the calls are handed over, where
-that policy applies.
+Where a bs_max batch passes quickly (not `Admission.long_passage`), the pipeline reads a backlog
+more slowly than overload brings it (each request crosses `execute`'s reading and submission on
+the stub's one thread), so there the calls are drained once they have come full for
+`STANDING_SECONDS`, without a hand-over, and after a drain the overload is known. Draining every
+model that way would make the first phase's answered wait out the drain, and handing over for
+good would cap the answered rate at the pipeline's. With a configured queue bound or timeout (the
+user's policy) nothing is drained: the calls are handed over, where that policy applies.
 
 A call's rows run in batches of at most `Admission.call_batch` (no larger than buys throughput
-at any profiled length), and where passages are long the adapter answers each request as its batch
-is done: a call of the zoo UNet (up to 64 rows, 0.6-1.5 s under load) no longer holds every answer
-until its last row (Poisson at 0.9x its rate, 2 seeds: mean 135 / 144 ms with only full calls so
-cut, 69 / 46 ms with every call).
+at any profiled length), and where passages are long the adapter answers each request as its
+batch is done, so a long call does not hold every answer until its last row.
 """
 from __future__ import annotations
 

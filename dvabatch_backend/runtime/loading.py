@@ -25,13 +25,11 @@ EngineWrapper = Callable[[int, StageEngine], StageEngine]
 # onnxruntime's threads, unless `RuntimeSettings.spinning` says otherwise (runtime/engine.py): the
 # unsliced model runs only the fast path, a lone query at a time while the pipeline holds nothing,
 # and spins as onnxruntime does by default, as a user's own model would (a light load's next query
-# finds its threads awake: the small BERT at 100 Poisson queries a second, 2.8 ms on the mean
-# against 4.9 ms on the stages in a row, each stage's threads asleep by then); the stages spin
+# finds its threads awake, where each stage's threads would be asleep by then); the stages spin
 # only within a run, so that one stage's threads never spin through the next stage's run. A
 # one-stage model's only stage spins within a run too, though it runs every lone query: it also
 # runs every batch under load, where threads spinning between runs take the cores the server's
-# request handling needs (the residual MLP, 1 stage, 2 cores, 0.9x load: 19.5 / 135 ms mean / p99
-# spinning on, against ZeroBatch's 9.0 / 30 not spinning and ZeroBatch-spin's 17.2 / 74)
+# request handling needs
 MODEL_SPINNING, STAGE_SPINNING = ON, IN_RUN
 
 

@@ -12,10 +12,11 @@ class QueuePolicy:
     """Triton's `default_queue_policy`, honoured by the runtime (a Python backend's own queue is
     its business): a bound on the queries waiting to run, and a per-query timeout.
 
-    `max_queue_size` None derives a bound from bs_max and the stage times (about a second of work
-    at the pipeline's peak); 0 is unbounded. `default_timeout_us` 0 is no timeout; a request's own
-    timeout replaces it only with `allow_timeout_override`. A query still waiting at its deadline
-    is answered "Request timeout expired" (`timeout_action` "reject") or left to run ("delay").
+    `max_queue_size` None derives a bound from bs_max and the stage times (about
+    `admission.QUEUE_SECONDS` of work at the pipeline's peak); 0 is unbounded.
+    `default_timeout_us` 0 is no timeout; a request's own timeout replaces it only with
+    `allow_timeout_override`. A query still waiting at its deadline is answered "Request timeout
+    expired" (`timeout_action` "reject") or left to run ("delay").
     """
 
     max_queue_size: int | None = None
@@ -53,16 +54,15 @@ class RuntimeSettings:
     # with device buffers the first stage's engine waits for its batch to finish on the device before
     # its executor takes the next one: otherwise `run` returns once the work is queued, stage 0 looks
     # free at once, and each arrival starts a batch of its own queued behind the others on the GPU
-    # (BERT on an H100: batches of 1.5-2.4 where a graph replay costs the same at 1 and 4 rows);
-    # waiting, the queries that arrive meanwhile join the batch that waits for stage 0 (the load
-    # policy's stretch), as they do on a CPU. Later stages still queue their work ahead
+    # (batches of a row or two, where a graph replay costs about the same for a few rows as for
+    # one); waiting, the queries that arrive meanwhile join the batch that waits for stage 0 (the
+    # load policy's stretch), as they do on a CPU. Later stages still queue their work ahead
     entry_waits_for_device: bool = True
     # onnxruntime: "per_stage" threads, or one "global" pool for all stages. The served default (the
     # adapter's, and what the slicer writes) is "per_stage" with EVERY_CORE threads and one buffer
     # pair (`default_buffer_pairs`): each stage in turn on a pool of every core of its own, which
     # sleeps between runs; the global pool spin-waits after each run (its spin setting cannot be
-    # set), which on a few cores takes them from the server and the clients: on 2 cores, served by
-    # perf_analyzer, the residual MLP's p99 at 0.5x load was 77 ms with the global pool, 22 ms this way
+    # set), which on a few cores takes them from the server and the clients and lengthens the tail
     thread_pool: str = "per_stage"
     # onnxruntime's threads spin-wait for work "in_run" (within a run, stopping when it returns),
     # "off" or "on" (onnxruntime's default, after runs too); None: the unsliced model's "on", the
@@ -95,19 +95,15 @@ def default_buffer_pairs(device: str, thread_pool: str, threads_per_stage: int =
     stage alone already uses the machine: two stages at once only split the cores between them,
     and contend for them, so overlapping batches buys nothing and costs latency. One pair runs the
     batches through the stages one at a time, each stage on every core, while later queries gather
-    for the next batch (measured on MiniLM, 2 cores, perf_analyzer: lower latency at concurrency 1,
-    at 0.5x and 0.9x load, and a higher closed-loop peak than 2 pairs). Stages with cores of
-    their own (per-stage threads of a few cores each) overlap: 2 pairs.
+    for the next batch. Stages with cores of their own (per-stage threads of a few cores each)
+    overlap: 2 pairs.
 
     On a GPU the stages' streams share one device, which runs one stage's graph at a time until
     two streams at once are measured (runtime/simulated.py): a second pair overlaps only the host
-    with the device, and it lets stage 0 start a new batch of 1-2 queries behind the later stages'
-    work, so batches never grow and each pays every stage's fixed cost. One pair runs what queued
-    as one batch, stages in a row, as Triton's batcher runs the unsliced model. Measured: BERT-base
-    served on the GPU stand-in (4 stages, the H100's stage times, `perf.compare --device
-    simulated`): 2 pairs 113-139 ms mean at 0.6-0.9x ZeroBatch's peak (a queue that runs away),
-    1 pair 8.9 / 14.1 ms (ZeroBatch 8.0 / 13.0); on the H100 in process, 1 pair ahead of 2 at
-    every load up to 0.9x on BERT-base and at every load on ResNet-152 (README, GPU)."""
+    with the device, and it lets stage 0 start a new batch of a query or two behind the later
+    stages' work, so batches never grow and each pays every stage's fixed cost. One pair runs what
+    queued as one batch, stages in a row, as Triton's batcher runs the unsliced model
+    (docs/gpu.md)."""
     return 1 if device != "cpu" or stages_share_cores(thread_pool, threads_per_stage) else 2
 
 

@@ -8,8 +8,8 @@ place_on_streams`), batches padded to graph buckets before stage 0 (`settings.re
 the host waiting only where it reads (an answer, the entry's `wait_for_device`).
 
 - `DeviceProfile`: what a run costs. Each stage's time per batch size and length, as the device
-  measured its `run()` (copy in, graph replay, copy out: `../shared/gpu-profiles/` holds the
-  H100's), and the `DeviceParameters` (launch, copies, streams at once). A run is charged at the
+  measured its `run()` (copy in, graph replay, copy out: `../shared/gpu-profiles/` holds measured
+  profiles), and the `DeviceParameters` (launch, copies, streams at once). A run is charged at the
   graph bucket it would replay (rounded up, as the torch engine pads), its compute being the
   profiled time less the launch and the copies the profile's run made. The unsliced model costs
   the sum of its stages until a device run measures it (`model_times`).
@@ -53,27 +53,25 @@ from .settings import SIMULATED  # noqa: F401 - the engine kind, named where the
 
 @dataclass(frozen=True)
 class DeviceParameters:
-    """What a run costs beside its compute. Defaults are the H100's, measured there on 2026-11-27 by
-    `perf.gpu.device_profile` (perf/gpu/profiles/h100-bert-device-profile.json); a profile file may
-    give its own (`"parameters"`).
+    """What a run costs beside its compute. Defaults are one GPU's, as `perf.gpu.device_profile`
+    measures them (its profiles under perf/gpu/profiles/); a profile file may give its own
+    (`"parameters"`; docs/gpu.md).
 
     - launch_s: from the host's launch of a one-kernel CUDA graph to the device's end, less the
-      kernel's own time (host clock, synchronized; CUDA events): 24 µs. (Assumed before it was
-      measured: 8 µs, from NVIDIA's 2-3 µs per graph launch and the stream's event work.)
-    - copy_latency_s, copy_bytes_per_s: one copy between pageable host memory and the device, 4 KiB
-      to 16 MiB each way, fitted as latency + bytes / bandwidth: 4.4 µs and 6.6 GB/s. (Assumed:
-      10 µs and 8 GB/s, a sixth of pinned copies on PCIe Gen5 x16.)
-    - concurrent_kernels: graph replays of different streams running at once: two BERT-base
-      stages replayed on two streams at once took 0.79 of the two one after the other (0.91 against
-      1.16 ms), over the 0.75 under which they count as running together: 1, one at a time;
+      kernel's own time (host clock, synchronized; CUDA events);
+    - copy_latency_s, copy_bytes_per_s: one copy between pageable host memory and the device,
+      fitted over copies of a range of sizes each way as latency + bytes / bandwidth;
+    - concurrent_kernels: graph replays of different streams running at once: 2 where two stages
+      replayed on two streams at once take well under the two one after the other (the threshold
+      is `perf.gpu.device_profile`'s), else 1, one at a time;
     - sync_wake_s: how late the host notices work done (CUDA's default spin-then-yield sync wakes
-      within microseconds; a sleeping host thread later: the sleep's own lateness is real here);
+      within microseconds; a sleeping host thread later, and the stand-in's own sleep is already
+      that late, so 0 by default);
     - host_run_s: the torch engine's own host time for one run (its Python, the copies' and the
       graph's launches; outputs in device memory, nothing waited for), which the stand-in's run
-      spends on the calling thread before its launch: 0 until a device measures it
-      (`perf.gpu.device_profile` does from 2026-11-28 on). Unpriced, a pipeline whose stage threads
-      each pay it per batch is served too fast: BERT-base with 2 pairs, 26-30 % under the H200's mean at
-      3/5 and 9/10 (README, GPU)."""
+      spends on the calling thread before its launch: 0 unless the profile gives it
+      (`perf.gpu.device_profile` measures it). Unpriced, a pipeline whose stage threads each pay it
+      per batch is served too fast."""
 
     launch_s: float = 24e-6
     copy_latency_s: float = 4.4e-6
@@ -230,9 +228,9 @@ class SimulatedDevice:
             left = deadline - self.clock()
             if left <= 0:
                 return
-            # the last `spin_s` spun, yielding the GIL: a sleep wakes 60-100 us late here, where
-            # CUDA's synchronize spins on the host and notices the end within microseconds (and
-            # `time.sleep(0)` is such a sleep, 75 us here; `os.sched_yield` takes under 1 us)
+            # the last `spin_s` spun, yielding the GIL: a sleep wakes tens of microseconds late,
+            # where CUDA's synchronize spins on the host and notices the end within microseconds
+            # (`time.sleep(0)` is such a sleep too; `os.sched_yield` returns at once)
             if left > self._spin_s:
                 self._sleep(left - self._spin_s)
             else:

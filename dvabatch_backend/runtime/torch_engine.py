@@ -883,8 +883,8 @@ class TorchStageEngine:
             graph = torch.cuda.CUDAGraph()
             # thread_local: the other stages' executor threads may keep using CUDA meanwhile. No
             # garbage collection during the capture: freeing another engine's graph there (its
-            # `reset`) is a CUDA call the capture forbids, and it invalidates the capture (seen on an
-            # H100 when a test built engines after others were dropped)
+            # `reset`) is a CUDA call the capture forbids, and it invalidates the capture (as when
+            # engines are built after others were dropped)
             with _no_gc(), torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=self.stream,
                                                                     capture_error_mode="thread_local"):
                 results = self.module(*static.values())
