@@ -5,12 +5,12 @@ manifest that records no choice, from the manifest itself:
 
 1. input diversity (a variable-length input axis) -> `input`: queries are clustered by length, so
    none pays for another's padding, with the adaptive batch window (`policies.window`). Padding is
-   what a variable-length model loses most to (on a CPU a batch costs about rows x padded length);
-   it comes first even where operator diversity is measured too (on a small CPU the preferred batch
-   size per stage is noisy: a few % decide it).
-2. otherwise operator diversity (a stage runs the batch size another stage prefers at least 10 %
-   slower per query than its own: `operator_diversity`) -> `hybrid`: stretch (Policy III) and split
-   (Policy II) together.
+   what a variable-length model loses most to (on a CPU a batch costs about rows x padded length),
+   so it comes first even where operator diversity shows too (a stage's preferred batch size is
+   the noisier signal).
+2. otherwise operator diversity (a stage runs the batch size another stage prefers at least
+   `SPLIT_GAIN` slower per query than its own: `operator_diversity`) -> `hybrid`: stretch
+   (Policy III) and split (Policy II) together.
 3. otherwise -> `load`: stretch the batch that waits for stage 0 (Policy III).
 
 The slicer writes the chosen name in config.pbtxt and records it in the manifest
@@ -26,9 +26,11 @@ from typing import Any, Mapping, Sequence
 from dvabatch_backend.runtime.manifest import is_length_dim
 
 AUTO = "auto"
-PREFERRED_WITHIN = 0.05  # as the slicer's profile: the smallest bs within 5% of the best per-query time
-# operator diversity is a stage at least 10 % slower per query at a size another stage prefers (a
-# residual MLP's identical stages "preferred" 16 and 64 at 0.5 % apart: noise picked hybrid)
+# as the slicer's profile: the preferred bs is the smallest whose per-query time is within this
+# fraction of the best
+PREFERRED_WITHIN = 0.05
+# operator diversity is a stage at least this fraction slower per query at a size another stage
+# prefers: below it, identical stages' preferred sizes differ by measurement noise alone
 SPLIT_GAIN = 0.10
 
 
@@ -49,7 +51,8 @@ def preferred_batch_size(seconds: Mapping[int, float]) -> int:
 
 def split_gains(stage_times: Sequence[Mapping[int, float]]) -> list[float]:
     """Per stage, how much worse its per-query time is at the largest batch size another stage
-    prefers than at its own preferred size (0.12: 12 % worse): what a split before it would save."""
+    prefers than at its own preferred size, as a fraction of the latter: what a split before it
+    would save."""
     prefs = [preferred_batch_size(s) if s else 0 for s in stage_times]
     gains = []
     for times, own in zip(stage_times, prefs):
@@ -61,7 +64,7 @@ def split_gains(stage_times: Sequence[Mapping[int, float]]) -> list[float]:
 def operator_diversity(stage_times: Sequence[Mapping[int, float]]) -> bool:
     """Some stage runs a batch of the size another stage prefers materially slower per query than
     its own preferred size (`SPLIT_GAIN`): a split between them pays. Preferred sizes that differ
-    within that margin are measurement noise (a few % on a small CPU), not operator diversity."""
+    within that margin are measurement noise, not operator diversity."""
     return any(gain >= SPLIT_GAIN for gain in split_gains(stage_times))
 
 

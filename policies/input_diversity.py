@@ -47,6 +47,18 @@ class InputDiversityPolicy(Policy):
     name = "input"
 
     def __init__(self, pad_tolerance: float = 0.25, window: float | None = None, window_bs: int | None = None) -> None:
+        """Policy I's clustering and batch window.
+
+        Args:
+            pad_tolerance: a length cluster takes queries up to (1 + pad_tolerance) times its shortest one's length,
+                so before any merging no query is padded by more than this fraction of its length (exact lengths
+                where the model is not pad-safe); >= 0. Default 0.25.
+            window: a fixed batch window in seconds: queries are batched once the oldest waiting one has waited this
+                long (0: never wait); >= 0. Default: the adaptive window (`policies.window`), bounded by stage 0's
+                profiled time at `window_bs`, or no wait without a profile.
+            window_bs: the batch size (rows) at which stage 0's profiled time bounds the adaptive window, capped at
+                the largest profiled size; >= 1. Default: bs_max.
+        """
         if pad_tolerance < 0:
             raise ValueError(f"pad_tolerance must be >= 0, got {pad_tolerance}")
         if window is not None and window < 0:

@@ -24,15 +24,14 @@ clustered by length as the input policy clusters them (`policies.clusters`: with
 merged while one batch costs less than two, at most bs_max each), shortest first; without one, up
 to bs_max each in arrival order.
 
-Why the padding rule (the overload collapse): under load stage 0 is busy, so the latest batch has
-not started and every arrival may join it. With lengths like GLUE's (most short, a tail past 100
-tokens) a batch started by one long query took every short query after it, each padded to the
-long length: mean batches of 7 that cost as much as 7 long queries. On a CPU, where a batch's time
-is nearly proportional to its rows x padded length, throughput fell below that of batches of one,
-and the queue grew without bound (simulated in process on a 3-stage transformer at 300 qps).
+Why the padding rule (overload): under load stage 0 is busy, so the latest batch has not started
+and every arrival may join it. With skewed lengths (most short, a long tail) a batch started by one
+long query would take every short query after it, each padded to the long length. Where a batch's
+time is nearly proportional to its rows x padded length (a CPU), such a batch costs as much as
+that many long queries: throughput falls below that of batches of one and the queue grows without
+bound.
 
-`t_comp_wait` (seconds) defaults to the profiled time of stage 0 at batch size 1, or 0.002 s
-without a profile.
+Parameters (`policy.NAME` in config.pbtxt): see `LoadDiversityPolicy.__init__`.
 """
 from __future__ import annotations
 
@@ -50,6 +49,16 @@ class LoadDiversityPolicy(Policy):
     name = "load"
 
     def __init__(self, t_comp_wait: float | None = None, pad_tolerance: float = 0.25) -> None:
+        """Policy III's stretch rule.
+
+        Args:
+            t_comp_wait: seconds after its creation during which a batch that has started may still be stretched
+                (T_comp_wait); one no stage has begun always may. Default: the profiled time of stage 0 at batch
+                size 1, or 0.002 s without a profile.
+            pad_tolerance: with a per-length profile, the queries that start new batches are clustered by length, a
+                cluster taking queries up to (1 + pad_tolerance) times its shortest one's length (a fraction;
+                exact lengths where the model is not pad-safe). Default 0.25.
+        """
         if t_comp_wait is not None and t_comp_wait < 0:
             raise ValueError(f"t_comp_wait must be >= 0 seconds, got {t_comp_wait}")
         if pad_tolerance < 0:

@@ -32,6 +32,12 @@ class OperatorDiversityPolicy(Policy):
     runs_inline = True  # its splits change how a batch runs, never an answer
 
     def __init__(self, factor: float = 2.0) -> None:
+        """Policy II's split rule.
+
+        Args:
+            factor: a batch is split after a stage where the remaining stages take at least `factor` times as long
+                at its size as at half of it (T_remain(bs) >= factor x T_remain(bs/2)); > 0. Default 2.0.
+        """
         if factor <= 0:
             raise ValueError(f"factor must be > 0, got {factor}")
         self.factor = float(factor)

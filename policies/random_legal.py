@@ -18,6 +18,18 @@ class RandomLegalPolicy(Policy):
 
     def __init__(self, seed: int = 0, stretch: float = 0.5, split: float = 0.3, hold: float = 0.1,
                  window: float = 0.002) -> None:
+        """A seeded random legal policy, for tests.
+
+        Args:
+            seed: the seed of the policy's own random generator. Default 0.
+            stretch: the probability (0 to 1) that a group of arrivals stretches the latest batch where that is
+                legal. Default 0.5.
+            split: the probability (0 to 1) that a batch is split, at random sizes, after a stage other than the
+                last. Default 0.3.
+            hold: the probability (0 to 1) that an arrival holds every waiting query back for a random wait.
+                Default 0.1.
+            window: the longest such wait, in seconds (the wait is uniform below it). Default 0.002.
+        """
         self._rng = random.Random(seed)
         self._p_stretch, self._p_split, self._p_hold, self._window = stretch, split, hold, window
 

@@ -22,13 +22,11 @@ With one buffer pair (`serial`) the pipeline's entry is busy as long as any batc
 not only while stage 0 runs: a batch holds the only pair until it has left the last stage, and the
 next one waits for it in stage 0's queue. There "stage 0" above reads "the entry": busy while any
 row is in flight (`entry_backlog`), and each released batch adds its time through every stage.
-(Counting stage 0 alone, a query arriving while a batch was in a later stage went at once as a
-batch of its own: the zoo BERT's pipeline ran batches of 1.5 rows where the fast path ran 2.1.)
-The upper bound too is the entry's there: stage 0's time at bs_max times a batch's passage over
-its stage-0 time (`passage_ratio`). With stage 0's alone, the bench BERT's queries (3 stages) went
-after a third of a passage, each cluster a batch queued behind the running one, which nobody joins:
-16 clients in a closed loop ran 1.7 rows a batch at 43-47 queries a second; bounded by the passage,
-2.7 rows at 46-47.
+(Counting stage 0 alone, a query arriving while a batch is in a later stage would go at once as a
+batch of its own, only to wait for the pair.) The upper bound too is the entry's there: stage 0's
+time at bs_max times a batch's passage over its stage-0 time (`passage_ratio`). Bounded by stage 0's
+time alone, queries would go after a fraction of a passage, each cluster a small batch queued
+behind the running one, which nobody joins.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 - `read_model`: the file, with its external data (a missing data file is named), checked by the
   ONNX checker -- by path for models over protobuf's 2 GB limit, which cannot be checked as a proto.
-- `check_opset`: the default-domain opset must be one onnxruntime here runs (7 .. its newest).
+- `check_opset`: the default-domain opset must be one the installed onnxruntime runs (7 .. its newest).
 - `full_session`: the unsliced model in onnxruntime (its weights read from disk, for a model over
   2 GB), quiet: the
   probes below expect failures and report them themselves.
@@ -105,7 +105,7 @@ def proto_size(model: onnx.ModelProto, base_dir: Path | None = None) -> int:
 
 
 def check_opset(model: onnx.ModelProto) -> None:
-    """The default-domain opset is one onnxruntime here runs, or a SliceError saying which it runs."""
+    """The default-domain opset is one the installed onnxruntime runs, or a SliceError saying which it runs."""
     versions = [o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS]
     if not versions:
         return  # no default-domain operators: nothing to check here
@@ -119,7 +119,7 @@ def check_opset(model: onnx.ModelProto) -> None:
 
 @functools.lru_cache(maxsize=1)
 def newest_ort_opset(ceiling: int = 64) -> int:
-    """The newest default-domain opset onnxruntime here loads a model of (bisection on a one-node model)."""
+    """The newest default-domain opset the installed onnxruntime loads a model of (bisection on a one-node model)."""
     lo, hi = max(MIN_OPSET, min(onnx.defs.onnx_opset_version(), 17)), ceiling + 1  # lo loads, hi does not
     if not _ort_loads_opset(lo):
         return lo

@@ -1,6 +1,6 @@
 """Stage times from the engine that will serve, where it will serve (`dvabatch slice --device cuda`).
 
-By default the slicer times its cuts with onnxruntime on this CPU, the served default. A model
+By default the slicer times its cuts with onnxruntime on the local CPU, the served default. A model
 that will serve on a GPU is timed there instead, as the paper profiles each GPU type once: the
 torch engine on CUDA with its CUDA graphs (`loading.make_engine`), each stage's `run` at the graph
 buckets it will replay (`device_times.time_engines`), its boundaries in device memory where they

@@ -72,7 +72,7 @@ class SliceOptions:
     operator_diversity_cuts: bool = False  # move cuts to where the preferred batch size changes
     max_boundary_tensors: int = 8
     calibration_rounds: int = 6
-    balance_goal: float = 1.10  # stop re-balancing once the slowest stage is within 10% of the mean
+    balance_goal: float = 1.10  # stop re-balancing once the slowest stage over the mean is at most this
     force: bool = False  # replace an existing output directory
     axes: AxisOverrides = AxisOverrides()  # --batch-axis, --variable-axis, --fixed
     # the engine and device that will serve, which time the stages (slicer/serving_engine.py); the
@@ -408,11 +408,10 @@ def verify_stages(model: onnx.ModelProto, folder: Path, manifest: Manifest, leng
     return worst
 
 
-# A candidate within 10 % of the fastest is as fast: the fewest stages among those wins. On a CPU with
-# one buffer pair a pipeline overlaps only its own overhead, and the closed-loop figures of one model's
-# candidates spread by up to 8 % from round to round here (LinkNet: 3 stages 373/s against 1 stage
-# 346/s when sliced, 8 % below the unsliced model behind Triton's batcher when served): a stage must
-# pay clearly for its hand-off and its memory.
+# A candidate within this fraction of the fastest is as fast: the fewest stages among those wins. On
+# a CPU with one buffer pair a pipeline overlaps only its own overhead, and one model's candidates'
+# closed-loop throughput varies from round to round by nearly this much (and a lead when sliced need
+# not hold when served): a stage must pay clearly for its hand-off and its memory.
 STAGE_COUNT_TIE = 0.10
 MEASURE_ROUNDS = 3  # each candidate's throughput: the median of this many rounds, the order alternating
 
@@ -479,8 +478,7 @@ def _write_config(model_dir: Path, manifest: Manifest, policy: str, serving: Ser
         config.write_text(gpu_config(config.read_text(), 1, manifest.to_json()))
 
 
-# A fresh pipeline's first batches are not its rate: the first run of each batch size allocates
-# (the zoo UNet, bs_max 64, 16 in flight: 74 queries/s over the first 0.4 s, 131 after warming).
+# A fresh pipeline's first batches are not its rate: the first run of each batch size allocates.
 WARMUP_ROUNDS = 2  # unmeasured rounds of `concurrency` answers before the clock starts
 MEASURED_ROUNDS = 4  # the timed window holds at least this many rounds of answers, and `seconds`
 
@@ -500,15 +498,16 @@ def _logger_quiet(name: str) -> Iterator[None]:
 def measure_pipeline(folder: Path, manifest: Manifest, length: int, int_high: dict[str, int],
                      seconds: float = 0.6, concurrency: int = 8, settings: RuntimeSettings | None = None) -> float:
     """Queries per second through the runtime as the slicer's config serves it, closed loop at
-    `concurrency` queries in flight: batches as the load policy makes them; by default on this
-    CPU, one buffer pair (stages one at a time), each stage on a pool of every core of its own, as
-    served; else with `settings` (another engine or device, other pairs). Timed after
+    `concurrency` queries in flight: batches as the load policy makes them; by default on the
+    local CPU, one buffer pair (stages one at a time), each stage on a pool of every core of its
+    own, as served; else with `settings` (another engine or device, other pairs). Timed after
     `WARMUP_ROUNDS` rounds, over at least `MEASURED_ROUNDS` rounds and `seconds`."""
     from dvabatch_backend.runtime import load_pipeline
     from policies import create_policy
 
     # a candidate's stages are re-profiled at load on a GPU (its manifest holds this process's
-    # first profile): on purpose here, so the re-profile's warning, meant for a served model, is not logged
+    # first profile): on purpose in this measurement, so the re-profile's warning, meant for a
+    # served model, is not logged
     with _logger_quiet("dvabatch_backend.runtime.device_times"):
         scheduler = load_pipeline(folder, create_policy("load"), settings or RuntimeSettings(
             num_buffer_pairs=1, threads_per_stage=available_cores(), fast_path=False))
@@ -535,8 +534,8 @@ def measure_pipeline(folder: Path, manifest: Manifest, length: int, int_high: di
             count += 1
         elapsed = time.perf_counter() - start
     # a stopped pipeline is a cycle of threads' objects: collected now, its sessions' memory goes
-    # before the next candidate loads (left to the collector, the UNet's candidates piled up to
-    # 2.5 GB and measured 1-2 queries/s where they serve 70-130)
+    # before the next candidate loads (left to the collector, stopped candidates pile up in memory
+    # and slow the one being measured)
     del scheduler
     gc.collect()
     return count / elapsed
@@ -556,8 +555,7 @@ def _policy_choice(profile: dict[str, Any]) -> dict[str, str]:
 LIGHT_LOAD_GAP = 0.005
 # the stages in a row serve the fast path only where they are this much faster than the unsliced
 # model: served, one session spinning as onnxruntime's do answers a light load sooner than the
-# stages in a row, each a session of its own, even where the two time alike in one process (the
-# small BERT, 2 cores, 100 Poisson queries a second: 2.8 ms on the mean against 4.9-5.2 ms)
+# stages in a row, each a session of its own, even where the two time alike in one process
 FAST_PATH_MARGIN = 0.1
 
 

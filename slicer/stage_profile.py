@@ -16,7 +16,8 @@ from dvabatch_backend.runtime.manifest import Manifest
 from .profiler import Setting, time_stage
 
 PROFILE_SCHEMA_VERSION = 1
-PREFERRED_WITHIN = 0.05  # a batch size is preferred once its per-query time is within 5% of the best
+# a batch size is preferred once its per-query time is within this fraction of the best
+PREFERRED_WITHIN = 0.05
 
 
 def default_batch_sizes(bs_max: int) -> list[int]:
@@ -70,7 +71,7 @@ def profile_stages(model_dir: Path, manifest: Manifest, batch_sizes: Sequence[in
 
 
 def diversity(manifest: Manifest, profile: Mapping[str, Any]) -> dict[str, Any]:
-    """Which of the paper's diversities the model shows, measured on this machine."""
+    """Which of the paper's diversities the model shows, by its stage profile (`profile`)."""
     from policies.auto import SPLIT_GAIN, split_gains
 
     notes = []

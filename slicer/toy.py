@@ -119,9 +119,8 @@ def residual_mlp(width: int = 512, blocks: int = 16, seed: int = 0) -> onnx.Mode
     """A ranking-style deep MLP: ``x`` float32 [batch, width] -> ``y`` float32 [batch, width].
 
     Block k: ``r{k} = r{k-1} + (Relu(r{k-1} @ A_k + a_k) @ B_k + b_k) * 0.5``, r0 = x. Each query
-    reads every weight (32 MiB at width 512, 16 blocks), so a query alone is memory-bound (about
-    2 ms on 2 cores) and a batch of 16 costs about twice one (0.27 ms a query): the fixed-shape
-    model where batching pays most.
+    reads every weight (32 MiB at width 512, 16 blocks), so a query alone is memory-bound and a
+    batch costs little more than one query: the fixed-shape model where batching pays most.
     """
     if width < 1 or blocks < 1:
         raise ValueError(f"width and blocks must be >= 1, got width={width}, blocks={blocks}")

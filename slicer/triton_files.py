@@ -67,8 +67,8 @@ def config_pbtxt(manifest: Manifest, policy: str = "pipelined", num_buffer_pairs
     `queue_size` > 0 bounds Triton's own queue (`default_queue_policy.max_queue_size`: requests
     waiting for `execute`, where they wait while `execute` runs a batch inline), and the runtime's
     queue takes the same bound from the config (the adapter reads it). 0, the default, leaves
-    Triton's queue unbounded, as Triton does: with a bound or a timeout there, Triton's batcher
-    answered a light load 1.4-1.6x slower on the mean (README: Two queues)."""
+    Triton's queue unbounded, as Triton does: a bound or a timeout there slows Triton's batcher
+    even under a light load (docs/queues-and-overload.md)."""
     if num_buffer_pairs is None:
         num_buffer_pairs = default_buffer_pairs(str((extra or {}).get("device", "cpu")), thread_pool,
                                                 threads_per_stage)

@@ -74,7 +74,7 @@ CudaStream = Any
 
 
 def tensorrt_available() -> bool:
-    """Whether the TensorRT Python package (with its libraries) can be imported here.
+    """Whether the TensorRT Python package (with its libraries) can be imported in this environment.
 
     Installing only `tensorrt-stubs` leaves a `tensorrt/` folder of .pyi files, which Python
     imports as an empty namespace package: that is not TensorRT, hence the `Builder` check.
@@ -344,7 +344,7 @@ class TrtStageEngine:
     `run(inputs, outputs)` takes each tensor as either
 
     - a device array (anything with `__cuda_array_interface__`): bound in place, no copy; or
-    - a host numpy array (what the runtime's buffers are today): copied host->device into a
+    - a host numpy array (what the runtime's buffers are): copied host->device into a
       per-tensor device scratch buffer before the engine runs, and outputs device->host
       after, with cudaMemcpyAsync on the engine's stream. Scratch buffers are allocated once,
       sized for `bs_max` rows at `max_length`.

@@ -201,7 +201,7 @@ def free_ports(count: int, taken: Sequence[int] = ()) -> list[int]:
 
 
 def connect_host(host: str) -> str:
-    """The address a client on this machine uses for a server bound to `host` (a wildcard address
+    """The address a client on the local host uses for a server bound to `host` (a wildcard address
     is not one to connect to)."""
     if host in ("", "0.0.0.0"):
         return "127.0.0.1"

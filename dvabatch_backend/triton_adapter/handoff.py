@@ -34,23 +34,21 @@ class CallHandoff:
     """Where the model runs on a device (a GPU, or its stand-in; parameter `hand_off_calls`),
     `execute` hands a fast-path call to this thread and returns, so that the host's work between two
     batches (Triton's round trip to the next call, reading its requests) runs while the device runs
-    the batch before, instead of after it: on an H200 (BERT-base at 9/10 load) half of the
-    `execute` thread's time was spent waiting on the device and the rest, the host's, left the
-    device idle. The thread runs what was handed over, the calls that came meanwhile together (up
-    to `limit` rows, one batch: the entry's stretch), each answer sent as its batch ends.
+    the batch before, instead of after it: on one thread the host's work and the device's take
+    turns, each leaving the other idle. The thread runs what was handed over, the calls that came
+    meanwhile together (up to `limit` rows, one batch: the entry's stretch), each answer sent as its
+    batch ends.
 
-    A call is its caller's to run (`run_here`), as `execute` ran every call before, while calls come
-    alone: where nothing handed over waits or has a request unanswered, and none of the last
-    `quiet_calls` calls met another (found one waiting or unanswered here, came with other requests,
-    or came within `queued_within_s` of the end of the caller's last own run, Triton's round trip to
-    a call it queued meanwhile). Then nothing would run beside it, and a thread's wake and a send of
-    its own only add to its latency (+0.42 ms a lone query on the stand-in). Gaps alone do not tell
-    load from a lone client: on the stand-in one client's next query came 0.8-1.2 ms after the
-    return, and under Poisson load at 9/10 a call finding the device idle 0.3-1.3 ms after it; calls
-    that meet are what load is, and under it a call run here costs the next one the overlap (the 9/10
-    mean 13.5 ms against 8.7 ms handed over, with a gap rule of 0.5 ms). A handed run whose requests
-    are all answered (`settled`) meets no call: a lone client's next query can come before the run's
-    last steps end (on a machine with cores to spare it did, every time), and waits for them.
+    A call is its caller's to run (`run_here`), as `execute` runs it without a hand-off, while calls
+    come alone: where nothing handed over waits or has a request unanswered, and none of the last
+    `quiet_calls` calls met another (found one waiting or unanswered in the hand-off, came with other
+    requests, or came within `queued_within_s` of the end of the caller's last own run, Triton's
+    round trip to a call it queued meanwhile). Then nothing would run beside it, and a thread's wake
+    and a send of its own only add to its latency. Gaps between calls alone do not tell load from a
+    lone client (a lone client's next query and a loaded device's next call follow a return about
+    equally soon); calls that meet are what load is, and under load a call run by its caller costs
+    the next one the overlap. A handed run whose requests are all answered (`settled`) meets no
+    call: a lone client's next query can come before the run's last steps end, and waits for them.
 
     `put` waits while `limit` rows already wait: Triton's queue then holds what comes, as it does
     while `execute` runs a batch itself (where its batcher forms full calls and overload is seen,

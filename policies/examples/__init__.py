@@ -1,1 +1,1 @@
-"""Worked examples of custom policies (see the README, "Writing a policy")."""
+"""Worked examples of custom policies (see docs/policy-api.md)."""

@@ -5,10 +5,10 @@
 real (the transformers' full size; the vision models' full depth at width 16 and 64-128 pixels),
 "full" the vision models at the paper's size too (width 64, 224x224 with 1000 classes for
 ResNet-152 and VGG-19, 256x256 for UNet and LinkNet: what a GPU serves), and "bench" the size the
-benchmarks in `perf/` use on this machine (the real size, except BERT: BERT-base width, 4 of its 12
-layers, so that a run of the experiments takes minutes, not hours, on 2 cores).
-BERT also has "small" (4 layers of width 256: a lone query takes 1-2 ms, so the served path's own
-cost per query shows). Nothing is downloaded.
+benchmarks in `perf/` use on a CPU (the real size, except BERT: BERT-base width, 4 of its 12
+layers, so that a run of the experiments on a small CPU stays short).
+BERT also has "small" (4 layers of width 256: a lone query is short enough that the served path's
+own cost per query shows). Nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ ZOO: dict[str, ZooEntry] = {
         {"test": dict(layers=2, hidden=32, heads=2, intermediate=64, vocab=100, max_positions=64),
          "real": dict(layers=12, hidden=768, heads=12, intermediate=3072),
          "bench": dict(layers=4, hidden=768, heads=12, intermediate=3072),
-         # a small encoder, a lone query ~1-2 ms on 2 cores: where the served path's own cost shows
+         # a small encoder whose lone query is short: where the served path's own cost shows
          "small": dict(layers=4, hidden=256, heads=4, intermediate=1024)},
         {"test": 32, "real": 128, "small": 128},
     ),
