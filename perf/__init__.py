@@ -10,7 +10,7 @@
   served path, threads, a model over 2 GB;
 - `perf.reliability` -- nothing lost under abuse: fuzzing, soak, overload and admission;
 - `perf.tuning` -- Triton's Model Analyzer sweeping a dvabatch model's settings;
-- `perf.gpu` -- the runs on a lent GPU machine.
+- `perf.gpu` -- the GPU suite, planned here and run on a GPU host.
 
 `perf/README.md` has the table: question, command, what it prints, and the test that runs it.
 """

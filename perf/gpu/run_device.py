@@ -1,34 +1,57 @@
-"""The GPU machine's whole run, in device calls of at most 10 minutes each: plan it here, run it there.
+"""The GPU suite as steps, one command each on a GPU host: plan them here, run each there.
+
+The GPU host is any machine with a CUDA device and the repository's working tree: one at hand, or
+a remote one reached through a job runner with limits. The plan is checked against a runner's
+limits, kept as constants below: a time limit per command (`CALL_LIMIT_S`), a total time budget
+with machine starts included (`DEVICE_BUDGET_S`, `START_S`), a size limit on what a command
+sends (`TRANSFER_LIMIT`: the working tree plus the carried paths), a length limit on one command
+(`COMMAND_LIMIT`), and the files a command may bring back (`OUT_FILES` plain files from $OUT, each
+at most `OUT_FILE_LIMIT`).
 
 Here (no GPU):
 
     python -m perf.gpu.fetch_wheels          # the wheels of perf/gpu/wheels.txt -> work/wheels/
-    python -m perf.gpu.run_device --dry-run  # every device call printed and checked; exit 1 on a problem
+    python -m perf.gpu.run_device --dry-run  # every call printed and checked; exit 1 on a problem
 
-There (the `device` tool's `run`, once per call the dry run prints; perf/README.md lists them):
+There (on the GPU host, in the repository root with work/wheels carried, once per call the dry run
+prints; perf/README.md lists them):
 
     python3 -m pip install ... --target /tmp/site work/wheels/*.whl; export PYTHONPATH=/tmp/site:$PWD
-    python3 -m perf.gpu.run_device step tests --out $OUT
+    python3 -m perf.gpu.run_device step gpu --out $OUT
     python3 -m perf.gpu.run_device step experiments --out $OUT
 
+The total budget counts one call with its machine start: the one step not marked `rerun`. A step
+marked `rerun` is a further call, made where the budget has room for it (`step NAME --seconds S`
+fits a step to a shorter call).
+
 Steps:
-- `slice`: `dvabatch slice --device cuda` on BERT-base and ResNet-152, then the device-sliced BERT-base served;
+- `handoff` (the call the budget counts): BERT-base sliced on the GPU as a user slices it,
+  served beside ZeroBatch and DelayBatch with the adapter's hand-off of calls and without it
+  (`sync`), each one's sustained rate, the stubs under py-spy;
+- `resnet`: ResNet-152 at the paper's size sliced on the GPU and served the same way;
+- `slice`: `dvabatch slice --device cuda` on BERT-base and ResNet-152, then the GPU-sliced
+  BERT-base served;
 - `standin`: the stand-in's device profile and the side by side it is judged against, in one call;
-- `served` (the first GPU at hand, before any other): the stand-in's device profile measured
-  (perf.gpu.device_profile), then BERT-base sliced and served with the Docker image's GPU config
-  beside ZeroBatch and DelayBatch on the same engine (perf.compare --device cuda), every process
-  of the server under py-spy;
-- `gpu` (formerly `tests`): nvidia-smi and the versions in use, then the GPU test module (tests/gpu: the torch
+- `served`: the stand-in's device profile measured on the GPU host (perf.gpu.device_profile),
+  then BERT-base sliced and served with the Docker image's GPU config beside ZeroBatch and
+  DelayBatch on the same engine (perf.compare --device cuda), every process of the server under
+  py-spy;
+- `diagnose`: the default config beside the load policy and ZeroBatch, each stub under py-spy:
+  where the served path's time goes;
+- `confirm`: the served comparison with the baselines answering, both stubs under py-spy;
+- `gpu`: nvidia-smi and the versions in use, then the GPU test module (tests/gpu: the torch
   engine on CUDA against onnxruntime, CUDA graphs, the fence, the property test on CUDA, the
-  overlap check), then the runtime's own property test and the fence plumbing tests (on the
-  machine's CPU, with its numpy 2 and onnx 1.23);
-- `experiments`: the overlap figure (perf.gpu.overlap) and DVABatch beside ZeroBatch on the torch
-  engine on CUDA (perf.gpu.side_by_side).
+  overlap check) with the runtime's own property test and the fence plumbing tests beside it (on
+  the host's CPU, with its own numpy and onnx), the overlap figure (perf.gpu.overlap), the real
+  server (perf.gpu.serve_check), and DVABatch beside ZeroBatch on the torch engine on CUDA
+  (perf.gpu.side_by_side);
+- `experiments`: the GPU tests, the real server, and DVABatch beside ZeroBatch with one buffer
+  pair and two and with `load`'s first stage running ahead of the device.
 
 A step runs its commands one after another in the repository root, each with what is left of the
-step's time, every line of output echoed and kept; then it collects into OUT at most 8 files
-(what the device tool brings back, no folders): STEP.log (every command's output), the figures
-and JSON, junit XML, and STEP-raw.tar.gz of everything else the step wrote (models left out).
+step's time, every line of output echoed and kept; then it collects into OUT at most `OUT_FILES`
+plain files (no folders): STEP.log (every command's output), the figures and JSON, junit XML, and
+STEP-raw.tar.gz of everything else the step wrote (models left out).
 """
 from __future__ import annotations
 
@@ -47,18 +70,18 @@ from typing import Sequence
 from perf.gpu.fetch_wheels import DEFAULT_DEST, REPO, STUB_SITE_DIR, WHEELS_TXT, requirements
 
 MiB = 1 << 20
-TRANSFER_LIMIT = 64 * MiB  # the working tree plus carried paths, per call
-COMMAND_LIMIT = 2000  # characters of one device command
-CALL_LIMIT_S = 600  # one command's run
-DEVICE_BUDGET_S = 15 * 60  # a session's device time
-START_S = 120  # a fresh machine's start, counted against the budget per call
-# the real tritonserver, carried beside the wheels (it is not a wheel the device's pip could take):
-# the nvidia-pytriton wheel's server with the stub of the device's Python, its libraries, the
+TRANSFER_LIMIT = 64 * MiB  # what a runner sends per call: the working tree plus carried paths
+COMMAND_LIMIT = 2000  # characters of one runner command
+CALL_LIMIT_S = 600  # a runner's time limit for one command
+DEVICE_BUDGET_S = 15 * 60  # the total time budget of a run of the suite, machine starts included
+START_S = 120  # a fresh GPU host's start, counted against the budget per call
+# the real tritonserver, carried beside the wheels (it is not a wheel the GPU host's pip could take):
+# the nvidia-pytriton wheel's server with the stub of the GPU host's Python, its libraries, the
 # tritonclient package and protobuf 4 (python -m perf.gpu.fetch_wheels --server-bundle)
 SERVER_BUNDLE = "tritonserver-bundle.tar.gz"
-OUT_FILES = 8  # files the device tool brings back from $OUT
-OUT_FILE_LIMIT = 16 * MiB
-PY = "python3"  # the device's interpreter, the one with torch
+OUT_FILES = 8  # files a runner brings back from $OUT
+OUT_FILE_LIMIT = 16 * MiB  # the largest file a runner brings back
+PY = "python3"  # the GPU host's interpreter, the one with torch
 WORK = "/tmp/dvabatch-gpu"  # where a step writes before collecting into OUT
 
 ENV_REPORT = ("import json, sys, torch, numpy, onnx, onnxruntime, hypothesis; print(json.dumps({"
@@ -70,15 +93,15 @@ ENV_REPORT = ("import json, sys, torch, numpy, onnx, onnxruntime, hypothesis; pr
 
 @dataclass(frozen=True)
 class Step:
-    """One device call's work: commands (argv; "{out}" and "{work}" filled in), the repository files
-    they name, and the time the call is given."""
+    """One call's work on the GPU host: commands (argv; "{out}" and "{work}" filled in), the
+    repository files they name, and the time the call is given."""
 
     name: str
     timeout_s: int
     commands: tuple[tuple[str, ...], ...]
     needs: tuple[str, ...]
-    # a second call, made only where the first left the device time for it (the experiments again
-    # after a fix): not counted in the plan's budget
+    # a further call, made only where the total budget has room for it after the first: not
+    # counted in the plan's budget
     rerun: bool = False
 
 
@@ -101,7 +124,7 @@ def profiled(out: str, *argv: str, subprocesses: bool = False) -> tuple[str, ...
 
 
 def sliced_bert(seconds: int, slice_args: str) -> tuple[str, ...]:
-    """The zoo's BERT-base at its real size, exported and sliced on the device (`dvabatch slice` with
+    """The zoo's BERT-base at its real size, exported and sliced on the GPU host (`dvabatch slice` with
     `slice_args`, bs_max 16, lengths to 128) into {work}/repo/bert_base, capped."""
     return capped(seconds, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo bert --size real --out {{work}}/bert.onnx && "
                   f"{PY} -m dvabatch_backend.tools.cli slice {{work}}/bert.onnx {slice_args} --bs-max 16 --max-length 128 "
@@ -137,27 +160,24 @@ def sliced_resnet152(seconds: int) -> tuple[str, ...]:
                   "--bs-max 16 --repeats 3 --out {work}/repo/resnet152")
 
 
-# One call: the device time of a session (15 minutes) holds one machine start and one full call.
-# Commands in the order the issue ranks them, each capped: the GPU tests (answers, graphs, fence,
-# overlap) with the CPU property tests beside them, the overlap figures, the real server, then the
-# two experiments (BERT under py-spy).
+# The total budget (`DEVICE_BUDGET_S`) holds one machine start and one full call: the one step not
+# marked `rerun`. The others are further calls, each made where the budget has room for it.
 STEPS: tuple[Step, ...] = (
-    # the next GPU at hand, first: BERT-base sliced on the device as a user slices it, served beside
-    # ZeroBatch and DelayBatch with the adapter's hand-off of calls on a device (the default since
-    # 2026-11-28) and without it (`sync`, as the H200 served it that day), each one's sustained
-    # rate (issue 41, item 2); the stubs under py-spy
+    # the call the budget counts: BERT-base sliced on the GPU as a user slices it, served beside
+    # ZeroBatch and DelayBatch with the adapter's hand-off of calls on a device and without it
+    # (`sync`: hand_off_calls=false), each one's sustained rate (issue 41, item 2); the stubs under
+    # py-spy
     Step("handoff", 560, (
         capped(20, "nvidia-smi"),
         sliced_bert(200, "--device cuda --stages auto --candidates 2,4"),
         served_model(340, "--loads 0.25,0.6,0.9 --delays 500 --variant sync:hand_off_calls=false "
                      "--sustained DVABatch,sync,ZeroBatch,DelayBatch-0.5ms --py-spy DVABatch,ZeroBatch"),
     ), needs=("dvabatch_backend/triton_adapter/handoff.py", "perf/compare/on_device.py", "slicer/serving_engine.py")),
-    # then, a second call where `handoff` left the time (after 2026-11-28 on an H200 ran `slice` and `standin`, where the zoo's
-    # ResNet-152 was its CPU size, width 16 at 64x64): ResNet-152 at the paper's size sliced on the
-    # device and served as sliced beside ZeroBatch and DelayBatch, with the hand-off of calls and
-    # without it (`sync`: on the stand-in's 2 cores the hand-off lost on ResNet-152 at 224x224, its
-    # inputs' copies competing for the host, and won at 64x64); then call `standin` again (the
-    # engine's host time per run measured now, `host_run_s`)
+    # ResNet-152 at the paper's size (224x224, not the zoo's CPU size of width 16 at 64x64) sliced
+    # on the GPU and served as sliced beside ZeroBatch and DelayBatch, with the hand-off of calls
+    # and without it (`sync`: the hand-off's input copies compete for the host's cores, the more so
+    # the larger the inputs); `standin` after it measures the engine's host time per run
+    # (`host_run_s`)
     Step("resnet", 420, (
         capped(20, "nvidia-smi"),
         sliced_resnet152(180),
@@ -165,8 +185,8 @@ STEPS: tuple[Step, ...] = (
                      "--py-spy DVABatch,ZeroBatch", model="resnet152"),
     ), needs=("slicer/serving_engine.py", "slicer/zoo/__init__.py", "perf/compare/on_device.py"), rerun=True),
     # `dvabatch slice --device cuda` on BERT-base and ResNet-152 (the stage count and buffer pairs
-    # measured on the device; its time), then the device-sliced BERT-base served beside ZeroBatch
-    # and DelayBatch on the same engine (run on an H200, 2026-11-28: 263 s)
+    # measured on the GPU; its time), then the GPU-sliced BERT-base served beside ZeroBatch and
+    # DelayBatch on the same engine
     Step("slice", 585, (
         capped(20, "nvidia-smi"),
         sliced_bert(280, "--device cuda --stages auto --candidates 2,3,4"),
@@ -174,31 +194,31 @@ STEPS: tuple[Step, ...] = (
         served_model(160, "--loads 0.25,0.6,0.9 --delays 500 --py-spy DVABatch,ZeroBatch"),
     ), needs=("slicer/serving_engine.py", "slicer/gpu_config.py", "perf/compare/on_device.py",
               "perf/compare/stub_profile.py", "perf/baselines/model.py"), rerun=True),
-    # the stand-in's check (issue 40, item 3; run on an H200 2026-11-28 after `slice`, 127 s), from one device run: its device profile (the stages and the
-    # unsliced model, timed together) and the side by side it is judged against, back to back; the two
-    # days' profiles of 2026-11-26/27 disagreed by about 25 % on the same stages (README, sixth replay)
+    # the stand-in's check (issue 40, item 3), from one call on one GPU host: its device profile (the
+    # stages and the unsliced model, timed together) and the side by side it is judged against, back
+    # to back, since profiles taken apart can disagree on the same stages
     Step("standin", 420, (
         capped(20, "nvidia-smi"),
         capped(110, PY, "-m", "perf.gpu.device_profile", "--model", "bert", "--out", "{work}/profile"),
         capped(260, PY, "-m", "perf.gpu.side_by_side", "--model", "bert", "--device", "cuda", "--pairs", "1,2",
                "--policies", "load", "--host-buffers", "", "--fractions", "0.25,0.6,0.9,1.1", "--out", "{work}/bert"),
-    ), needs=("perf/gpu/device_profile.py", "perf/gpu/side_by_side.py"), rerun=True),  # a session's second call, or the next
-    # the first GPU at hand, before any other device work: what the stand-in assumes, measured
-    # (its device profile, committed afterwards under perf/gpu/profiles/), then BERT-base served
-    # as a user serves it (the slicer's CPU profile re-profiled at load on the device, the Docker
-    # image's GPU config) beside ZeroBatch and DelayBatch on the same engine and graphs, every
-    # process of the server under py-spy: the served collapse reproduced, and where its time goes
+    ), needs=("perf/gpu/device_profile.py", "perf/gpu/side_by_side.py"), rerun=True),
+    # what the stand-in assumes, measured on the GPU host (its device profile, committed under
+    # perf/gpu/profiles/), then BERT-base served as a user serves it (the slicer's CPU profile
+    # re-profiled at load on the GPU, the Docker image's GPU config) beside ZeroBatch and DelayBatch
+    # on the same engine and graphs, every process of the server under py-spy: where the served
+    # path's time goes
     Step("served", 540, (
         capped(20, "nvidia-smi"),
         sliced_bert(150, "--stages 4"),
-        # the default GPU config (one buffer pair) beside the old one (two: the pipeline), which collapsed
+        # the default GPU config (one buffer pair) beside two buffer pairs (the pipeline)
         capped(300, *profiled("{work}/served/py-spy.txt", PY, "-m", "perf.compare", "--model-dir", "{work}/repo/bert_base",
                               "--device", "cuda", "--queries", "1000", "--rounds", "2", "--loads", "0.25,0.6,0.9",
                               "--variant", "pairs2:num_buffer_pairs=2", "--out", "{work}/served",
                               subprocesses=True)),
         capped(110, PY, "-m", "perf.gpu.device_profile", "--model", "bert", "--out", "{work}/profile"),
     ), needs=("perf/gpu/device_profile.py", "perf/compare/on_device.py", "perf/compare/__main__.py",
-              "perf/compare/served_metrics.py", "docker/gpu_config.py"), rerun=True),  # run on 2026-11-27
+              "perf/compare/served_metrics.py", "docker/gpu_config.py"), rerun=True),
     # after `served`: the default config beside the same model with the load policy (one batch per
     # execute call, as ZeroBatch's), and ZeroBatch, each stub under py-spy (every thread, idle too)
     # one query at a time and at 0.6x and 0.9x: where the served path's time goes
@@ -207,16 +227,19 @@ STEPS: tuple[Step, ...] = (
         served_model(140, "--loads 0.6,0.9 --delays '' --variant load:policy=load --py-spy DVABatch,load,ZeroBatch"),
     ), needs=("perf/compare/on_device.py", "perf/compare/stub_profile.py", "perf/compare/served_metrics.py"),
        rerun=True),
-    # after `diagnose` found the baselines answering with no data under the device's numpy 2 (and
-    # so sending nothing): the served comparison again with fair baselines, both stubs under py-spy
+    # after `diagnose`: the served comparison with the baselines' stubs answering with data (under
+    # numpy 2 they answered with none, and so sent nothing), both stubs under py-spy
     Step("confirm", 250, (
         sliced_bert(120, "--stages 4"),
         served_model(150, "--loads 0.25,0.6,0.9 --delays 500,2000 --py-spy DVABatch,ZeroBatch"),
     ), needs=("perf/compare/on_device.py", "perf/compare/stub_profile.py", "perf/baselines/model.py"), rerun=True),
+    # the GPU suite's commands in the order the issue ranks them, each capped: the GPU tests (answers,
+    # graphs, fence, overlap) with the CPU property tests beside them, the overlap figures, the real
+    # server, then the two experiments (BERT under py-spy)
     Step("gpu", 585, (
         capped(20, "nvidia-smi"),
         capped(40, PY, "-c", ENV_REPORT),
-        # the runtime's CPU property tests (the machine's numpy 2 and onnx) beside the GPU tests: 16 cores
+        # the runtime's CPU property tests (the GPU host's own numpy and onnx) beside the GPU tests
         capped(150, "bash", "-c", f"timeout 140 {PY} -m pytest -q -o timeout=60 tests/runtime/test_property.py "
                "tests/runtime/test_property_torch.py tests/unit/test_fences.py --junitxml={out}/junit-runtime.xml "
                f"> {{out}}/runtime-tests.log 2>&1 & {PY} -m pytest -q -rs -o timeout=120 tests/gpu/test_gpu.py "
@@ -236,9 +259,9 @@ STEPS: tuple[Step, ...] = (
         capped(90, PY, "-m", "pytest", "-q", "-rs", "-o", "timeout=80", "tests/gpu/test_gpu.py",
                "--junitxml={out}/junit-gpu.xml"),
         capped(80, PY, "-m", "perf.gpu.serve_check", "--out", "{work}/serve"),
-        # the rerun sets one buffer pair beside two, both with device-memory boundaries (the first
-        # call set device against host memory), and `load` with its first stage running ahead of
-        # the device beside the default, which waits for it (`entry_waits_for_device`)
+        # one buffer pair beside two, both with device-memory boundaries (`gpu` sets device against
+        # host memory), and `load` with its first stage running ahead of the device beside the
+        # default, which waits for it (`entry_waits_for_device`)
         capped(240, PY, "-m", "perf.gpu.side_by_side", "--model", "bert", "--device", "cuda", "--pairs", "2,1",
                "--host-buffers", "", "--run-ahead", "load", "--out", "{work}/bert"),
         capped(150, PY, "-m", "perf.gpu.side_by_side", "--model", "resnet152", "--device", "cuda", "--pairs", "2,1",
@@ -263,7 +286,8 @@ class Wheel:
 
 @dataclass(frozen=True)
 class DeviceCall:
-    """One `run` of the device tool: its arguments, and the repository files its command names."""
+    """One call of a job runner on the GPU host: its arguments (time limit, carried paths,
+    command), and the repository files its command names."""
 
     step: Step
     command: str
@@ -300,7 +324,7 @@ def find_wheel(requirement: str, wheel_dir: Path) -> Wheel:
 
 
 def tree_size(repo: Path = REPO) -> int:
-    """Bytes of what the device tool sends: tracked files and untracked ones git does not ignore."""
+    """Bytes of the working tree a runner sends: tracked files and untracked ones git does not ignore."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
                             check=True, capture_output=True).stdout.decode().split("\0")
     return sum((repo / p).stat().st_size for p in listed if p and (repo / p).is_file())
@@ -308,7 +332,7 @@ def tree_size(repo: Path = REPO) -> int:
 
 def install_command(wheels: Sequence[Wheel], repo: Path, bundle: Path | None = None,
                     stub_wheel: Path | None = None) -> str:
-    """The device's install of the carried wheels (named one by one), the server bundle unpacked
+    """The GPU host's install of the carried wheels (named one by one), the server bundle unpacked
     beside them, the stubs' numpy unpacked apart (`STUB_SITE`), and the path setting."""
     if not wheels:
         return "export PYTHONPATH=$PWD"
@@ -331,7 +355,7 @@ def device_call(step: Step, wheels: Sequence[Wheel], wheel_dir: Path, repo: Path
 
 
 def plan(repo: Path, wheel_dir: Path, specs: Sequence[str], tree_bytes: int, steps: Sequence[Step] = STEPS) -> Plan:
-    """Every device call, checked: each wheel present, the transfer under 64 MiB, each command
+    """Every call, checked: each wheel present, the transfer under `TRANSFER_LIMIT`, each command
     short enough and naming only files that exist, each call and the whole run inside its time."""
     wheels = [find_wheel(spec, wheel_dir) for spec in specs]
     carried = sum(p.stat().st_size for p in wheel_dir.rglob("*") if p.is_file()) if wheel_dir.is_dir() else 0
@@ -365,7 +389,7 @@ def print_plan(result: Plan, repo: Path) -> None:
     print(f"transfer: tree {result.tree_bytes / MiB:.2f} MiB + carried {result.carried_bytes / MiB:.2f} MiB = "
           f"{result.transfer_bytes / MiB:.2f} MiB (limit {TRANSFER_LIMIT // MiB} MiB)")
     for k, call in enumerate(result.calls, 1):
-        print(f"\ndevice call {k}/{len(result.calls)}: step {call.step.name}")
+        print(f"\ncall {k}/{len(result.calls)}: step {call.step.name}")
         print("  run(" + json.dumps({"timeout_s": call.timeout_s, "carry": list(call.carry),
                                      "command": call.command}, indent=None) + ")")
         print("  runs there, in the repository root:")
@@ -373,8 +397,8 @@ def print_plan(result: Plan, repo: Path) -> None:
             work = f"{WORK}/{call.step.name}"  # collected into $OUT when the step ends
             print("    " + shlex.join(_filled(argv, work, work)))
     total = sum(c.timeout_s + START_S for c in result.calls if not c.step.rerun)
-    print(f"\ndevice time at most {total / 60:.1f} min (the first call, {START_S} s start; the rerun only where "
-          f"it left the time), "
+    print(f"\ntime at most {total / 60:.1f} min (the first call, {START_S} s start; a rerun only where "
+          f"the budget has room), "
           f"budget {DEVICE_BUDGET_S // 60} min")
     print("\n".join(f"PROBLEM: {p}" for p in result.problems) or "plan: OK")
 
@@ -388,7 +412,7 @@ def _filled(argv: Sequence[str], out: str, work: str) -> list[str]:
 
 def run_step(step: Step, out: Path, seconds: int | None = None) -> int:
     """Run the step's commands with what is left of its time (`seconds` where the call was given
-    less than the step plans: a second call on what device time the first left), then collect into
+    less than the step plans: a further call on what the total budget has left), then collect into
     `out`."""
     work = Path(WORK) / step.name
     shutil.rmtree(work, ignore_errors=True)
@@ -461,17 +485,17 @@ def collect(work: Path, out: Path, name: str) -> list[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what")
-    step_parser = sub.add_parser("step", help="run one step (on the GPU machine)")
+    step_parser = sub.add_parser("step", help="run one step (on the GPU host)")
     step_parser.add_argument("name", choices=[s.name for s in STEPS])
     step_parser.add_argument("--out", type=Path, required=True)
     step_parser.add_argument("--seconds", type=int, help="the call's time where less than the step plans")
-    parser.add_argument("--dry-run", action="store_true", help="print and check every device call (here)")
+    parser.add_argument("--dry-run", action="store_true", help="print and check every call (here)")
     parser.add_argument("--wheels", type=Path, default=DEFAULT_DEST)
     args = parser.parse_args(argv)
     if args.what == "step":
         return run_step(next(s for s in STEPS if s.name == args.name), args.out, args.seconds)
     if not args.dry_run:
-        parser.error("give --dry-run (here) or `step NAME --out DIR` (on the GPU machine)")
+        parser.error("give --dry-run (here) or `step NAME --out DIR` (on the GPU host)")
     result = plan(REPO, args.wheels.resolve(), requirements(WHEELS_TXT), tree_size(REPO))
     print_plan(result, REPO)
     return 1 if result.problems else 0

@@ -1,7 +1,7 @@
 """The runtime on a GPU: the torch engine on CUDA behind the buffer pairs, with CUDA event fences.
 
-Skipped without torch or without a CUDA device (so everywhere but the lent GPU machine; see
-perf/README.md for the device calls that run it):
+Skipped without torch or without a CUDA device (so everywhere but a GPU host; see perf/README.md
+for the steps of `python -m perf.gpu.run_device` that run it):
 
 - the torch engine on CUDA equals onnxruntime stage by stage, and a CUDA graph's replay equals
   the eager run;

@@ -1,6 +1,6 @@
 """perf.gpu.run_device's planning (its --dry-run) against a temporary wheel folder of small fake
-files: every wheel found or named missing, the 64 MiB transfer limit, and every device call naming
-only files that exist. Nothing is downloaded; nothing runs on a device."""
+files: every wheel found or named missing, the 64 MiB transfer limit, and every call naming only
+files that exist. Nothing is downloaded; nothing runs on a GPU."""
 from __future__ import annotations
 
 import shutil
@@ -97,8 +97,9 @@ def test_a_step_naming_an_absent_file_is_a_problem(repo: Path) -> None:
 
 
 def test_calls_fit_the_device_limits() -> None:
-    """Every call under the per-call limit; the first call (the whole run) with its start inside a
-    session's device time; a rerun fits what the first leaves when it ends early (as it did: ~5 of 10 min)."""
+    """Every call under the per-call time limit; the first call (the one the budget counts) with its
+    start inside the total time budget; each rerun, with its own start, under the budget too (it
+    runs on what the first leaves)."""
     assert all(s.timeout_s <= run_device.CALL_LIMIT_S for s in STEPS)
     first = [s for s in STEPS if not s.rerun]
     assert len(first) == 1 and first[0].timeout_s + run_device.START_S <= run_device.DEVICE_BUDGET_S
