@@ -36,6 +36,11 @@ class SloPolicy:
 
 @dataclass(frozen=True)
 class RuntimeSettings:
+    """How the runtime runs a sliced model. These defaults are the library's (two buffer pairs, one
+    thread per stage: stages overlap and the host keeps its other cores); a served model resolves its
+    own from config.pbtxt (`triton_adapter/config.py`, `SERVED_DEFAULTS_WHY` says why they differ),
+    and docs/configuration.md lists both."""
+
     num_buffer_pairs: int = 2
     bs_max: int | None = None  # None: the manifest's max_batch_size
     threads_per_stage: int = 1  # EVERY_CORE (0): each stage on every available core
