@@ -42,9 +42,8 @@ class RuntimeStats:
     queued: int = 0  # admitted, not yet taken by stage 0 (a gauge)
     # the fast path (runtime/fast_path.py): runs on the caller's thread, the rows they answered (also
     # counted in submitted and answered_ok), runs that failed and sent their rows the usual way, and
-    # the caller's calls sent to the pipeline because its own queue stood (under a configured queue
-    # policy), and the drains of that queue, begun when its calls had come full too long (without
-    # one; `InlineHold.caller_backlog`)
+    # the caller's calls sent to the pipeline because its own queue stood, and the drains of that
+    # queue, begun when its calls had come full too long (`InlineHold.caller_backlog`)
     inline_runs: int = 0
     inline_queries: int = 0
     inline_fallbacks: int = 0

@@ -17,16 +17,19 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from slicer.gpu_config import GPU_PARAMETERS
+
 from ..runtime.settings import RuntimeSettings
 from ..triton_adapter.config import (PARAMETERS, POLICY_PREFIX, SERVED_DEFAULTS_WHY, TRITON_PARAMETERS,
                                      AdapterSettings, parse_parameters)
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
-# the three targets a config can serve on, and the parameters that select each
+# the three targets a config can serve on, and the parameters that select each: the slicer's CPU
+# config sets none of them; its GPU config (`slicer/gpu_config.py`) sets these
 TARGETS: dict[str, dict[str, str]] = {
     "CPU": {},
-    "CUDA": {"engine": "torch", "device": "cuda"},
+    "CUDA": dict(GPU_PARAMETERS),
     "stand-in": {"engine": "simulated"},
 }
 GROUPS = ("model", "runtime", "GPU", "queue and overload")
@@ -111,8 +114,8 @@ parameters { key: "policy.pad_tolerance" value: { string_value: "0.5" } }
 ```
 
 The columns **CPU**, **CUDA** and **stand-in** give the value a config resolves to when it sets nothing
-else on that target (CUDA: `engine: torch`, `device: cuda`, as `docker/gpu_config.py` writes; the
-stand-in: `engine: simulated`). `—` is unset: the **default** column says what applies then.
+else on that target (CUDA: what `docker/gpu_config.py` and `dvabatch slice --device cuda` write,
+`engine: torch`, `device: cuda`, `threads_per_stage: 1`; the stand-in: `engine: simulated`). `—` is unset: the **default** column says what applies then.
 """
 
 

@@ -135,7 +135,7 @@ PARAMETERS: dict[str, Parameter] = {
         "while the device runs; that thread runs what came meanwhile together and answers by response sender.",
         lambda s: s.hand_off_calls, _DEVICE),
     "lone_calls": Parameter(
-        parameters.integer(0), "8",
+        parameters.integer(0), "`8`",
         "With `hand_off_calls`: after this many calls in a row that met no other, `execute` runs calls "
         "itself until one meets another (a lone query pays no thread wake); 0 hands every call over.",
         lambda s: s.lone_calls, _DEVICE),

@@ -58,7 +58,7 @@ class StageMetrics:
                                             description="Seconds the fast path's unsliced model took on its device (events around each run; 0 on the CPU)")
         self._fast_device = fast_device.Metric(labels={"model": model})
         handovers = pb_utils.MetricFamily(name="dvabatch_fast_path_handovers_total", kind=counter,
-                                          description="execute calls sent to the pipeline, not run inline: Triton's queue stood (calls came full) under a configured queue policy")
+                                          description="execute calls sent to the pipeline, not run inline, because Triton's queue stood (calls came full)")
         self._handovers = handovers.Metric(labels={"model": model})
         drains = pb_utils.MetricFamily(name="dvabatch_fast_path_drains_total", kind=counter,
                                        description="Drains of Triton's queue behind the fast path: its execute calls came full too long and were refused until one was not")
