@@ -10,7 +10,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -267,6 +267,45 @@ class SlowEngine:
     def run(self, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
         self.inner.run(inputs, outputs)
         time.sleep(self.delay)
+
+
+class LaunchLedger:
+    """Wraps every engine it is given (`wrap`) and records each launch that starts while the same
+    engine is still running one: one engine, one run at a time, whoever launches it (a stage's
+    executor, the fast path on the caller's thread). `violations` names each such overlap."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[int, str] = {}  # engine index -> the thread running it
+        self.launches = 0
+        self.violations: list[str] = []
+
+    def wrap(self, engines: Sequence[Any]) -> list["LedgeredEngine"]:
+        return [LedgeredEngine(self, index, engine) for index, engine in enumerate(engines)]
+
+    def begin(self, index: int) -> None:
+        me = threading.current_thread().name
+        with self._lock:
+            self.launches += 1
+            if index in self._running:
+                self.violations.append(f"engine {index}: launched on {me} while {self._running[index]} runs it")
+            self._running[index] = me
+
+    def end(self, index: int) -> None:
+        with self._lock:
+            self._running.pop(index, None)
+
+
+class LedgeredEngine:
+    def __init__(self, ledger: LaunchLedger, index: int, inner: Any) -> None:
+        self.ledger, self.index, self.inner = ledger, index, inner
+
+    def run(self, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+        self.ledger.begin(self.index)
+        try:
+            self.inner.run(inputs, outputs)
+        finally:
+            self.ledger.end(self.index)
 
 
 def make_scheduler(model: SlicedModel, policy: Policy, engines: list | None = None, clock: Callable[[], float] | None = None,

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from policies import RandomLegalPolicy
 
-from ..conftest import (Collector, GatedEngine, SlicedModel, SlowEngine, assert_all_answered_correctly,
+from ..conftest import (Collector, GatedEngine, LaunchLedger, SlicedModel, SlowEngine, assert_all_answered_correctly,
                         assert_matches_reference, make_scheduler)
 
 CUT_POINTS = ("h1", "h2", "h3", "h4", "h5")
@@ -57,12 +57,15 @@ def test_random_schedules_on_the_torch_engine(zoo, scenario: dict) -> None:
 
 def run_scenario(model: SlicedModel, engines: list, scenario: dict) -> None:
     """Queries arrive in the scenario's groups and gaps under a random legal policy: each is answered
-    once, equal to the unsliced model, no buffer-rule violation, every thread gone after."""
+    once, equal to the unsliced model, no buffer-rule violation, no engine launched while it still
+    runs (by a stage's executor or the fast path), every thread gone after."""
     if scenario["delay"]:
         engines = [SlowEngine(e, scenario["delay"]) for e in engines]
-    scheduler = make_scheduler(model, scenario_policy(scenario), engines, num_buffer_pairs=scenario["pairs"],
+    ledger = LaunchLedger()
+    scheduler = make_scheduler(model, scenario_policy(scenario), ledger.wrap(engines), num_buffer_pairs=scenario["pairs"],
                                bs_max=scenario["bs_max"])
     drive_scenario(model, scheduler, scenario)
+    assert ledger.launches > 0 and ledger.violations == []
 
 
 def scenario_policy(scenario: dict) -> RandomLegalPolicy:
@@ -111,3 +114,32 @@ def test_long_random_run_with_every_meta_operation(zoo) -> None:
         stats = scheduler.stats
         assert stats.stretch > 0 and stats.split > 0, stats
         assert scheduler.buffer_violations == []
+
+
+def test_the_launch_ledger_names_a_second_run_of_a_running_engine() -> None:
+    """The check above bites: an engine launched from a second thread while the first is held in it."""
+    import threading
+
+    class HeldOnce:
+        """Its first run waits until the test lets it go; later runs return at once."""
+
+        def __init__(self) -> None:
+            self.entered, self.leave, self.calls = threading.Event(), threading.Event(), 0
+
+        def run(self, inputs, outputs) -> None:
+            self.calls += 1
+            if self.calls == 1:
+                self.entered.set()
+                assert self.leave.wait(10)
+
+    ledger = LaunchLedger()
+    inner = HeldOnce()
+    (engine,) = ledger.wrap([inner])
+    first = threading.Thread(target=engine.run, args=({}, {}), name="first")
+    first.start()
+    assert inner.entered.wait(10)
+    engine.run({}, {})  # while `first` is still inside
+    inner.leave.set()
+    first.join(10)
+    assert ledger.launches == 2
+    assert ledger.violations == ["engine 0: launched on MainThread while first runs it"]
