@@ -98,7 +98,8 @@ def test_long_random_run_with_every_meta_operation(zoo) -> None:
         engines = [SlowEngine(e, 0.0003) for e in model.engines()[:-1]]
         last = GatedEngine(model.engines()[-1])
         policy = RandomLegalPolicy(seed=pairs, stretch=0.9, split=0.6, hold=0.1)
-        scheduler = make_scheduler(model, policy, [*engines, last], num_buffer_pairs=pairs)
+        ledger = LaunchLedger()
+        scheduler = make_scheduler(model, policy, ledger.wrap([*engines, last]), num_buffer_pairs=pairs)
         collector = Collector()
         sent: dict[int, dict[str, np.ndarray]] = {}
         with scheduler:
@@ -111,6 +112,7 @@ def test_long_random_run_with_every_meta_operation(zoo) -> None:
             assert collector.wait_for(set(sent), timeout=60)
         for qid, inputs in sent.items():
             assert_matches_reference(model, inputs, collector.one(qid))
+        assert ledger.violations == []
         stats = scheduler.stats
         assert stats.stretch > 0 and stats.split > 0, stats
         assert scheduler.buffer_violations == []
