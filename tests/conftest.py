@@ -19,6 +19,7 @@ import pytest
 
 from dvabatch_backend import Answer, Manifest, OrtStageEngine, Pipeline, RuntimeSettings
 from dvabatch_backend.runtime.decisions import Policy
+from dvabatch_backend.runtime.engine_loop import Step, current_launch
 from slicer import cut, toy
 
 TESTS = Path(__file__).resolve().parent
@@ -270,23 +271,34 @@ class SlowEngine:
 
 
 class LaunchLedger:
-    """Wraps every engine it is given (`wrap`) and records each launch that starts while the same
-    engine is still running one: one engine, one run at a time, whoever launches it (a stage's
-    executor, the fast path on the caller's thread). `violations` names each such overlap."""
+    """Wraps every engine it is given (`wrap`) and records each launch that breaks the engine loop's
+    ownership (runtime/engine_loop.py): a launch outside a step, a launch on a step's thread by a
+    thread that does not hold the loop's step (two steps at once), or a launch of an engine that is
+    still running one. `violations` names each; `watch(pipeline)` gives it the pipeline's step."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: dict[int, str] = {}  # engine index -> the thread running it
+        self.step: Step | None = None
         self.launches = 0
         self.violations: list[str] = []
 
     def wrap(self, engines: Sequence[Any]) -> list["LedgeredEngine"]:
         return [LedgeredEngine(self, index, engine) for index, engine in enumerate(engines)]
 
+    def watch(self, pipeline: Pipeline) -> Pipeline:
+        self.step = pipeline.loop.step
+        return pipeline
+
     def begin(self, index: int) -> None:
         me = threading.current_thread().name
+        launch = current_launch()
         with self._lock:
             self.launches += 1
+            if launch is None:
+                self.violations.append(f"engine {index}: launched on {me} outside a step")
+            elif launch.on_step_thread and self.step is not None and not self.step.is_mine():
+                self.violations.append(f"engine {index}: launched on {me} in a step another thread holds")
             if index in self._running:
                 self.violations.append(f"engine {index}: launched on {me} while {self._running[index]} runs it")
             self._running[index] = me

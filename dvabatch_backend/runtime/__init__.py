@@ -7,7 +7,8 @@ from .buffers import BufferPool, BufferState, StageBuffer
 from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, Split, Stretch
 from .engine import OrtStageEngine, StageEngine
 from .errors import BadInputError, ManifestError, QueryError, ShuttingDownError, StageFailedError
-from .executor import BatchWindow, StageExecutor, run_until_idle, run_work
+from .engine_loop import EngineLoop
+from .executor import run_until_idle, run_work
 from .loading import load_pipeline, load_scheduler
 from .manifest import Manifest, StageSpec, TensorSpec
 from .pipeline import Pipeline
@@ -18,9 +19,9 @@ from .work import EarlyExit, ExecutorState, Work, WorkListener, WorkResult
 
 __all__ = [
     "Answer", "ArrivalPlan", "BadInputError", "BatchInfo", "BatchItem", "BatchQueue", "BatchTable",
-    "BatchTableView", "BatchWindow", "BufferPool", "BufferState", "EarlyExit", "ExecutorState", "Manifest",
+    "BatchTableView", "BufferPool", "BufferState", "EarlyExit", "EngineLoop", "ExecutorState", "Manifest",
     "ManifestError", "New", "OrtStageEngine", "Pipeline", "Policy", "PolicyContext", "Query", "QueryError",
     "QueryInfo", "QueryState", "RuntimeSettings", "Scheduler", "ShuttingDownError", "Split", "StageBuffer",
-    "StageEngine", "StageExecutor", "StageFailedError", "StageSpec", "Stretch", "TensorSpec", "Work",
+    "StageEngine", "StageFailedError", "StageSpec", "Stretch", "TensorSpec", "Work",
     "WorkListener", "WorkResult", "load_pipeline", "load_scheduler", "run_until_idle", "run_work",
 ]

@@ -63,6 +63,10 @@ class StageFailedError(QueryError):
     """A stage engine raised while running the query's rows."""
 
 
+class EngineLoopDiedError(QueryError):
+    """The engine loop ended on a fault of its own: nothing can run the query (Triton's INTERNAL)."""
+
+
 class PolicyError(QueryError):
     """The policy made a decision the runtime cannot carry out for this query."""
 

@@ -1,21 +1,17 @@
-"""Stage executors (paper §6.2, Figures 11 and 12): one thread per stage, and the batch window.
+"""A stage executor's run (paper §6.2, Figures 11 and 12): one `Work` on its stage's engine.
 
-An executor loops: ask the scheduler for work of the stage it plays (`Scheduler.next_work_for`,
-which answers at once) -> run it on buffer views, outside the scheduler's lock (`run_work`) -> hand
-the result back (`Scheduler.finish_work`), where the policy's `Schedule()` runs, items go to the
-next queue and pairs are legitimated upstream; on a quiet pipeline it runs on with the item at the
-next stage (the scheduler swaps the two executors' stages). With nothing to run it waits for the scheduler's signal
-(`StageExecutor.wake`, through the `Pipeline`, the scheduler's `WorkListener`). Executors own
-their threads and nothing else: the runtime's state, each stage's `ExecutorState` included, is
-the scheduler's.
+The executors are the engine loop's per-stage launches (engine_loop.py): take the stage's work from
+the scheduler (`Scheduler.next_work`), run it on buffer views outside the scheduler's lock
+(`run_work`), hand the result back (`Scheduler.finish_work`), where the policy's `Schedule()`
+runs, items go to the next queue and pairs are legitimated upstream. The runtime's state, each
+stage's `ExecutorState` included, is the scheduler's.
 
-`run_work` and `run_until_idle` let one thread play every executor (tests, benchmarks).
+`run_until_idle` plays every executor from one thread (tests, benchmarks).
 """
 from __future__ import annotations
 
 import logging
-import threading
-from typing import Callable, Sequence
+from typing import Sequence
 
 from .engine import StageEngine
 from .query import gather_inputs, scatter_outputs
@@ -79,87 +75,3 @@ def run_until_idle(scheduler: Scheduler, engines: Sequence[StageEngine]) -> int:
                 progressed = True
         if not progressed:
             return done
-
-
-class StageExecutor:
-    """One executor thread: runs the work of the stage it plays whenever the scheduler has some.
-
-    Executor i starts playing stage i; after running an item it may run on with that item at the
-    next stage, swapping stages with that stage's idle executor (`Scheduler.finish_work`), so it
-    holds every stage's engine and runs the one of each work's stage.
-    """
-
-    def __init__(self, index: int, engines: Sequence[StageEngine], scheduler: Scheduler) -> None:
-        self.index = index
-        self._engines = list(engines)
-        self._scheduler = scheduler
-        self._ready = threading.Event()
-        self.wakeups = 0  # how often the thread waited for a signal and woke (written by the thread only)
-        # called after running a batch at stage 0, before taking more work (`Pipeline.wait_at_entry`);
-        # set before the thread starts
-        self.entry_wait: Callable[[], None] | None = None
-        self.thread = threading.Thread(target=self._loop, name=f"dvabatch-stage-{index}", daemon=True)
-
-    @property
-    def stage(self) -> int:
-        """The stage this executor plays now."""
-        return self._scheduler.board.stage_of(self.index)
-
-    def wake(self) -> None:
-        """The stage it plays may have work (or the scheduler stopped): look again."""
-        self._ready.set()
-
-    def _loop(self) -> None:
-        scheduler = self._scheduler
-        while True:
-            self._ready.clear()  # before asking: a signal from now on is not lost
-            work = scheduler.next_work_for(self.index)
-            if work is None:
-                if scheduler.stopping:
-                    return
-                self._ready.wait()
-                self.wakeups += 1
-                continue
-            while work is not None:
-                result = run_work(work, self._engines[work.stage], scheduler)
-                try:
-                    if work.stage == 0 and self.entry_wait is not None:
-                        self.entry_wait()  # a device fault here fails this item's queries (below)
-                    work = scheduler.finish_work(work, result, executor=self.index)
-                except Exception as exc:  # a runtime bug: its queries get an error, the pipeline serves on
-                    log.exception("stage %d: bookkeeping failed after %s", work.stage, work.item)
-                    scheduler.fail_work(work, exc)
-                    work = None
-
-
-class BatchWindow:
-    """The thread that calls the policy again when its batch window (`Scheduler.wake_at`) passes."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._scheduler = scheduler
-        self._changed = threading.Condition()
-        self._moved = False
-        self._closed = False
-        self.thread = threading.Thread(target=self._loop, name="dvabatch-batch-window", daemon=True)
-
-    def moved(self) -> None:
-        with self._changed:
-            self._moved = True
-            self._changed.notify()
-
-    def close(self) -> None:
-        with self._changed:
-            self._closed = True
-            self._changed.notify()
-
-    def _loop(self) -> None:
-        wake_at: float | None = None
-        while True:
-            with self._changed:
-                if not (self._moved or self._closed):
-                    timeout = None if wake_at is None else max(0.0, wake_at - self._scheduler.clock())
-                    self._changed.wait(timeout)
-                if self._closed:
-                    return
-                self._moved = False
-            wake_at = self._scheduler.on_window()

@@ -1,9 +1,9 @@
-"""The pipeline: a `Scheduler` with one `StageExecutor` thread per stage and a `BatchWindow` thread.
+"""The pipeline: a `Scheduler` and the `EngineLoop` that owns its engines.
 
-This is what serves: `start` starts the threads, `submit` hands queries to the scheduler,
-`run_inline` runs a batch that meets nobody on the caller's thread (the fast path), `stop`
-answers what is left ("shutting down") and joins every thread. The scheduler owns the state; the
-pipeline owns the threads and is the scheduler's `WorkListener`, turning its signals into wake-ups.
+This is what serves: `start` starts the loop, `submit` hands queries to the scheduler,
+`run_inline` runs a batch that meets nobody on the caller's thread (the fast path, holding the
+loop's step), `stop` answers what is left ("shutting down") and joins the loop. The scheduler owns
+the state; the loop owns the engines and is the scheduler's `WorkListener`.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 
 from .decisions import Policy, PolicyContext
 from .engine import StageEngine
-from .executor import BatchWindow, StageExecutor
+from .engine_loop import EngineLoop
 from .fast_path import FastPath
 from .manifest import Manifest
 from .query import Reply, request_rows
@@ -24,18 +24,18 @@ from .admission import Admission
 from .batch_table import TableSnapshot
 from .buffers import BufferState, MemoryFactory
 from .fences import FenceFactory
-from .errors import BufferStateError, QueryError
+from .errors import BufferStateError, EngineLoopDiedError, QueryError
 from .query import QueryState
 from .scheduler import Clock, Scheduler
 from .settings import RuntimeSettings
-from .work import ExecutorState, WorkListener
+from .work import ExecutorState
 from .stats import RuntimeStats, TraceEvent
 
 log = logging.getLogger(__name__)
 
 
-class Pipeline(WorkListener):
-    """Threads around a `Scheduler`: one `StageExecutor` per stage engine and a `BatchWindow`.
+class Pipeline:
+    """A `Scheduler` and its `EngineLoop` (and the fast path, which borrows the loop's step).
 
     `Pipeline.create(manifest, engines, policy, settings)` makes the scheduler too.
     """
@@ -48,13 +48,14 @@ class Pipeline(WorkListener):
             raise ValueError(f"{len(engines)} engines for {scheduler.num_stages} stages")
         self.scheduler = scheduler
         self._engines = list(engines)
-        self._executors = [StageExecutor(i, engines, scheduler) for i in range(len(engines))]
-        self._fast_path = FastPath(scheduler, engines, whole_model) if scheduler.inline.allowed else None
-        self._window = BatchWindow(scheduler)
+        self.loop = EngineLoop(scheduler, engines)
+        self.loop.on_death = self._loop_died
+        self._fast_path = (FastPath(scheduler, engines, self.loop.step, whole_model)
+                           if scheduler.inline.allowed else None)
         self._state_lock = threading.Lock()  # guards _started and _stop_called
         self._started = False
         self._stop_called = False
-        scheduler.board.listener = self
+        scheduler.board.listener = self.loop
 
     @classmethod
     def create(
@@ -68,19 +69,6 @@ class Pipeline(WorkListener):
         whole_model: StageEngine | None = None,
     ) -> "Pipeline":
         return cls(Scheduler(manifest, policy, settings, context, clock), engines, whole_model)
-
-    # -- WorkListener: called under the scheduler's lock, so only signal ----------------
-
-    def stage_ready(self, stage: int) -> None:
-        self._executors[self.scheduler.board.executor_of(stage)].wake()
-
-    def window_moved(self) -> None:
-        self._window.moved()
-
-    def stopping(self) -> None:
-        for ex in self._executors:
-            ex.wake()
-        self._window.close()
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -96,14 +84,13 @@ class Pipeline(WorkListener):
             self._fast_path.install_buffers(fence_factory, memory_factory)
 
     def wait_at_entry(self, wait: Callable[[], None]) -> None:
-        """Before it starts: the executor that ran a batch at stage 0 calls `wait` before it takes
+        """Before it starts: the loop calls `wait` after it ran a batch at stage 0, before it takes
         more work (`loading.wait_at_entry`: until the batch has finished on the device). The fast
         path does not: it runs the stages in a row and waits once, for the answers."""
         with self._state_lock:
             if self._started:
                 raise RuntimeError("the entry's wait can only be set before the pipeline starts")
-        for executor in self._executors:
-            executor.entry_wait = wait
+        self.loop.entry_wait = wait
 
     def start(self) -> "Pipeline":
         with self._state_lock:
@@ -144,12 +131,13 @@ class Pipeline(WorkListener):
         return "off" if self._fast_path is None else self._fast_path.engine
 
     @property
-    def executors(self) -> list[StageExecutor]:
-        return list(self._executors)
-
-    @property
     def threads(self) -> list[threading.Thread]:
-        return [ex.thread for ex in self._executors] + [self._window.thread]
+        return [self.loop.thread]
+
+    def _loop_died(self, cause: BaseException) -> None:
+        """The loop ended on a fault of its own: every query not answered, and every one submitted
+        from now on, is answered with an error naming it (INTERNAL), none left waiting."""
+        self.scheduler.stop(lambda qid: EngineLoopDiedError(qid, f"the engine loop died: {type(cause).__name__}: {cause}"))
 
     # -- the scheduler's entry points and observations ----------------------------------
 

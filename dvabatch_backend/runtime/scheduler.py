@@ -1,8 +1,8 @@
 """The scheduler: the owner of all the runtime's mutable state, and of no thread.
 
 `submit`/`submit_many` take arrived queries and return at once; the policy batches them with
-`new`/`stretch` (dispatch); whoever runs the stages (the `Pipeline`'s executor threads, or a test
-from one thread) asks `next_work(stage)` for an item whose buffer pair is legitimate -- it answers
+`new`/`stretch` (dispatch); whoever runs the stages (the `EngineLoop`'s step, or a test from one
+thread) asks `next_work(stage)` for an item whose buffer pair is legitimate -- it answers
 at once, with the `Work` or None -- runs it outside the lock, and hands the result back with
 `finish_work`, where the policy may `split` the batch, items go to the next queue and pairs are
 legitimated upstream (hand-off). Each query is answered exactly once: with its outputs when its
@@ -11,15 +11,10 @@ error, shutting down).
 
 The parts it owns, one concern each: the `QueryTable` (each query's `QueryState`, its answer, the
 counters that follow), the `BatchTable`, the `StageBoard` (batch queues, buffer pairs, executor
-states, which executor plays which stage: run-on, wake-ups), `Admission` (refusals and drops, and
+states, wake-ups), `Admission` (refusals and drops, and
 the predicted cost), the `SplitStep` (the policy's splits after a stage, early exits), the
 `InlineHold` (the fast path's hold on the pipeline), the stats and the `Trace`. A policy's plans
 are checked (`plan_checks`) before anything is carried out.
-
-Run-on: when an executor finishes an item at stage k, stage k has nothing it can run and the
-executor of stage k+1 is idle, `finish_work` hands it the item at k+1 and the two executors swap
-stages (`RuntimeSettings.run_on`): a quiet pipeline runs a query through every stage on one thread,
-without a wake-up per hand-off, and a busy one keeps one executor per stage.
 
 Lock discipline: one lock, `Scheduler.lock`, guards all of it. Every public method takes it;
 engines run, and replies are delivered, outside it. Policies and the listener are called under it.
@@ -91,6 +86,7 @@ class Scheduler:
         self.inline = InlineHold(self, policy, self._view, self._ids)
         self._wake_at: float | None = None
         self._stopping = False
+        self._stop_error: Callable[[int], QueryError] = ShuttingDownError
         # where the stages replay CUDA graphs of bucket lengths, a batch of a pad-safe model is
         # padded to a bucket before stage 0 (`graph_length`): every stage's inputs then match a graph
         self._pads_to_graphs = replays_graphs(settings) and manifest.pad_safe and manifest.has_seq
@@ -107,13 +103,15 @@ class Scheduler:
     def stopping(self) -> bool:
         return self._stopping
 
-    def stop(self) -> None:
-        """Answer every query not yet answered with "shutting down"; `next_work` returns None from now on."""
+    def stop(self, error: Callable[[int], QueryError] = ShuttingDownError) -> None:
+        """Answer every query not yet answered, and every one submitted from now on, with `error`
+        ("shutting down"); `next_work` returns None from now on."""
         with self.lock:
             if self._stopping:
                 return
             self._stopping = True
-            deliveries = self.queries.fail_all(ShuttingDownError)
+            self._stop_error = error
+            deliveries = self.queries.fail_all(error)
             self._table.clear()
             self.board.stop()
             self.progress.notify()
@@ -184,7 +182,7 @@ class Scheduler:
         """Queue the queries, or refuse them all: stopping, the door, the queue bound, the latency target."""
         admission, refuse = self.admission, self.queries.refuse
         if self._stopping:
-            return [refuse(q, ShuttingDownError(q.id)) for q in queries]
+            return [refuse(q, self._stop_error(q.id)) for q in queries]
         why = self._door_refusal(now)
         if why is not None:
             self.stats.queue_full += len(queries)
@@ -347,19 +345,11 @@ class Scheduler:
         item. Stage 0 first drops the queued queries that timed out, were cancelled or can no
         longer meet the latency target.
         """
-        return self._next_work(lambda: stage)
-
-    def next_work_for(self, executor: int) -> Work | None:
-        """`next_work` of the stage that `executor` plays now (executor threads ask this way)."""
-        return self._next_work(lambda: self.board.stage_of(executor))
-
-    def _next_work(self, stage_now: Callable[[], int]) -> Work | None:
         deliveries: list[Delivery] = []
         try:
             with self.lock:
                 if self._stopping:
                     return None
-                stage = stage_now()
                 if stage == 0:
                     deliveries = self._prune_queued_head(self.clock())
                 return self._take_work(stage)
@@ -422,34 +412,16 @@ class Scheduler:
         return Work(stage, item, use, inp.rows(row.pad_length, use.rows), out.rows(row.pad_length, use.rows),
                     queries, self.clock(), gather=stage == 0, scatter=stage == self.num_stages - 1)
 
-    def finish_work(self, work: Work, result: WorkResult, executor: int | None = None) -> Work | None:
-        """`work` ran: answer exits, carry out `Schedule()`, hand on, legitimate.
-
-        From an executor thread (`executor` given, playing `work.stage`), returns the item that
-        executor runs next at the following stage, if it runs on (module docstring); otherwise
-        None, and the executor asks `next_work_for` again.
-        """
+    def finish_work(self, work: Work, result: WorkResult) -> None:
+        """`work` ran: answer exits, carry out `Schedule()`, hand on, legitimate."""
         now = self.clock()
         deliveries: list[Delivery] = []
-        run_on: Work | None = None
         try:
             with self.lock:
-                if self._stopping:
-                    return None
-                if (executor is None or not self.settings.run_on or work.stage + 1 >= self.num_stages
-                        or self.board.stage_of(executor) != work.stage):
+                if not self._stopping:
                     self._finish_locked(work, result, now, deliveries)
-                    return None
-                self.board.hold_signals()
-                try:
-                    self._finish_locked(work, result, now, deliveries)
-                    following = self.board.run_on(executor, work.stage)
-                    run_on = None if following is None else self._take_work(following)
-                finally:  # the executor now playing a held stage runs it: no wake-up for it
-                    self.board.release_signals(skip=None if run_on is None else run_on.stage)
         finally:  # answers already taken from the query table are delivered whatever happens
             _deliver(deliveries)
-        return run_on
 
     def fail_work(self, work: Work, error: BaseException) -> None:
         """`finish_work` raised (a runtime bug, or a subclass that breaks it): answer the queries of

@@ -73,9 +73,6 @@ class RuntimeSettings:
     # "off" or "on" (onnxruntime's default, after runs too); None: the unsliced model's "on", the
     # stages' "in_run" (`loading.MODEL_SPINNING`, runtime/engine.py says why)
     spinning: str | None = None
-    # the executor that finishes an item at stage k runs it at k+1 itself when k has nothing to run
-    # and k+1's executor is idle (the two swap stages): no thread wake-up on a quiet pipeline
-    run_on: bool = True
     # a batch that meets nobody (the pipeline empty) runs its stages in a row on the caller's thread
     # (runtime/fast_path.py), unless the policy may answer early (`Policy.allows_inline`)
     fast_path: bool = True

@@ -1,14 +1,8 @@
 """The stages' side of the pipeline: each stage's batch queue, the buffer pairs between stages,
-each stage's `ExecutorState`, which executor plays which stage, and whom to wake.
+each stage's `ExecutorState`, and whom to wake (the `WorkListener`: the engine loop).
 
-Executors and stages: executor i starts playing stage i. A run-on (`run_on`, asked by
-`Scheduler.finish_work`) swaps two executors' stages, so each stage keeps one executor and runs one
-item at a time.
-While the scheduler decides a run-on, the wake-ups it would send are held (`hold_signals`) and
-sent afterwards, but for the stage the finishing executor now plays itself.
-
-Owned by the scheduler and used under its lock; `states` and `stage_of` are read without it (a
-list element or an int: a stale value only makes an executor ask once more).
+Owned by the scheduler and used under its lock; `states` is read without it (a list element: a
+stale value only makes the loop ask once more).
 """
 from __future__ import annotations
 
@@ -24,35 +18,10 @@ class StageBoard:
         self.queues = [BatchQueue() for _ in range(num_stages)]
         self.buffers = buffers
         self.states = [ExecutorState.INACTIVE] * num_stages
-        self.listener = WorkListener()  # the Pipeline puts itself here
+        self.listener = WorkListener()  # the engine loop puts itself here
         self._table = table  # read only: a batch's buffer pair
         self._stats = stats
         self._trace = trace
-        self._plays = list(range(num_stages))  # executor -> the stage it plays
-        self._held: list[int] | None = None  # wake-ups held while a run-on is decided
-
-    # -- who plays what ---------------------------------------------------------------------
-
-    def stage_of(self, executor: int) -> int:
-        return self._plays[executor]
-
-    def executor_of(self, stage: int) -> int:
-        """The executor that plays `stage` (the listener asks, under the lock, whom to wake)."""
-        return self._plays.index(stage)
-
-    def run_on(self, executor: int, stage: int) -> int | None:
-        """After `executor` finished an item at `stage`: the stage it plays next when it runs on, or
-        None. Only while `stage` has nothing to run, stage + 1 has an item it can run and its
-        executor is idle; the two executors then swap stages, so each stage keeps one executor and
-        runs one item at a time."""
-        following = stage + 1
-        if (self.ready_pair(stage) is not None or self.states[following] is ExecutorState.WORKING
-                or self.ready_pair(following) is None):
-            return None
-        other = self._plays.index(following)
-        self._plays[executor], self._plays[other] = following, stage
-        self._stats.run_ons += 1
-        return following
 
     # -- what each stage can run ------------------------------------------------------------
 
@@ -93,27 +62,14 @@ class StageBoard:
     # -- wake-ups ---------------------------------------------------------------------------
 
     def signal(self, stage: int) -> None:
-        """`stage` may have work: tell the listener, or hold it while a run-on is decided."""
-        if self._held is not None:
-            self._held.append(stage)
-        else:
-            self.listener.stage_ready(stage)
+        """`stage` may have work: tell the listener."""
+        self.listener.stage_ready(stage)
 
     def signal_ready(self) -> None:
         """Wake every stage that can run its next item now."""
         for stage in range(len(self.queues)):
             if self.ready_pair(stage) is not None:
                 self.signal(stage)
-
-    def hold_signals(self) -> None:
-        self._held = []
-
-    def release_signals(self, skip: int | None) -> None:
-        """Send the held wake-ups, but to `skip` (the stage the finishing executor now runs itself)."""
-        held, self._held = self._held or [], None
-        for stage in dict.fromkeys(held):
-            if stage != skip:
-                self.listener.stage_ready(stage)
 
     def free_batch(self, batch_id: int, pair: int, rows: range) -> None:
         """A failed batch: its queue items go, and its rows past stage 0 in its pair are discarded."""

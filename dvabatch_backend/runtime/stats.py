@@ -31,7 +31,6 @@ class RuntimeStats:
     # lengths carried out as one batch per length, a pad length ignored, a Stretch across lengths refused
     pad_unsafe_splits: int = 0
     handoffs: int = 0
-    run_ons: int = 0  # items an executor ran right after its own stage, playing the next one (`Scheduler.finish_work`)
     # admission (runtime/admission.py): refused at arrival, or dropped while queued, never run
     queue_full: int = 0
     timed_out: int = 0

@@ -92,11 +92,6 @@ PARAMETERS: dict[str, Parameter] = {
         "onnxruntime's threads spin-wait for work: `on` (before, within and after a run), `in_run` (within "
         "a run only), `off`. Set, it applies to every session.",
         _runtime("spinning")),
-    "run_on": Parameter(
-        parameters.boolean, "`true`",
-        "An executor that finishes a batch at stage k runs stage k+1 itself when k has nothing to run and "
-        "k+1's executor is idle: a quiet pipeline wakes no thread per stage.",
-        _runtime("run_on")),
     "fast_path": Parameter(
         parameters.boolean, "`true`",
         "When the pipeline holds nothing, an `execute` call's requests run inline on that thread, in the "
@@ -217,7 +212,6 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path,
         device_profile=profile,
         thread_pool=thread_pool,
         spinning=values.get("spinning", defaults.spinning),
-        run_on=values.get("run_on", defaults.run_on),
         fast_path=values.get("fast_path", defaults.fast_path),
         cuda_graphs=values.get("cuda_graphs", defaults.cuda_graphs),
         device_buffers=values.get("device_buffers", defaults.device_buffers),

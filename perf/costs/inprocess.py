@@ -82,14 +82,14 @@ class TimedEngine:
 
 
 class ServedRunner:
-    """The runtime (a Pipeline: a `scheduler_cls` Scheduler and a thread per timed OrtStageEngine),
+    """The runtime (a Pipeline: a `scheduler_cls` Scheduler and the engine loop over timed OrtStageEngines),
     queried closed loop, one query at a time. `policy` defaults to the PipelinedPolicy; `threads`
     onnxruntime threads per stage (`thread_pool` "per_stage"), or the size of the global pool
-    (`thread_pool` "global"; 0: every core); `run_on` as `RuntimeSettings.run_on`."""
+    (`thread_pool` "global"; 0: every core)."""
 
     def __init__(self, model_dir: Path, pairs: int, scheduler_cls: type[Scheduler] = Scheduler,
                  engine_marks: bool = False, policy: Policy | None = None, threads: int = 1,
-                 thread_pool: str = PER_STAGE, run_on: bool = True) -> None:
+                 thread_pool: str = PER_STAGE) -> None:
         if policy is None:
             from policies.pipelined import PipelinedPolicy
 
@@ -98,8 +98,7 @@ class ServedRunner:
         self.engines = [TimedEngine(OrtStageEngine(model_dir / s.file, threads, thread_pool=thread_pool),
                                     [] if engine_marks else None)
                         for s in manifest.stages]
-        settings = RuntimeSettings(num_buffer_pairs=pairs, threads_per_stage=threads, thread_pool=thread_pool,
-                                   run_on=run_on)
+        settings = RuntimeSettings(num_buffer_pairs=pairs, threads_per_stage=threads, thread_pool=thread_pool)
         self.pipeline = Pipeline(scheduler_cls(manifest, policy, settings), self.engines)
         self.scheduler = self.pipeline.scheduler
         self.num_stages = manifest.num_stages

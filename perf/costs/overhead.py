@@ -273,11 +273,10 @@ def _instrumented_scheduler(num_stages: int) -> type[Scheduler]:
                 self.nw_marks[stage].append(perf())
             return work
 
-        def finish_work(self, work, result, executor=None):
+        def finish_work(self, work, result):
             t0 = perf()
-            following = super().finish_work(work, result, executor=executor)
+            super().finish_work(work, result)
             self.fw_marks[work.stage].append((t0, perf()))
-            return following
 
     return InstrumentedScheduler
 
@@ -334,7 +333,7 @@ def _threaded_breakdown(model_dir: Path, pairs: int, queries: Sequence[Inputs], 
     sched = runner.scheduler
 
     def wakeups() -> int:
-        return sum(ex.wakeups for ex in runner.pipeline.executors)
+        return runner.pipeline.loop.wakeups
 
     runner.start()
     client, reply_t = [], []
@@ -365,7 +364,7 @@ def _threaded_breakdown(model_dir: Path, pairs: int, queries: Sequence[Inputs], 
     p90 = lambda a: float(np.percentile(a, 90)) * 1e6  # noqa: E731
     return {
         "pairs": pairs,
-        "executor_wakeups_per_query": wakeups_per_query,
+        "loop_wakeups_per_query": wakeups_per_query,
         "stage_runs_per_query": n,
         "handoff_gap_us": {"p50": med(gap), "p90": p90(gap)},
         "engine_end_to_finish_work_us": med(to_fw),
@@ -544,7 +543,7 @@ def print_breakdown(res: dict) -> None:
         print(f"    entry: submit() call {t['submit_call_us']:.1f}, submit -> stage 0 engine "
               f"{t['submit_to_stage0_engine_us']:.1f}; exit: last engine end -> reply "
               f"{t['last_engine_end_to_reply_us']:.1f}; reply -> client thread runs {t['reply_to_client_resume_us']:.1f}")
-        print(f"    executor wake-ups per query: {t['executor_wakeups_per_query']:.2f} for "
+        print(f"    engine-loop wake-ups per query: {t['loop_wakeups_per_query']:.2f} for "
               f"{t['stage_runs_per_query']} stage runs")
     print(f"(c) bare CPython thread wake-up, Condition.notify -> waiter runs (shared lock): back to back "
           f"p50 {w['p50_us']:.1f} (p90 {w['p90_us']:.1f}); after 200 us idle p50 {wi['p50_us']:.1f} "

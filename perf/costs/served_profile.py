@@ -38,7 +38,7 @@ PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
                                       "FastPath._run", "FastPath._slice", "FastPath._copy_row", "_rows_alone")),
     ("batching: policy and scheduler", ("on_arrival", "Scheduler.", "InlineHold.", "inline_batches", "QueryTable.",
                                         "StageBoard.", "SplitStep.", "Admission.", "check_plan", "arrival_refusal",
-                                        "BatchWindow._loop", "StageExecutor.")),
+                                        "EngineLoop.")),
     ("reading requests", ("TritonPythonModel._inputs", "TritonPythonModel._rows", "_read", "parse_request",
                           "BatchCheck", "validate_inputs")),
     ("cancel watch, metrics", ("_CancelWatch", "StageMetrics")),

@@ -71,7 +71,7 @@ def test_a_lone_batch_runs_inline_on_the_callers_thread(zoo) -> None:
         assert_rows_match(model, queries, outputs)
         me = threading.current_thread().name
         assert recorder.events == [("run", (me, k)) for k in range(3)]
-        assert sum(ex.wakeups for ex in pipeline.executors) == 0  # no executor was woken
+        assert pipeline.loop.wakeups == 0  # the engine loop was not woken
         stats = pipeline.stats
         assert (stats.inline_runs, stats.inline_queries, stats.submitted, stats.answered_ok) == (1, 3, 3, 3)
         assert stats.new == 0 and len(pipeline.snapshot().rows) == 0
@@ -360,11 +360,11 @@ def test_a_failure_after_a_stage_answers_its_queries_and_the_pipeline_serves_on(
     class BrokenOnce(Scheduler):
         broken = False
 
-        def finish_work(self, work, result, executor=None):  # type: ignore[no-untyped-def]
+        def finish_work(self, work, result):  # type: ignore[no-untyped-def]
             if work.stage == 1 and not BrokenOnce.broken:
                 BrokenOnce.broken = True
                 raise RuntimeError("bookkeeping bug")
-            return super().finish_work(work, result, executor=executor)
+            return super().finish_work(work, result)
 
     scheduler = BrokenOnce(model.manifest, create_policy("load"), RuntimeSettings(num_buffer_pairs=pairs, fast_path=False))
     gate = GatedEngine(model.engines()[0])

@@ -2,6 +2,7 @@
 exactly once, with the unsliced model's result, and the buffer-pair checks never fire."""
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dvabatch_backend.runtime.engine_loop import Launch, Step, launching
 from policies import RandomLegalPolicy
 
 from ..conftest import (Collector, GatedEngine, LaunchLedger, SlicedModel, SlowEngine, assert_all_answered_correctly,
@@ -57,13 +59,14 @@ def test_random_schedules_on_the_torch_engine(zoo, scenario: dict) -> None:
 
 def run_scenario(model: SlicedModel, engines: list, scenario: dict) -> None:
     """Queries arrive in the scenario's groups and gaps under a random legal policy: each is answered
-    once, equal to the unsliced model, no buffer-rule violation, no engine launched while it still
-    runs (by a stage's executor or the fast path), every thread gone after."""
+    once, equal to the unsliced model, no buffer-rule violation, every launch inside a step of the
+    engine loop (the loop's or the fast path's), one step at a time, no engine launched while it
+    still runs, every thread gone after."""
     if scenario["delay"]:
         engines = [SlowEngine(e, scenario["delay"]) for e in engines]
     ledger = LaunchLedger()
-    scheduler = make_scheduler(model, scenario_policy(scenario), ledger.wrap(engines), num_buffer_pairs=scenario["pairs"],
-                               bs_max=scenario["bs_max"])
+    scheduler = ledger.watch(make_scheduler(model, scenario_policy(scenario), ledger.wrap(engines),
+                                            num_buffer_pairs=scenario["pairs"], bs_max=scenario["bs_max"]))
     drive_scenario(model, scheduler, scenario)
     assert ledger.launches > 0 and ledger.violations == []
 
@@ -99,7 +102,7 @@ def test_long_random_run_with_every_meta_operation(zoo) -> None:
         last = GatedEngine(model.engines()[-1])
         policy = RandomLegalPolicy(seed=pairs, stretch=0.9, split=0.6, hold=0.1)
         ledger = LaunchLedger()
-        scheduler = make_scheduler(model, policy, ledger.wrap([*engines, last]), num_buffer_pairs=pairs)
+        scheduler = ledger.watch(make_scheduler(model, policy, ledger.wrap([*engines, last]), num_buffer_pairs=pairs))
         collector = Collector()
         sent: dict[int, dict[str, np.ndarray]] = {}
         with scheduler:
@@ -118,30 +121,69 @@ def test_long_random_run_with_every_meta_operation(zoo) -> None:
         assert scheduler.buffer_violations == []
 
 
+class HeldOnce:
+    """An engine whose first run waits until the test lets it go; later runs return at once."""
+
+    def __init__(self) -> None:
+        self.entered, self.leave, self.calls = threading.Event(), threading.Event(), 0
+
+    def run(self, inputs, outputs) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            self.entered.set()
+            assert self.leave.wait(10)
+
+
+def _on_worker(engine, step: int = 1):
+    """Run `engine` as a launch a step handed to a worker."""
+    with launching(Launch(0, step, on_step_thread=False)):
+        engine.run({}, {})
+
+
 def test_the_launch_ledger_names_a_second_run_of_a_running_engine() -> None:
     """The check above bites: an engine launched from a second thread while the first is held in it."""
-    import threading
-
-    class HeldOnce:
-        """Its first run waits until the test lets it go; later runs return at once."""
-
-        def __init__(self) -> None:
-            self.entered, self.leave, self.calls = threading.Event(), threading.Event(), 0
-
-        def run(self, inputs, outputs) -> None:
-            self.calls += 1
-            if self.calls == 1:
-                self.entered.set()
-                assert self.leave.wait(10)
-
     ledger = LaunchLedger()
     inner = HeldOnce()
     (engine,) = ledger.wrap([inner])
-    first = threading.Thread(target=engine.run, args=({}, {}), name="first")
+    first = threading.Thread(target=_on_worker, args=(engine,), name="first")
     first.start()
     assert inner.entered.wait(10)
-    engine.run({}, {})  # while `first` is still inside
+    _on_worker(engine)  # while `first` is still inside
     inner.leave.set()
     first.join(10)
     assert ledger.launches == 2
     assert ledger.violations == ["engine 0: launched on MainThread while first runs it"]
+
+
+def test_the_launch_ledger_names_a_launch_outside_a_step() -> None:
+    ledger = LaunchLedger()
+    (engine,) = ledger.wrap([HeldOnce()])
+    engine.inner.calls = 1  # returns at once
+    engine.run({}, {})
+    _on_worker(engine)
+    assert ledger.violations == ["engine 0: launched on MainThread outside a step"]
+
+
+def test_the_launch_ledger_names_two_steps_at_once() -> None:
+    """A thread launches as the holder of a step while another thread holds the loop's step."""
+    ledger = LaunchLedger()
+    ledger.step = Step()
+    (engine,) = ledger.wrap([HeldOnce()])
+    engine.inner.calls = 1
+    held, leave = threading.Event(), threading.Event()
+
+    def hold_the_step() -> None:
+        with ledger.step.held():
+            held.set()
+            assert leave.wait(10)
+
+    holder = threading.Thread(target=hold_the_step, name="holder")
+    holder.start()
+    assert held.wait(10)
+    with launching(Launch(0, ledger.step.count, on_step_thread=True)):
+        engine.run({}, {})  # claims the step's thread, but "holder" holds the step
+    leave.set()
+    holder.join(10)
+    with ledger.step.held() as step, launching(Launch(0, step, on_step_thread=True)):
+        engine.run({}, {})  # held by this thread: no violation
+    assert ledger.violations == ["engine 0: launched on MainThread in a step another thread holds"]

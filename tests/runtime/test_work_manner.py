@@ -100,19 +100,19 @@ def test_one_buffer_pair_keeps_stage_0_from_the_next_batch_while_stage_1_holds_o
 class ThreadRecordingEngine:
     """A real engine that notes which thread ran it, for each run."""
 
-    def __init__(self, inner, stage: int, runs: list[tuple[int, int]]) -> None:
+    def __init__(self, inner, stage: int, runs: list[tuple[int, str]]) -> None:
         self.inner, self.stage, self.runs = inner, stage, runs
 
     def run(self, inputs, outputs) -> None:
-        self.runs.append((self.stage, threading.get_ident()))
+        self.runs.append((self.stage, threading.current_thread().name))
         self.inner.run(inputs, outputs)
 
 
-def _lone_queries(zoo, run_on: bool, queries: int = 2):
+def _lone_queries(zoo, pairs: int, queries: int = 2):
     model = zoo.stages("token", 4)
-    runs: list[tuple[int, int]] = []
+    runs: list[tuple[int, str]] = []
     engines = [ThreadRecordingEngine(e, i, runs) for i, e in enumerate(model.engines())]
-    scheduler = make_scheduler(model, PipelinedPolicy(), engines, num_buffer_pairs=2, bs_max=2, run_on=run_on)
+    scheduler = make_scheduler(model, PipelinedPolicy(), engines, num_buffer_pairs=pairs, bs_max=2, fast_path=False)
     rng = np.random.default_rng(3)
     collector = Collector()
     per_query = []
@@ -123,30 +123,22 @@ def _lone_queries(zoo, run_on: bool, queries: int = 2):
             assert collector.one(qid).ok
             per_query.append(list(runs))
             runs.clear()
-        wakeups = [ex.wakeups for ex in scheduler.executors]
+        wakeups = scheduler.loop.wakeups
     assert scheduler.buffer_violations == []
     return scheduler, per_query, wakeups
 
 
-def test_a_lone_query_runs_every_stage_on_one_thread(zoo) -> None:
-    scheduler, per_query, wakeups = _lone_queries(zoo, run_on=True)
+def test_with_one_pair_a_lone_query_runs_every_stage_on_the_loops_thread(zoo) -> None:
+    # one pair: nothing could run beside a stage, so the step runs it, with no hand-off between stages
+    scheduler, per_query, wakeups = _lone_queries(zoo, pairs=1)
+    for runs in per_query:
+        assert runs == [(stage, "dvabatch-engine-loop") for stage in range(4)]
+    assert wakeups <= 2  # each query woke the loop once at most (its arrival), no stage woke it
+
+
+def test_with_two_pairs_each_launch_runs_on_a_worker(zoo) -> None:
+    # two pairs: stages may overlap, so the step hands each launch to a worker and stays free
+    _, per_query, _ = _lone_queries(zoo, pairs=2)
     for runs in per_query:
         assert [stage for stage, _ in runs] == [0, 1, 2, 3]
-        assert len({thread for _, thread in runs}) == 1, "a hand-off woke another executor"
-    assert scheduler.stats.run_ons == 2 * 3
-    # the executor that ran the first query through plays the last stage now; stage 0's new player
-    # (the executor that played stage 1) takes the second query
-    assert per_query[0][0][1] != per_query[1][0][1]
-    assert sorted(ex.stage for ex in scheduler.executors) == [0, 1, 2, 3]
-    # each query woke one executor (stage 0's), none of the others
-    assert sum(wakeups) <= 2
-
-
-def test_without_run_on_each_stage_keeps_its_own_thread(zoo) -> None:
-    scheduler, per_query, _ = _lone_queries(zoo, run_on=False)
-    threads = {}
-    for runs in per_query:
-        for stage, thread in runs:
-            threads.setdefault(stage, set()).add(thread)
-    assert all(len(t) == 1 for t in threads.values()) and len({next(iter(t)) for t in threads.values()}) == 4
-    assert scheduler.stats.run_ons == 0
+        assert all(name.startswith("dvabatch-launch") for _, name in runs)

@@ -1,0 +1,205 @@
+"""The engine loop: the one owner of the engines. Every launch is made inside a step.
+
+A step (one `Step` held by one thread at a time) reads what completed and hands it to the
+scheduler (`Scheduler.finish_work`: answers, the policy's `Schedule()`, hand-on), calls the policy
+again when its batch window passed (`Scheduler.on_window`), and launches, for each stage that runs
+nothing, the item the scheduler has for it (`Scheduler.next_work`): the paper's executors (§6.2)
+are the step's per-stage launches, not threads. Arrivals need no step: `submit` batches them under
+the scheduler's lock and wakes the loop.
+
+Who holds the step: the loop's thread, or `execute`'s thread for a fast-path run while the
+scheduler holds nothing (`FastPath`, through `InlineHold.reserve`, which keeps the loop from
+launching). Where a launch runs: on the thread that holds the step, where nothing could run beside
+it (one buffer pair: a stage waits for the stage after it to free the pair, so stages run one at a
+time, and a quiet pipeline runs a query through every stage without a wake-up); on a worker where
+another stage could run meanwhile (two or more pairs), so that batches in different stages overlap
+and the step stays free to launch them. Either way a stage has one launch in flight at a time.
+
+Lock order: the step, then the scheduler's lock; never the step under the scheduler's lock.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+from .engine import StageEngine
+from .executor import run_work
+from .scheduler import Scheduler
+from .work import Work, WorkListener, WorkResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A launch being run on this thread: the stage (-1: the fast path's engines), the step that made
+    it, and whether it runs on the thread that holds that step."""
+
+    stage: int
+    step: int
+    on_step_thread: bool
+
+
+_current = threading.local()
+
+
+def current_launch() -> Launch | None:
+    """The launch this thread runs now, or None (a launch outside a step)."""
+    return getattr(_current, "launch", None)
+
+
+@contextmanager
+def launching(launch: Launch) -> Iterator[None]:
+    _current.launch = launch
+    try:
+        yield
+    finally:
+        _current.launch = None
+
+
+class Step:
+    """The right to launch: held by one thread at a time (module docstring). `count` numbers the
+    steps; `holder` is the thread holding one, or None."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.holder: int | None = None
+        self.count = 0
+
+    @contextmanager
+    def held(self) -> Iterator[int]:
+        with self._lock:
+            self.holder = threading.get_ident()
+            self.count += 1
+            try:
+                yield self.count
+            finally:
+                self.holder = None
+
+    def is_mine(self) -> bool:
+        return self.holder == threading.get_ident()
+
+
+class EngineLoop(WorkListener):
+    """The loop's thread and, with two or more buffer pairs, its launch workers (module docstring).
+    Its state (`_woken`, `_completed`) is guarded by `_signal`; `_in_flight` is the step's."""
+
+    def __init__(self, scheduler: Scheduler, engines: Sequence[StageEngine]) -> None:
+        self._scheduler = scheduler
+        self._engines = list(engines)
+        self.step = Step()
+        self._signal = threading.Condition()
+        self._woken = False
+        self._completed: list[tuple[Work, WorkResult | BaseException]] = []
+        self._in_flight: set[int] = set()  # stages with a launch on a worker
+        overlap = scheduler.settings.num_buffer_pairs > 1 and scheduler.num_stages > 1
+        self._workers = (ThreadPoolExecutor(scheduler.num_stages, thread_name_prefix="dvabatch-launch")
+                         if overlap else None)
+        self.entry_wait: Callable[[], None] | None = None  # `Pipeline.wait_at_entry`; set before start
+        self.wakeups = 0  # how often the loop waited for a signal and woke (its thread only)
+        self.died: BaseException | None = None  # what ended the loop, if not a stop
+        self.on_death: Callable[[BaseException], None] = lambda exc: None
+        self.thread = threading.Thread(target=self._run, name="dvabatch-engine-loop", daemon=True)
+
+    # -- WorkListener: under the scheduler's lock, so only signal --------------------------
+
+    def stage_ready(self, stage: int) -> None:
+        self.wake()
+
+    def window_moved(self) -> None:
+        self.wake()
+
+    def stopping(self) -> None:
+        self.wake()
+
+    def wake(self) -> None:
+        with self._signal:
+            self._woken = True
+            self._signal.notify()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - a bug in the loop: fail loudly, never hang a caller
+            log.exception("the engine loop died")
+            self.died = exc
+            self.on_death(exc)
+        finally:
+            if self._workers is not None:
+                self._workers.shutdown(wait=True)
+
+    def _serve(self) -> None:
+        scheduler = self._scheduler
+        wake_at: float | None = None
+        launched = True
+        while True:
+            with self._signal:
+                ended = scheduler.stopping and not self._in_flight
+                if not (launched or ended or self._woken or self._completed):
+                    timeout = None if wake_at is None else max(0.0, wake_at - scheduler.clock())
+                    self._signal.wait(timeout)
+                    self.wakeups += 1
+                self._woken = False
+                completed, self._completed = self._completed, []
+            if scheduler.stopping and not self._in_flight and not completed:
+                return
+            with self.step.held() as step:
+                launched, wake_at = self._step(step, completed)
+
+    def _step(self, step: int, completed: list[tuple[Work, WorkResult | BaseException]]) -> tuple[bool, float | None]:
+        """One step: the completions, the batch window, one launch per idle stage (last first, so a
+        pair is freed downstream before upstream asks for it). Whether it launched anything, and
+        when the batch window next passes."""
+        scheduler = self._scheduler
+        for work, result in completed:
+            self._in_flight.discard(work.stage)
+            self._finish(work, result)
+        wake_at = scheduler.on_window()
+        launched = False
+        for stage in reversed(range(scheduler.num_stages)):
+            if stage in self._in_flight:
+                continue
+            work = scheduler.next_work(stage)
+            if work is None:
+                continue
+            launched = True
+            if self._workers is None:
+                self._finish(work, self._launch(work, Launch(stage, step, True)))
+            else:
+                self._in_flight.add(stage)
+                self._workers.submit(self._on_worker, work, Launch(stage, step, False))
+        return launched, wake_at
+
+    def _launch(self, work: Work, launch: Launch) -> WorkResult | BaseException:
+        """Run `work` on its stage's engine; a failure of the entry's wait is the result."""
+        with launching(launch):
+            result = run_work(work, self._engines[work.stage], self._scheduler)
+        try:
+            if work.stage == 0 and self.entry_wait is not None:
+                self.entry_wait()
+        except Exception as exc:  # noqa: BLE001 - a device fault: this batch's queries get the error
+            return exc
+        return result
+
+    def _on_worker(self, work: Work, launch: Launch) -> None:
+        result = self._launch(work, launch)
+        with self._signal:
+            self._completed.append((work, result))
+            self._signal.notify()
+
+    def _finish(self, work: Work, result: WorkResult | BaseException) -> None:
+        scheduler = self._scheduler
+        try:
+            if isinstance(result, BaseException):
+                raise result
+            scheduler.finish_work(work, result)
+        except Exception as exc:  # a fault after the run: its queries get an error, the loop serves on
+            log.exception("stage %d: bookkeeping failed after %s", work.stage, work.item)
+            scheduler.fail_work(work, exc)
+
