@@ -84,6 +84,44 @@ class Step:
         return self.holder == threading.get_ident()
 
 
+class HandOverCost:
+    """What handing work to the loop costs, measured: from the wake-up that work sends an idle loop
+    to the loop's step (a thread's wake), as a moving average; None until one is measured."""
+
+    WEIGHT = 0.2  # of the newest wake in the average
+
+    def __init__(self) -> None:
+        self.seconds: float | None = None
+        self._since: float | None = None
+
+    def woken(self, now: float) -> None:
+        """An idle loop was sent a wake-up (the first one counts)."""
+        if self._since is None:
+            self._since = now
+
+    def stepped(self, now: float) -> None:
+        """The woken loop took its step."""
+        if self._since is None:
+            return
+        sample, self._since = now - self._since, None
+        self.seconds = sample if self.seconds is None else self.seconds + self.WEIGHT * (sample - self.seconds)
+
+
+def hands_over(idle: bool, requests: int, service_s: float, handover_s: float | None) -> bool:
+    """Where the engines run beside the host (a device): whether a caller hands its call to the loop
+    and returns, rather than running the step itself. Work in flight: the loop takes it (as the
+    paper's stretch or a new batch), where waiting for it would idle the host. An idle loop: a lone
+    request met nobody and runs on its caller's thread, which saves the hand-over; several met each
+    other (they queued while the last call ran), and returning lets the host read the next call
+    while the device runs these, which pays where their batch's expected service is longer than a
+    hand-over costs (unmeasured: hand over, which measures it)."""
+    if not idle:
+        return True
+    if requests <= 1:
+        return False
+    return handover_s is None or service_s > handover_s
+
+
 class EngineLoop(WorkListener):
     """The loop's thread and, with two or more buffer pairs, its launch workers (module docstring).
     Its state (`_woken`, `_completed`) is guarded by `_signal`; `_in_flight` is the step's."""
@@ -101,6 +139,8 @@ class EngineLoop(WorkListener):
                          if overlap else None)
         self.entry_wait: Callable[[], None] | None = None  # `Pipeline.wait_at_entry`; set before start
         self.wakeups = 0  # how often the loop waited for a signal and woke (its thread only)
+        self.handover = HandOverCost()  # under `_signal`
+        self._idle = False  # the loop waits for a signal (under `_signal`)
         self.died: BaseException | None = None  # what ended the loop, if not a stop
         self.on_death: Callable[[BaseException], None] = lambda exc: None
         self.thread = threading.Thread(target=self._run, name="dvabatch-engine-loop", daemon=True)
@@ -119,6 +159,8 @@ class EngineLoop(WorkListener):
     def wake(self) -> None:
         with self._signal:
             self._woken = True
+            if self._idle:
+                self.handover.woken(self._scheduler.clock())
             self._signal.notify()
 
     # -- the loop ---------------------------------------------------------------------------
@@ -143,7 +185,10 @@ class EngineLoop(WorkListener):
                 ended = scheduler.stopping and not self._in_flight
                 if not (launched or ended or self._woken or self._completed):
                     timeout = None if wake_at is None else max(0.0, wake_at - scheduler.clock())
+                    self._idle = True
                     self._signal.wait(timeout)
+                    self._idle = False
+                    self.handover.stepped(scheduler.clock())
                     self.wakeups += 1
                 self._woken = False
                 completed, self._completed = self._completed, []

@@ -16,7 +16,7 @@ import numpy as np
 
 from .decisions import Policy, PolicyContext
 from .engine import StageEngine
-from .engine_loop import EngineLoop
+from .engine_loop import EngineLoop, hands_over
 from .fast_path import FastPath
 from .manifest import Manifest
 from .query import Reply, request_rows
@@ -198,6 +198,18 @@ class Pipeline:
             return []
         left = self.run_inline_requests(requests, answer, cancelled, between_batches) if several else None
         return list(range(len(requests))) if left is None else left
+
+    def hands_over(self, requests: int, rows: int) -> bool:
+        """Where the engines run beside the host: whether a call of `requests` requests (`rows` rows)
+        goes to the loop, its caller returning at once, rather than running on the caller's thread
+        (`engine_loop.hands_over`: what is in flight, the batch's expected service, a hand-over's cost)."""
+        s = self.scheduler
+        with s.lock:
+            service = s.admission.service.pipeline_time(min(max(rows, 1), s.bs_max))
+            handed = hands_over(s.holds_nothing(), requests, service, self.loop.handover.seconds)
+            s.stats.calls_handed_over += handed
+            s.stats.calls_run_here += not handed
+        return handed
 
     def cancel(self, query_ids: Sequence[int]) -> None:
         self.scheduler.cancel(query_ids)

@@ -31,6 +31,9 @@ class RuntimeStats:
     # lengths carried out as one batch per length, a pad length ignored, a Stretch across lengths refused
     pad_unsafe_splits: int = 0
     handoffs: int = 0
+    # where the engines run beside the host, a caller's calls by who ran them (`Pipeline.hands_over`)
+    calls_handed_over: int = 0
+    calls_run_here: int = 0
     # admission (runtime/admission.py): refused at arrival, or dropped while queued, never run
     queue_full: int = 0
     timed_out: int = 0

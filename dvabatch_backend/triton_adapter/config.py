@@ -24,10 +24,7 @@ class AdapterSettings:
     policy_params: dict[str, str]
     runtime: RuntimeSettings
     engine_wrapper: str | None = None  # "file.py:name" or "module:name": wraps each stage's engine
-    hand_off_calls: bool = False  # execute hands fast-path calls to a thread of their own (`CallHandoff`)
-    # after this many calls in a row that met no other, execute runs calls itself until one does
-    # (`CallHandoff.run_here`); 0: every call is handed over
-    lone_calls: int = 8
+    hand_off_calls: bool = False  # execute may hand calls to the engine loop (`Pipeline.hands_over`)
 
 
 @dataclass(frozen=True)
@@ -126,14 +123,10 @@ PARAMETERS: dict[str, Parameter] = {
         _runtime("entry_waits_for_device"), _DEVICE),
     "hand_off_calls": Parameter(
         parameters.boolean, "`true` where the model runs on a device (torch on CUDA, or the stand-in); else `false`",
-        "`execute` hands a fast-path call to a thread of its own and returns, so Triton's next call is read "
-        "while the device runs; that thread runs what came meanwhile together and answers by response sender.",
+        "`execute` hands a call to the engine loop and returns, so Triton's next call is read while the "
+        "device runs, where work is in flight or the call's requests met each other and their batch runs "
+        "longer than a hand-over costs (measured); a lone request at an idle loop runs on `execute`'s thread.",
         lambda s: s.hand_off_calls, _DEVICE),
-    "lone_calls": Parameter(
-        parameters.integer(0), "`8`",
-        "With `hand_off_calls`: after this many calls in a row that met no other, `execute` runs calls "
-        "itself until one meets another (a lone query pays no thread wake); 0 hands every call over.",
-        lambda s: s.lone_calls, _DEVICE),
     "max_queue_size": Parameter(
         parameters.integer(0), "Triton's `default_queue_policy`, else derived: the pipeline's peak rate "
         "(bs_max through the profiled stages) times one second, at least 2 × bs_max",
@@ -226,5 +219,4 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path,
     )
     policy_params = {k[len(POLICY_PREFIX):]: v for k, v in params.items() if k.startswith(POLICY_PREFIX)}
     return AdapterSettings(manifest, values.get("policy", "pipelined"), policy_params, runtime,
-                           values.get("engine_wrapper"), values.get("hand_off_calls", runs_on_device(runtime)),
-                           values.get("lone_calls", AdapterSettings.lone_calls))
+                           values.get("engine_wrapper"), values.get("hand_off_calls", runs_on_device(runtime)))

@@ -11,7 +11,6 @@ import threading
 import triton_python_backend_utils as pb_utils
 
 from ..runtime.pipeline import Pipeline
-from .handoff import CallHandoff
 
 _COUNTERS = {
     "dvabatch_stage_batches_total": "Batch items run by each stage",
@@ -27,9 +26,11 @@ _REFUSALS = {"queue_full": "queue_full", "timeout": "timed_out", "cancelled": "c
 
 class StageMetrics:
     def __init__(self, scheduler: Pipeline, model: str, period: float = 0.25,
-                 handoff: CallHandoff | None = None) -> None:
+                 device_calls: bool = False) -> None:
+        """`device_calls`: the model runs on a device, where `execute` may hand calls to the engine
+        loop (`dvabatch_device_calls_total`)."""
         self._scheduler = scheduler
-        self._handoff = handoff
+        self._device_calls = device_calls
         self._model = model
         self._period = period
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
@@ -70,10 +71,10 @@ class StageMetrics:
         self._goodput = goodput.Metric(labels={"model": model})
         self._families = [*families.values(), queue, ops, queued, refused, goodput, fast, fast_batches, fast_device,
                           handovers, drains]  # alive while reporting
-        if handoff is not None:
+        if device_calls:
             calls = pb_utils.MetricFamily(name="dvabatch_device_calls_total", kind=counter,
-                                          description="execute calls on the fast path where the model runs on a device: handed to "
-                                                      "the hand-off's thread (handed), or run by execute itself, as calls come alone (here)")
+                                          description="execute calls where the model runs on a device: handed to the engine "
+                                                      "loop (handed), or run by execute itself (here; Pipeline.hands_over)")
             self._calls = {path: calls.Metric(labels={"model": model, "path": path}) for path in ("handed", "here")}
             self._families.append(calls)
         self._last: dict[tuple[str, int], float] = {}
@@ -121,9 +122,9 @@ class StageMetrics:
         self._increment(self._handovers, "inline_handovers", stats.inline_handovers)
         self._increment(self._drains, "caller_drains", stats.caller_drains)
         self._set(self._queued, ("queued", -1), stats.queued)
-        if self._handoff is not None:
-            self._increment(self._calls["handed"], "calls_handed", self._handoff.handed)
-            self._increment(self._calls["here"], "calls_here", self._handoff.ran_here_calls)
+        if self._device_calls:
+            self._increment(self._calls["handed"], "calls_handed", stats.calls_handed_over)
+            self._increment(self._calls["here"], "calls_here", stats.calls_run_here)
 
     def _increment(self, metric: object, key: str, total: float) -> None:
         self._counter(metric, (key, -1), total)

@@ -1,12 +1,13 @@
 """The Triton adapter: a thin `TritonPythonModel` over the runtime.
 
 It translates requests into queries and answers into responses. When the pipeline holds nothing,
-the requests of one `execute` call run on the fast path: inline on this thread, in the batches the
-policy makes of them (`runtime/fast_path.py`), their responses returned from `execute` as one
-message to the server rather than a send per request. Where the model runs on a device (a GPU, or
-its stand-in), `execute` instead hands the call to a thread of its own and returns (`CallHandoff`,
-parameter `hand_off_calls`): the host reads the next call while the device runs, and answers leave
-by response sender; while calls come alone it runs them itself, as on the CPU.
+the requests of one `execute` call run on the fast path: inline on this thread, holding the engine
+loop's step, in the batches the policy makes of them (`runtime/fast_path.py`), their responses
+returned from `execute` as one message to the server rather than a send per request. Where the
+model runs on a device (a GPU, or its stand-in; parameter `hand_off_calls`), a call goes to the
+engine loop instead and `execute` returns, where `Pipeline.hands_over` says so (work in flight, or
+requests that met each other, whose batch runs longer than a hand-over costs): the host reads the
+next call while the device runs, and answers leave by response sender.
 
 Calls that come full (Triton's batcher had max_batch_size rows waiting) say Triton's own queue, which
 the runtime's admission cannot see, is not draining: they go the pipeline's way
@@ -40,7 +41,6 @@ from ..runtime.loading import load_pipeline
 from ..runtime.pipeline import Pipeline
 from . import parameters
 from .config import parse_parameters
-from .handoff import CallHandoff, HandedCall
 from .metrics import StageMetrics
 
 
@@ -83,10 +83,6 @@ class _Responder:
 
     def submit(self, answer: "_RequestAnswer") -> None:
         self._track(self._pool.submit(_send, answer))
-
-    def submit_send(self, request: Any, response: Callable[[], Any]) -> None:
-        """Build `request`'s response (`response()`) and send it, on the pool."""
-        self._track(self._pool.submit(lambda: TritonPythonModel._send(request, response())))
 
     def _track(self, future: "Future[None]") -> None:
         with self._lock:
@@ -292,20 +288,6 @@ def _call_capacity(config: Mapping[str, Any]) -> int:
     return int(config.get("max_batch_size") or 0) if "dynamic_batching" in config else 0
 
 
-# Triton's round trip from `execute`'s return to the next call, where a request was queued: a call
-# sooner than this after one `execute` ran itself was queued meanwhile, not sent by a lone client
-# that had its answer (the round trip and a client's next query measured: docs/benchmarks.md)
-TRITON_ROUND_TRIP_US = 300
-
-
-def _queued_within_us(config: Mapping[str, Any]) -> int:
-    """How soon after a call `execute` ran itself a call comes that was queued meanwhile
-    (`CallHandoff.run_here`): Triton's round trip, and its batcher's queue delay (which holds a queued
-    request back that long)."""
-    delay = int((config.get("dynamic_batching") or {}).get("max_queue_delay_microseconds") or 0)
-    return TRITON_ROUND_TRIP_US + delay
-
-
 def _request_timeout_us(request: Any) -> int | None:
     """The request's own timeout (the client's `timeout` parameter, microseconds), or None."""
     try:
@@ -322,11 +304,6 @@ def _split_rows(arrays: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]
         raise ValueError(f"inputs disagree on the number of rows: {counts}")
     k = next(iter(counts.values()))
     return [{name: np.array(arr[i], copy=True) for name, arr in arrays.items()} for i in range(k)]
-
-
-def _owned(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A request's inputs copied out of its memory, which lives only while `execute` runs."""
-    return {name: np.array(array) for name, array in tensors.items()}
 
 
 class TritonPythonModel:
@@ -357,11 +334,9 @@ class TritonPythonModel:
         self._answers_early = self._scheduler.admission.long_passage
         self._call_capacity = _call_capacity(config)
         self._responder = _Responder()
-        self._handoff = (CallHandoff(self._run_handed, self._scheduler.bs_max, _queued_within_us(config) / 1e6,
-                                     settings.lone_calls)
-                         if self._fast_path and settings.hand_off_calls else None)
+        self._hand_off = settings.hand_off_calls
         self._cancel_watch = _CancelWatch(self._scheduler)
-        self._metrics = StageMetrics(self._scheduler, args["model_name"], handoff=self._handoff)
+        self._metrics = StageMetrics(self._scheduler, args["model_name"], device_calls=self._hand_off)
         self._metrics.loaded(load_seconds, device_bytes)
         # what loading left lives as long as the stub (which exits on unload): kept out of the
         # collector's full sweeps, which would walk every object the loaded model holds while
@@ -392,62 +367,25 @@ class TritonPythonModel:
         return None
 
     def _fast(self, requests: list[Any], tensors: list[dict[str, np.ndarray]], full: bool) -> list[Any] | None:
-        """A call the fast path may take: handed over (`CallHandoff`), or run here, as a lone call is."""
-        if self._handoff is None:
-            return self._inline(requests, tensors, full, send_each=False)
-        if self._handoff.run_here(len(requests)):
-            try:
-                return self._inline(requests, tensors, full, send_each=False)
-            finally:
-                self._handoff.ran_here()
-        if self._handoff.put(HandedCall(requests, [_owned(t) for t in tensors], full)):
-            return None  # answered by the hand-off's thread: Triton sends the next call meanwhile
-        return self._inline(requests, tensors, full, send_each=False)  # closed: the last calls run here
+        """A call the fast path may take: run here, or, where the engines run beside the host and the
+        rule says so (`Pipeline.hands_over`), handed to the engine loop, `execute` returning at once."""
+        if self._hand_off and self._scheduler.hands_over(len(requests), sum(request_rows(tensors))):
+            self._submit(requests, tensors)
+            return None
+        return self._inline(requests, tensors, full)
 
-    def _run_handed(self, calls: list[HandedCall]) -> None:
-        """The hand-off's calls (`CallHandoff`) as one group on the fast path, each answer sent as
-        its batch ends; what the fast path does not take goes to the pipeline."""
-        requests = [r for call in calls for r in call.requests]
-        settled: set[int] = set()
-        try:
-            self._inline(requests, [t for call in calls for t in call.tensors], any(c.full for c in calls),
-                         send_each=True, settled=settled)
-        except Exception as exc:  # noqa: BLE001 - the requests not yet answered (nor the pipeline's) get an error
-            pb_utils.Logger.log_error(f"dvabatch: a handed-off call failed: {exc}")
-            error = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"dvabatch: {exc}", pb_utils.TritonError.INTERNAL))
-            for i, request in enumerate(requests):
-                if i not in settled:
-                    self._send(request, error)
-
-    def _inline(self, requests: list[Any], tensors: list[dict[str, np.ndarray]], full: bool,
-                send_each: bool, settled: set[int] | None = None) -> list[Any] | None:
-        """`requests` (their inputs `tensors`) on the fast path where it takes them. Not `send_each`:
-        where every request was answered here their responses are returned, in order (execute
-        returns them: one message); else each is sent, and the rest handed to the pipeline.
-        `settled` gets each request answered here or handed to the pipeline, as it is; where each is
-        sent, the hand-off is told (`CallHandoff.settled`) before its answer leaves."""
+    def _inline(self, requests: list[Any], tensors: list[dict[str, np.ndarray]], full: bool) -> list[Any] | None:
+        """`requests` (their inputs `tensors`) on the fast path where it takes them: where every
+        request was answered here their responses are returned, in order (execute returns them: one
+        message); else each is sent, and the rest handed to the pipeline."""
         done: dict[int, Any] = {}
-        settled = set() if settled is None else settled
-
-        def settle(i: int) -> None:
-            settled.add(i)
-            if send_each and self._handoff is not None:
-                self._handoff.settled()
-
         # several only without deadlines: later batches wait for earlier ones, so deadlines
         # stay the pipeline's to keep
         several = self._inline_many and not any(_request_timeout_us(r) for r in requests)
         cancelled: set[int] = set()  # requests Triton reports cancelled while they waited for a batch
 
         def answer(i: int, response: Callable[[], Any]) -> None:
-            settle(i)
-            if send_each and self._handoff is not None and self._handoff.waiting():
-                # built and sent by the responder's threads: this one runs the next call's batch
-                self._responder.submit_send(requests[i], response)
-            elif send_each:  # no call waits for this thread: no other thread to wake
-                self._send(requests[i], response())
-            else:
-                done[i] = response()
+            done[i] = response()
 
         def send_done() -> None:  # a later batch is about to run: the answers so far leave now
             for i in list(done):
@@ -457,18 +395,16 @@ class TritonPythonModel:
             tensors, lambda i, out: answer(i, lambda: self._response(out)), several,
             lambda i: _is_cancelled(requests[i], i, cancelled), full,
             lambda i, error: answer(i, lambda: _error_response(error)),
-            send_done if self._answers_early and not send_each else None)
-        if not send_each and not left and len(done) == len(requests):  # all answered here: returned by execute
+            send_done if self._answers_early else None)
+        if not left and len(done) == len(requests):  # all answered here: returned by execute
             return [done[i] for i in range(len(requests))]
         for i, response in done.items():  # a batch failed (or answers went early): the rest the usual way
             self._send(requests[i], response)
         for i in cancelled:
-            settle(i)
             self._send(requests[i], _cancelled_response())
-        for i in left:
-            if i not in cancelled:
-                self._submit([requests[i]], [tensors[i]])
-                settle(i)  # after: where the submit fails, `_run_handed` answers it
+        left = [i for i in left if i not in cancelled]
+        if left:
+            self._submit([requests[i] for i in left], [tensors[i] for i in left])
         return None
 
     def _came_full(self, tensors: list[dict[str, np.ndarray]]) -> bool:
@@ -535,8 +471,6 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         """Answer what is in flight ("shutting down") and join every thread the model started."""
-        if self._handoff is not None:
-            self._handoff.close()  # runs the calls handed to it first
         self._cancel_watch.close()
         self._scheduler.stop()  # its last answers go to the responder, which sends them before it ends
         self._responder.close()

@@ -164,7 +164,7 @@ def sliced_resnet152(seconds: int) -> tuple[str, ...]:
 # marked `rerun`. The others are further calls, each made where the budget has room for it.
 STEPS: tuple[Step, ...] = (
     # the call the budget counts: BERT-base sliced on the GPU as a user slices it, served beside
-    # ZeroBatch and DelayBatch with the adapter's hand-off of calls on a device and without it
+    # ZeroBatch and DelayBatch with the adapter's hand-over of calls to the engine loop and without it
     # (`sync`: hand_off_calls=false), each one's sustained rate (issue 41, item 2); the stubs under
     # py-spy
     Step("handoff", 560, (
@@ -172,7 +172,7 @@ STEPS: tuple[Step, ...] = (
         sliced_bert(200, "--device cuda --stages auto --candidates 2,4"),
         served_model(340, "--loads 0.25,0.6,0.9 --delays 500 --variant sync:hand_off_calls=false "
                      "--sustained DVABatch,sync,ZeroBatch,DelayBatch-0.5ms --py-spy DVABatch,ZeroBatch"),
-    ), needs=("dvabatch_backend/triton_adapter/handoff.py", "perf/compare/on_device.py", "slicer/serving_engine.py")),
+    ), needs=("dvabatch_backend/runtime/engine_loop.py", "perf/compare/on_device.py", "slicer/serving_engine.py")),
     # ResNet-152 at the paper's size (224x224, not the zoo's CPU size of width 16 at 64x64) sliced
     # on the GPU and served as sliced beside ZeroBatch and DelayBatch, with the hand-off of calls
     # and without it (`sync`: the hand-off's input copies compete for the host's cores, the more so

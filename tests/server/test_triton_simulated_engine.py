@@ -4,19 +4,20 @@ stand-in's engine, ZeroBatch and a DelayBatch beside it on the same engine. With
 that has the values computed, every system answers concurrent queries of mixed lengths as the
 unsliced model; the dvabatch model re-profiled its CPU-profiled stages on the stand-in at load and
 kept the times beside its manifest, and its metrics give the device's time of the work it ran (from
-the stand-in's events, as from CUDA's on a GPU). On a device the adapter hands each call to a thread
-of its own (`hand_off_calls`, on by default there), or runs it itself once calls come alone
-(`lone_calls`): a request the fast path does not take (longer than any profiled length) goes to the
-pipeline and gets its own error, while the queries sent with it are answered as the unsliced model."""
+the stand-in's events, as from CUDA's on a GPU). On a device the adapter hands calls to the engine
+loop (`hand_off_calls`, on by default there) where `Pipeline.hands_over` says so, and runs a lone
+request at an idle loop itself: a request the fast path does not take (longer than any profiled
+length) goes to the pipeline and gets its own error, while the queries sent with it are answered as
+the unsliced model."""
 from __future__ import annotations
 
 import json
 import threading
-import time
 from dataclasses import replace
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from dvabatch_backend.tools.serve import TritonServer
@@ -70,24 +71,32 @@ def _device_seconds(snapshot: dict, model: str) -> float:
 
 def _lone_queries_run_on_executes_thread(server: TritonServer, clients: Clients, model: ServedModel,
                                          rng: np.random.Generator) -> None:
-    """Queries one after another, each call alone: after `lone_calls` of them (8, the default) in a
-    row execute runs them itself, as the metrics count, and they are answered as the unsliced model.
-    Each is sent once the one before was answered (a handed one meets no call after its answer left,
-    however soon it comes), and a pause after it: longer than Triton's round trip to a call queued
-    behind the last (`_queued_within_us`, 0.3 ms with no batcher delay), which a call sooner meets."""
+    """Queries one after another, each call a lone request: every call is counted once, by who ran
+    it, and the answers are the unsliced model's. Each is sent once the one before was answered, so
+    it finds the loop idle (its answer leaves after the step that made it), and runs on `execute`'s
+    thread."""
     def calls() -> dict[str, float]:
         return {labels: v for (name, m, labels), v in scrape(server.metrics_url).items()
                 if name == "dvabatch_device_calls_total" and m == model.name}
 
-    before = settle(calls, lambda c: bool(c), timeout=10)
-    lone = 8 + 4
-    grpc = clients.modes()["grpc"]
-    paused = {"grpc": lambda name, query: (time.sleep(0.01), grpc(name, query))[1]}
+    def counted() -> dict[str, float]:  # every execute call so far is in the sampled counts
+        return settle(calls, lambda c: sum(c.values()) == executions(server, model.name), timeout=10)
+
+    before = counted()
+    lone = 6
     work = [("grpc", model.query(rng)) for _ in range(lone)]
-    assert unequal_answers(paused, model, work, concurrent=False, rtol=1e-3) == []
-    after = settle(calls, lambda c: sum(c.values()) >= sum(before.values()) + lone, timeout=10)
+    assert unequal_answers(clients.modes(), model, work, concurrent=False, rtol=1e-3) == []
+    after = counted()
     here = after.get("path=here", 0.0) - before.get("path=here", 0.0)
-    assert here >= lone - 8, (before, after)  # the last of them at least, whatever the calls before met
+    handed = after.get("path=handed", 0.0) - before.get("path=handed", 0.0)
+    assert here == lone and handed == 0, (before, after)
+
+
+def executions(server: TritonServer, model: str) -> int:
+    """The `execute` calls Triton has made to the model."""
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+    return int(stats.get("execution_count", 0))
 
 
 def _over_long_beside_good_queries(clients: Clients, model: ServedModel, rng: np.random.Generator) -> None:
