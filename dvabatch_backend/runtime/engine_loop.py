@@ -139,6 +139,8 @@ class EngineLoop(WorkListener):
                          if overlap else None)
         self.entry_wait: Callable[[], None] | None = None  # `Pipeline.wait_at_entry`; set before start
         self.wakeups = 0  # how often the loop waited for a signal and woke (its thread only)
+        self.steps = 0  # the loop's steps, and the host seconds they took (its thread writes, any reads)
+        self.step_seconds = 0.0
         self.handover = HandOverCost()  # under `_signal`
         self._idle = False  # the loop waits for a signal (under `_signal`)
         self.died: BaseException | None = None  # what ended the loop, if not a stop
@@ -194,8 +196,11 @@ class EngineLoop(WorkListener):
                 completed, self._completed = self._completed, []
             if scheduler.stopping and not self._in_flight and not completed:
                 return
+            began = scheduler.clock()
             with self.step.held() as step:
                 launched, wake_at = self._step(step, completed)
+            self.steps += 1
+            self.step_seconds += scheduler.clock() - began
 
     def _step(self, step: int, completed: list[tuple[Work, WorkResult | BaseException]]) -> tuple[bool, float | None]:
         """One step: the completions, the batch window, one launch per idle stage (last first, so a

@@ -255,6 +255,7 @@ class Pipeline:
         """The scheduler's stats and queue lengths, each stage's device time (and the fast path's
         unsliced model's) added from its engine's events where it runs on a device."""
         stats, queues = self.scheduler.observe()
+        stats.loop_steps, stats.loop_step_seconds = self.loop.steps, self.loop.step_seconds
         for stage, engine in zip(stats.stages, self._engines):
             timer = getattr(engine, "device_timer", None)
             if timer is not None:

@@ -54,6 +54,9 @@ class RuntimeStats:
     # the unsliced model's time on its device over the fast path's runs (its events; 0 on the CPU,
     # and where the fast path runs the stages, whose times are the stages')
     inline_device_seconds: float = 0.0
+    # the engine loop's own steps and the host time they took (`EngineLoop`, copied by `Pipeline.observe`)
+    loop_steps: int = 0
+    loop_step_seconds: float = 0.0
     stages: list[StageStats] = field(default_factory=list)
 
 

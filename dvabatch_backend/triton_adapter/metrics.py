@@ -61,6 +61,11 @@ class StageMetrics:
         handovers = pb_utils.MetricFamily(name="dvabatch_fast_path_handovers_total", kind=counter,
                                           description="execute calls sent to the pipeline, not run inline, because Triton's queue stood (calls came full)")
         self._handovers = handovers.Metric(labels={"model": model})
+        steps = pb_utils.MetricFamily(name="dvabatch_loop_steps_total", kind=counter,
+                                      description="Steps of the engine loop (completions read, the batch window, launches)")
+        step_seconds = pb_utils.MetricFamily(name="dvabatch_loop_step_seconds_total", kind=counter,
+                                             description="Host seconds the engine loop's steps took (launches run on its thread included)")
+        self._steps, self._step_seconds = steps.Metric(labels={"model": model}), step_seconds.Metric(labels={"model": model})
         drains = pb_utils.MetricFamily(name="dvabatch_fast_path_drains_total", kind=counter,
                                        description="Drains of Triton's queue behind the fast path: its execute calls came full too long and were refused until one was not")
         self._drains = drains.Metric(labels={"model": model})
@@ -70,7 +75,7 @@ class StageMetrics:
         self._refused = {reason: refused.Metric(labels={"model": model, "reason": reason}) for reason in _REFUSALS}
         self._goodput = goodput.Metric(labels={"model": model})
         self._families = [*families.values(), queue, ops, queued, refused, goodput, fast, fast_batches, fast_device,
-                          handovers, drains]  # alive while reporting
+                          handovers, drains, steps, step_seconds]  # alive while reporting
         if device_calls:
             calls = pb_utils.MetricFamily(name="dvabatch_device_calls_total", kind=counter,
                                           description="execute calls where the model runs on a device: handed to the engine "
@@ -121,6 +126,8 @@ class StageMetrics:
         self._increment(self._fast_device, "inline_device_seconds", stats.inline_device_seconds)
         self._increment(self._handovers, "inline_handovers", stats.inline_handovers)
         self._increment(self._drains, "caller_drains", stats.caller_drains)
+        self._increment(self._steps, "loop_steps", stats.loop_steps)
+        self._increment(self._step_seconds, "loop_step_seconds", stats.loop_step_seconds)
         self._set(self._queued, ("queued", -1), stats.queued)
         if self._device_calls:
             self._increment(self._calls["handed"], "calls_handed", stats.calls_handed_over)
