@@ -10,7 +10,8 @@ unsliced model, whose closed-loop peak sets the loads. Each round sends the same
 `before` and `after`, the order alternating: `--queries` one at a time (the lone query), then a
 Poisson schedule of at least `--queries` at each of `--loads` (fractions of ZeroBatch's peak).
 For each figure: every round's, and the median of the paired differences (after - before). With
-`--sustained`, each one's sustained rate on one grid (`on_device.sustained_rates`). Writes
+`--sustained ROUNDS`, each one's sustained rate on one grid (`on_device.sustained_rates`), in that
+many rounds. Writes
 OUT/before_after.json and prints the table.
 """
 from __future__ import annotations
@@ -80,7 +81,9 @@ def paired(rounds: Mapping[str, Sequence[dict[str, Any]]], key: str) -> dict[str
 
 
 def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: Mapping[str, int], queries: int,
-            rounds: int, loads: Sequence[float], sustained: bool, seed: int = 0) -> dict[str, Any]:
+            rounds: int, loads: Sequence[float], sustained: int, seed: int = 0) -> dict[str, Any]:
+    """The lone query and each load in `rounds` rounds, then `sustained` rounds of the sustained rates
+    (the order alternating), each on ZeroBatch's peak (module docstring)."""
     pair = [systems["before"], systems["after"]]
     labels = {model: label for label, model in systems.items()}
     peak = warm_up_and_peak(url, [*pair, systems["ZeroBatch"]], manifest, int_high, PEAK_SECONDS, seed, TIMEOUT_S)
@@ -109,11 +112,19 @@ def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: 
                 "queries": [r["queries"] for r in runs["after"]]}
         result["loads"].append(load)
         print(line(f"{fraction:g}x", load), flush=True)
-    if sustained:
-        lone_ms = statistics.median(r["latency_mean_ms"] for r in lone["before"])
-        result["sustained"] = {}
-        sustained_rates(url, systems, ["before", "after"], manifest, int_high, peak, lone_ms, queries, seed,
-                        result["sustained"])
+    lone_ms = statistics.median(r["latency_mean_ms"] for r in lone["before"]) if lone["before"] else None
+    result["sustained"] = []
+    for turn in range(sustained if lone_ms else 0):
+        found: dict[str, Any] = {}
+        sustained_rates(url, systems, alternating(["before", "after"], turn), manifest, int_high, peak, lone_ms,
+                        queries, seed + turn, found)
+        result["sustained"].append({label: figure["rate_qps"] for label, figure in found["systems"].items()})
+    if result["sustained"]:
+        rates = {label: [r[label] for r in result["sustained"]] for label in ("before", "after")}
+        result["sustained_summary"] = {"before": rates["before"], "after": rates["after"],
+                                       "after_median": statistics.median(rates["after"]),
+                                       "before_lowest": min(rates["before"])}
+        print(f"sustained rounds (qps): before {rates['before']}, after {rates['after']}", flush=True)
     return result
 
 
@@ -138,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--queries", type=int, default=QUERIES, help="queries per system, figure and round")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--loads", default=",".join(f"{f:g}" for f in LOADS), help="fractions of ZeroBatch's peak")
-    parser.add_argument("--sustained", action="store_true", help="also each one's sustained rate")
+    parser.add_argument("--sustained", type=int, default=0, metavar="ROUNDS",
+                        help="also each one's sustained rate, in this many rounds")
     parser.add_argument("--out", type=Path, default=REPO / "work" / "perf" / "before_after")
     args = parser.parse_args(argv)
     if args.device == "simulated" and args.device_profile is None:
@@ -154,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in systems.values():
                 server.wait_model_ready(name, timeout=600)
             result = measure(server.grpc_url, systems, manifest, int_bounds(full), args.queries, args.rounds,
-                             tuple(float(f) for f in args.loads.split(",")), args.sustained)
+                             tuple(float(f) for f in args.loads.split(",") if f), args.sustained)
     result.update(model=manifest.name, device=args.device, device_profile=profile, before=str(args.before),
                   queries=args.queries, rounds=args.rounds, seconds=time.perf_counter() - began)
     out = args.out / args.model_dir.name

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from dvabatch_backend.runtime.errors import EngineLoopDiedError, StageFailedError
+from dvabatch_backend.runtime.errors import CancelledError, EngineLoopDiedError, StageFailedError
 from dvabatch_backend.runtime.pipeline import Pipeline
 from dvabatch_backend.runtime.query import QueryState
 from dvabatch_backend.runtime.scheduler import Scheduler
@@ -107,3 +107,27 @@ def test_a_failed_entry_wait_answers_that_batch_and_the_loop_serves_on(zoo, pair
     error = collector.one(bad).error
     assert isinstance(error, StageFailedError) and error.stage == 0 and "device fault" in str(error)
     assert_matches_reference(model, good_inputs, collector.one(good))
+
+
+def test_a_cancelled_query_leaves_at_the_next_step_and_the_others_are_answered(zoo) -> None:
+    """A batched query cancelled while stage 0 runs another batch leaves when a step next reaches
+    stage 0 (answered "cancelled", never run); the batch beside it is answered."""
+    model = zoo.stages("dense", 2)
+    engines = model.engines()
+    gate = GatedEngine(engines[0])
+    pipeline = make_scheduler(model, create_policy("load"), [gate, *engines[1:]], bs_max=1, fast_path=False)
+    collector = Collector()
+    rng = np.random.default_rng(4)
+    inputs = [model.query(rng) for _ in range(3)]
+    with pipeline:
+        [running] = pipeline.submit_many([(inputs[0], collector)])
+        gate.wait_started()
+        [cancelled] = pipeline.submit_many([(inputs[1], collector)])
+        [kept] = pipeline.submit_many([(inputs[2], collector)])
+        pipeline.cancel([cancelled])
+        gate.open()
+        assert collector.wait_for([running, cancelled, kept])
+    assert isinstance(collector.one(cancelled).error, CancelledError)
+    for qid, query in ((running, inputs[0]), (kept, inputs[2])):
+        assert_matches_reference(model, query, collector.one(qid))
+    assert gate.started.acquire(timeout=0) and not gate.started.acquire(timeout=0)  # stage 0 ran one more batch: kept's
