@@ -19,7 +19,7 @@ import pytest
 
 from dvabatch_backend import Answer, Manifest, OrtStageEngine, Pipeline, RuntimeSettings
 from dvabatch_backend.runtime.decisions import Policy
-from dvabatch_backend.runtime.engine_loop import Step, current_launch
+from dvabatch_backend.runtime.work import Step, current_launch
 from slicer import cut, toy
 
 TESTS = Path(__file__).resolve().parent

@@ -5,13 +5,15 @@ executor's busy time (`StageStats.busy_seconds`) is the host's launch time, not 
 engine on a stream keeps a `DeviceTimer`: an event recorded on the stream before a run's work and
 one after it; once the second has completed, the time between them (CUDA's event timing, or the
 stand-in's deadlines) is the run's time on the device, queued behind nothing of its own stream.
-`seconds()` adds the completed runs; the executor and the metrics read it (`StageStats.device_seconds`,
-the `dvabatch_stage_device_seconds_total` metric).
+`collect()` adds the completed runs, read by whoever holds the engine loop's step (each step, and
+the fast path after its run); `seconds()` is what was collected, which the metrics read
+(`StageStats.device_seconds`, the `dvabatch_stage_device_seconds_total` metric) without touching
+an event.
 
-Thread discipline: one run at a time per engine (its executor, or the fast path while the pipeline
-is held) calls `start`/`stop`; any thread may call `seconds`. `_lock` guards the pending pairs and
-the total. Completed pairs are added whenever a run stops, so the pending ones are at most the
-engine's work still on the device, read or not.
+Thread discipline: one run at a time per engine (a launch inside a step) calls `start`/`stop`;
+the step's holder calls `collect`; any thread may call `seconds`. `_lock` guards the pending pairs
+and the total. Completed pairs are added whenever a run stops and whenever a step collects, so the
+pending ones are at most the engine's work still on the device.
 """
 from __future__ import annotations
 
@@ -47,10 +49,14 @@ class DeviceTimer:
             self._pending.append((started, end))
             self._add_completed()
 
-    def seconds(self) -> float:
-        """Device seconds of every run completed so far."""
+    def collect(self) -> None:
+        """Add the runs completed on the device since the last collect (reads their events)."""
         with self._lock:
             self._add_completed()
+
+    def seconds(self) -> float:
+        """Device seconds of every run collected so far (reads no event)."""
+        with self._lock:
             return self._seconds
 
     @property

@@ -7,9 +7,8 @@ nothing, the item the scheduler has for it (`Scheduler.next_work`): the paper's 
 are the step's per-stage launches, not threads. Arrivals need no step: `submit` batches them under
 the scheduler's lock and wakes the loop.
 
-Who holds the step: the loop's thread, or `execute`'s thread for a fast-path run while the
-scheduler holds nothing (`FastPath`, through `InlineHold.reserve`, which keeps the loop from
-launching). Where a launch runs: on the thread that holds the step, where nothing could run beside
+Who holds the step (`work.Step`): the loop's thread, or `execute`'s thread for a fast-path run
+while the scheduler holds nothing (`InlineHold.reserve` takes it for the run; the loop waits). Where a launch runs: on the thread that holds the step, where nothing could run beside
 it (one buffer pair: a stage waits for the stage after it to free the pair, so stages run one at a
 time, and a quiet pipeline runs a query through every stage without a wake-up); on a worker where
 another stage could run meanwhile (two or more pairs), so that batches in different stages overlap
@@ -22,66 +21,14 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from .engine import StageEngine
 from .executor import run_work
 from .scheduler import Scheduler
-from .work import Work, WorkListener, WorkResult
+from .work import Launch, Work, WorkListener, WorkResult, current_launch, launching  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Launch:
-    """A launch being run on this thread: the stage (-1: the fast path's engines), the step that made
-    it, and whether it runs on the thread that holds that step."""
-
-    stage: int
-    step: int
-    on_step_thread: bool
-
-
-_current = threading.local()
-
-
-def current_launch() -> Launch | None:
-    """The launch this thread runs now, or None (a launch outside a step)."""
-    return getattr(_current, "launch", None)
-
-
-@contextmanager
-def launching(launch: Launch) -> Iterator[None]:
-    _current.launch = launch
-    try:
-        yield
-    finally:
-        _current.launch = None
-
-
-class Step:
-    """The right to launch: held by one thread at a time (module docstring). `count` numbers the
-    steps; `holder` is the thread holding one, or None."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.holder: int | None = None
-        self.count = 0
-
-    @contextmanager
-    def held(self) -> Iterator[int]:
-        with self._lock:
-            self.holder = threading.get_ident()
-            self.count += 1
-            try:
-                yield self.count
-            finally:
-                self.holder = None
-
-    def is_mine(self) -> bool:
-        return self.holder == threading.get_ident()
 
 
 class HandOverCost:
@@ -129,7 +76,7 @@ class EngineLoop(WorkListener):
     def __init__(self, scheduler: Scheduler, engines: Sequence[StageEngine]) -> None:
         self._scheduler = scheduler
         self._engines = list(engines)
-        self.step = Step()
+        self.step = scheduler.step
         self._signal = threading.Condition()
         self._woken = False
         self._completed: list[tuple[Work, WorkResult | BaseException]] = []
@@ -138,6 +85,8 @@ class EngineLoop(WorkListener):
         self._workers = (ThreadPoolExecutor(scheduler.num_stages, thread_name_prefix="dvabatch-launch")
                          if overlap else None)
         self.entry_wait: Callable[[], None] | None = None  # `Pipeline.wait_at_entry`; set before start
+        # each engine's device timer, where it runs on a device: read by the step, published for the metrics
+        self._timers = [t for t in (getattr(e, "device_timer", None) for e in engines) if t is not None]
         self.wakeups = 0  # how often the loop waited for a signal and woke (its thread only)
         self.steps = 0  # the loop's steps, and the host seconds they took (its thread writes, any reads)
         self.step_seconds = 0.0
@@ -196,20 +145,22 @@ class EngineLoop(WorkListener):
                 completed, self._completed = self._completed, []
             if scheduler.stopping and not self._in_flight and not completed:
                 return
-            began = scheduler.clock()
-            with self.step.held() as step:
+            with self.step.held() as step:  # waits while a fast-path run holds it
+                began = scheduler.clock()
                 launched, wake_at = self._step(step, completed)
+                for timer in self._timers:
+                    timer.collect()
+                self.step_seconds += scheduler.clock() - began
             self.steps += 1
-            self.step_seconds += scheduler.clock() - began
 
     def _step(self, step: int, completed: list[tuple[Work, WorkResult | BaseException]]) -> tuple[bool, float | None]:
         """One step: the completions, the batch window, one launch per idle stage (last first, so a
         pair is freed downstream before upstream asks for it). Whether it launched anything, and
         when the batch window next passes."""
         scheduler = self._scheduler
-        for work, result in completed:
-            self._in_flight.discard(work.stage)
-            self._finish(work, result)
+        for done, result in completed:
+            self._in_flight.discard(done.stage)
+            self._finish(done, result)
         wake_at = scheduler.on_window()
         launched = False
         for stage in reversed(range(scheduler.num_stages)):

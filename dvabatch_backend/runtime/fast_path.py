@@ -41,7 +41,7 @@ import numpy as np
 
 from .buffers import MemoryFactory, StageBuffer
 from .engine import StageEngine
-from .engine_loop import Launch, Step, launching
+from .work import Launch, launching
 from .fences import FenceFactory
 from .manifest import Manifest
 from .query import BatchCheck, cut_to, gather_rows, output_cuts
@@ -57,13 +57,11 @@ class FastPath:
     run at a time: the scheduler's reservation admits one run at a time.
     """
 
-    def __init__(self, scheduler: Scheduler, engines: Sequence[StageEngine], step: Step,
+    def __init__(self, scheduler: Scheduler, engines: Sequence[StageEngine],
                  whole_model: StageEngine | None = None) -> None:
-        """Runs `engines` (the stages) in a row, or `whole_model` (the unsliced model) when given,
-        holding the engine loop's `step` while it launches them."""
+        """Runs `engines` (the stages) in a row, or `whole_model` (the unsliced model) when given."""
         manifest: Manifest = scheduler.manifest
         self._scheduler = scheduler
-        self._step = step
         self._manifest = manifest
         self._input_names = [t.name for t in manifest.inputs]
         self._check = BatchCheck(manifest)
@@ -237,9 +235,9 @@ class FastPath:
         """Run the engines in a row over the boundaries' views; the last boundary's views (host
         memory: its engine returns when they are written). Each boundary's fence orders its
         reader after its writer, as the pipeline's buffers do; the last engine's wait for its
-        outputs covers every earlier stage's work, so the next run may reuse the buffers. Inside a
-        step of the engine loop, which the reservation keeps from launching meanwhile."""
-        with self._step.held() as step, launching(Launch(-1, step, True)):
+        outputs covers every earlier stage's work, so the next run may reuse the buffers. The
+        reservation holds the engine loop's step (`InlineHold.reserve`)."""
+        with launching(Launch(-1, self._scheduler.step.count, True)):
             for stage, engine in enumerate(self._engines):
                 inp, out = self._buffers[stage], self._buffers[stage + 1]
                 if stage > 0 and not inp.fence.wait():
@@ -247,6 +245,10 @@ class FastPath:
                 out.fence.reset()
                 engine.run(views[stage], views[stage + 1])
                 out.fence.record()
+            for engine in self._engines:  # the device times of what completed, for the metrics
+                timer = getattr(engine, "device_timer", None)
+                if timer is not None:
+                    timer.collect()
         return views[-1]
 
 

@@ -1,11 +1,11 @@
 """The fast path's hold on the pipeline (runtime/fast_path.py has the why).
 
 `reserve` grants one run on the caller's thread only while the scheduler holds nothing (no query
-unanswered, no batch, no stage working) and a query could meet the latency target now. While it
-is held, queries submitted are admitted and batched as usual but no stage starts work
-(`Scheduler` asks `held`), so none overtakes the run; `release` counts what the run answered and
-wakes the stages that have work. `plan` is the policy's batching of the run's rows. Each takes
-the scheduler's lock; the hold is owned by the scheduler.
+unanswered, no batch, no stage working) and a query could meet the latency target now, and takes
+the engine loop's step for it (engine_loop.py). While it is held, queries submitted are admitted
+and batched as usual but the loop launches nothing, so none overtakes the run; `release` counts
+what the run answered, gives the step back and wakes the loop where stages have work. `plan` is
+the policy's batching of the run's rows. Each takes the scheduler's lock.
 
 The caller's own queue. While a run holds the caller (a Triton `execute` call), requests wait in
 the caller's queue (Triton's dynamic batcher), which the runtime's admission cannot see: left there,
@@ -94,7 +94,6 @@ class InlineHold:
         self._policy = policy
         self._view = view
         self._ids = ids  # the scheduler's query ids: the planned rows get ids no real query has
-        self.held = False
         self._arrivals = RateWindow(ARRIVALS_SECONDS)  # the rows of the caller's calls
         self._last_call_full = False  # whether the caller's last call came full
         self._full_rate: float | None = None  # rows a second the fast path served full calls at (EWMA)
@@ -176,14 +175,23 @@ class InlineHold:
         `wait`: with one buffer pair, for a busy pipeline to empty first."""
         s = self._scheduler
         with s.lock:
-            if wait and not s.admission.overlapping and not self.held and not self._pipeline_judges():
+            if wait and not s.admission.overlapping and not self._pipeline_judges():
                 # one pair: the pipeline runs one batch at a time, more slowly than this path; let
                 # it empty, then serve here (module docstring)
                 s.wait_for_nothing_held(STANDING_SECONDS)
-            if self.held or rows < 1 or not s.holds_nothing() or s.admission.arrival_refusal(s.clock(), 0):
-                return False
-            self.held = True
-            return True
+            if not self._grants(rows):
+                return False  # asked before the step: a busy loop's step is not waited for
+        s.step.acquire()  # the loop holds nothing: at most the end of a step is waited for
+        with s.lock:
+            if self._grants(rows):
+                return True
+        s.step.release()
+        return False
+
+    def _grants(self, rows: int) -> bool:
+        """Whether a run of `rows` rows may start now. Under the lock."""
+        s = self._scheduler
+        return rows >= 1 and s.holds_nothing() and not s.admission.arrival_refusal(s.clock(), 0)
 
     def plan(self, lengths: Sequence[int], now: float) -> list[tuple[list[int], int]]:
         """While held: the batches the policy makes of rows of these lengths arriving now at an empty
@@ -203,7 +211,6 @@ class InlineHold:
         sends them the usual way."""
         s = self._scheduler
         with s.lock:
-            self.held = False
             if self._last_call_full and seconds and rows:
                 rate = rows / seconds
                 self._full_rate = rate if self._full_rate is None else self._full_rate + _RATE_EWMA * (rate - self._full_rate)
@@ -217,3 +224,4 @@ class InlineHold:
                 stats.within_slo += rows if s.admission.within_slo(seconds) else 0
             s.board.signal_ready()
             s.progress.notify()
+        s.step.release()

@@ -50,8 +50,7 @@ class Pipeline:
         self._engines = list(engines)
         self.loop = EngineLoop(scheduler, engines)
         self.loop.on_death = self._loop_died
-        self._fast_path = (FastPath(scheduler, engines, self.loop.step, whole_model)
-                           if scheduler.inline.allowed else None)
+        self._fast_path = FastPath(scheduler, engines, whole_model) if scheduler.inline.allowed else None
         self._state_lock = threading.Lock()  # guards _started and _stop_called
         self._started = False
         self._stop_called = False

@@ -47,7 +47,7 @@ from .settings import MIN_WAKE_DELAY, RuntimeSettings, graph_length, replays_gra
 from .split_step import SplitStep
 from .stage_board import StageBoard
 from .stats import RuntimeStats, StageStats, Trace
-from .work import ExecutorState, Progress, Work, WorkResult
+from .work import ExecutorState, Progress, Step, Work, WorkResult
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class Scheduler:
         buffers = BufferPool(manifest, settings.num_buffer_pairs, bs_max, fence_factory)
         self.board = StageBoard(self.num_stages, self._table, buffers, self.stats, self.recorder)
         self.progress = Progress(self.lock)
+        self.step = Step()  # the right to launch: the engine loop's, lent to the fast path (engine_loop.py)
         self._ids = itertools.count()
         self._policy = policy
         self._splits = SplitStep(policy, manifest, self._table, buffers, self.queries, self.stats, self.recorder)
@@ -391,7 +392,7 @@ class Scheduler:
     def _take_work(self, stage: int) -> Work | None:
         """`next_work` under the lock."""
         board = self.board
-        if self.inline.held or board.states[stage] is ExecutorState.WORKING:
+        if board.states[stage] is ExecutorState.WORKING:
             return None
         pair = board.ready_pair(stage)
         if pair is None:

@@ -1,15 +1,16 @@
 """What passes between the scheduler and whoever runs the stages: one execution (`Work`), what it
 gave (`WorkResult`), the sub-batches that leave early (`EarlyExit`), each stage's executor state
-(paper Figure 11), the `WorkListener` told when there may be work, and the `Progress` that
-wakes whoever waits for the runtime to move.
+(paper Figure 11), the `WorkListener` told when there may be work, the `Progress` that
+wakes whoever waits for the runtime to move, and the `Step`, the right to launch an engine.
 """
 from __future__ import annotations
 
 import enum
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -110,3 +111,62 @@ class Progress:
             return True
         finally:
             self._waiters -= 1
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A launch being run on this thread: the stage (-1: the fast path's engines), the step that made
+    it, and whether it runs on the thread that holds that step."""
+
+    stage: int
+    step: int
+    on_step_thread: bool
+
+
+_current = threading.local()
+
+
+def current_launch() -> Launch | None:
+    """The launch this thread runs now, or None (a launch outside a step)."""
+    return getattr(_current, "launch", None)
+
+
+@contextmanager
+def launching(launch: Launch) -> Iterator[None]:
+    _current.launch = launch
+    try:
+        yield
+    finally:
+        _current.launch = None
+
+
+class Step:
+    """The right to launch an engine (engine_loop.py): held by one thread at a time, the engine
+    loop's or, for a fast-path run, its caller's (`InlineHold.reserve`). `count` numbers the steps;
+    `holder` is the thread holding one, or None. Taken before the scheduler's lock, never under it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.holder: int | None = None
+        self.count = 0
+
+    def acquire(self) -> int:
+        self._lock.acquire()
+        self.holder = threading.get_ident()
+        self.count += 1
+        return self.count
+
+    def release(self) -> None:
+        self.holder = None
+        self._lock.release()
+
+    @contextmanager
+    def held(self) -> Iterator[int]:
+        step = self.acquire()
+        try:
+            yield step
+        finally:
+            self.release()
+
+    def is_mine(self) -> bool:
+        return self.holder == threading.get_ident()

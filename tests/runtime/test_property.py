@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dvabatch_backend.runtime.engine_loop import Launch, Step, launching
+from dvabatch_backend.runtime.work import Launch, Step, launching
 from policies import RandomLegalPolicy
 
 from ..conftest import (Collector, GatedEngine, LaunchLedger, SlicedModel, SlowEngine, assert_all_answered_correctly,

@@ -132,12 +132,16 @@ def test_a_stages_device_time_comes_from_its_events_once_the_device_reached_them
     engine.run(inputs, device_out)  # queued: the host returns at once
     params = device.profile.parameters
     expected = params.launch_s + params.copy_seconds(inputs["x"].nbytes) + engine.compute_seconds(2, 16)
+    engine.device_timer.collect()
     assert engine.device_timer.seconds() == 0.0 and engine.device_timer.runs == 0  # not reached yet
     clock.sleep(engine.stream.tail - clock.now)
+    assert engine.device_timer.seconds() == 0.0  # reached, but no step has collected it: no event is read
+    engine.device_timer.collect()
     assert engine.device_timer.seconds() == pytest.approx(expected) and engine.device_timer.runs == 1
     clock.sleep(1.0)  # idle: the next run's time starts when it is launched, not at the last deadline
     engine.run(inputs, device_out)
     clock.sleep(engine.stream.tail - clock.now)
+    engine.device_timer.collect()
     assert engine.device_timer.seconds() == pytest.approx(2 * expected) and engine.device_timer.runs == 2
 
 
