@@ -168,6 +168,12 @@ SERVED_DEFAULTS_WHY = (
     "per stage, a second buffer pair would only split the cores between two stages "
     "(`default_buffer_pairs`).")
 
+# parameters earlier releases read, and why they went: a config that still sets one fails to load saying so
+REMOVED_PARAMETERS = {
+    "run_on": "the engine loop runs a quiet pipeline's stages on one thread itself",
+    "lone_calls": "on a device, a lone request at an idle engine loop runs on execute's thread by rule (docs/gpu.md)",
+}
+
 # parameters Triton's Python backend reads itself (the GPU config sets the first)
 TRITON_PARAMETERS = frozenset({"FORCE_CPU_ONLY_INPUT_TENSORS", "EXECUTION_ENV_PATH"})
 POLICY_PREFIX = "policy."
@@ -178,6 +184,9 @@ def parse_parameters(params: Mapping[str, str], model_dir: Path,
     """Read and check the config.pbtxt parameters; a ValueError names the bad one. `queue_defaults`:
     the queue policy where no parameter sets one (`parameters.triton_queue_policy`). `check_files`
     False skips the checks that the manifest and device profile exist (the docs' generator)."""
+    removed = [f"{name!r} ({REMOVED_PARAMETERS[name]})" for name in params if name in REMOVED_PARAMETERS]
+    if removed:
+        raise ValueError(f"parameter(s) no longer read; remove them from config.pbtxt: {', '.join(removed)}")
     parsers = {name: parameter.parse for name, parameter in PARAMETERS.items()}
     values = parameters.read(params, parsers, also=TRITON_PARAMETERS, prefixes=(POLICY_PREFIX,))
     manifest = model_dir / values.get("manifest", "manifest.json")

@@ -60,3 +60,11 @@ def test_the_configs_queue_policy_is_the_runtimes_default_and_an_unset_one_chang
     unset = {"dynamic_batching": {"default_queue_policy": {"timeout_action": "REJECT", "max_queue_size": 0,
                                                            "default_timeout_microseconds": 0}}}
     assert p.triton_queue_policy(unset) == QueuePolicy() == p.triton_queue_policy({})
+
+
+@pytest.mark.parametrize("name", ["run_on", "lone_calls"])
+def test_a_parameter_no_longer_read_fails_the_load_saying_why(name: str, tmp_path) -> None:
+    from dvabatch_backend.triton_adapter.config import REMOVED_PARAMETERS, parse_parameters
+
+    with pytest.raises(ValueError, match=re.escape(f"{name!r} ({REMOVED_PARAMETERS[name]})")):
+        parse_parameters({name: "true", "policy": "load"}, tmp_path, check_files=False)
