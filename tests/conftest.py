@@ -19,7 +19,7 @@ import pytest
 
 from dvabatch_backend import Answer, Manifest, OrtStageEngine, Pipeline, RuntimeSettings
 from dvabatch_backend.runtime.decisions import Policy
-from dvabatch_backend.runtime.work import Step, current_launch
+from dvabatch_backend.runtime.work import Launch, Step, current_launch
 from slicer import cut, toy
 
 TESTS = Path(__file__).resolve().parent
@@ -274,20 +274,24 @@ class LaunchLedger:
     """Wraps every engine it is given (`wrap`) and records each launch that breaks the engine loop's
     ownership (runtime/engine_loop.py): a launch outside a step, a launch on a step's thread by a
     thread that does not hold the loop's step (two steps at once), or a launch of an engine that is
-    still running one. `violations` names each; `watch(pipeline)` gives it the pipeline's step."""
+    still running one. `violations` names each; `watch(pipeline)` gives it the pipeline's step, and
+    with `tabled` also a launch whose batch is not a row of the pipeline's batch table holding the
+    launch's queries (`snapshot()`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: dict[int, str] = {}  # engine index -> the thread running it
         self.step: Step | None = None
+        self.table: Pipeline | None = None  # whose batch table every launch's batch must be a row of
         self.launches = 0
         self.violations: list[str] = []
 
     def wrap(self, engines: Sequence[Any]) -> list["LedgeredEngine"]:
         return [LedgeredEngine(self, index, engine) for index, engine in enumerate(engines)]
 
-    def watch(self, pipeline: Pipeline) -> Pipeline:
+    def watch(self, pipeline: Pipeline, tabled: bool = False) -> Pipeline:
         self.step = pipeline.loop.step
+        self.table = pipeline if tabled else None
         return pipeline
 
     def begin(self, index: int) -> None:
@@ -301,11 +305,19 @@ class LaunchLedger:
                 self.violations.append(f"engine {index}: launched on {me} in a step another thread holds")
             if index in self._running:
                 self.violations.append(f"engine {index}: launched on {me} while {self._running[index]} runs it")
+            if self.table is not None and launch is not None and not self._tabled(launch):
+                self.violations.append(f"engine {index}: launched on {me} batch {launch.batch} of queries "
+                                       f"{list(launch.queries)}, which the batch table does not hold")
             self._running[index] = me
 
     def end(self, index: int) -> None:
         with self._lock:
             self._running.pop(index, None)
+
+    def _tabled(self, launch: Launch) -> bool:
+        assert self.table is not None
+        rows = {row.id: set(row.query_ids) for row in self.table.snapshot().rows}
+        return launch.batch in rows and bool(launch.queries) and set(launch.queries) <= rows[launch.batch]
 
 
 class LedgeredEngine:

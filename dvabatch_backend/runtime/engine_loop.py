@@ -170,11 +170,12 @@ class EngineLoop(WorkListener):
             if work is None:
                 continue
             launched = True
+            queries = tuple(q.id for q in work.queries)
             if self._workers is None:
-                self._finish(work, self._launch(work, Launch(stage, step, True)))
+                self._finish(work, self._launch(work, Launch(stage, step, True, work.item.batch_id, queries)))
             else:
                 self._in_flight.add(stage)
-                self._workers.submit(self._on_worker, work, Launch(stage, step, False))
+                self._workers.submit(self._on_worker, work, Launch(stage, step, False, work.item.batch_id, queries))
         return launched, wake_at
 
     def _launch(self, work: Work, launch: Launch) -> WorkResult | BaseException:

@@ -116,11 +116,14 @@ class Progress:
 @dataclass(frozen=True)
 class Launch:
     """A launch being run on this thread: the stage (-1: the fast path's engines), the step that made
-    it, and whether it runs on the thread that holds that step."""
+    it, whether it runs on the thread that holds that step, and the batch-table row and queries it
+    runs (None and none: a batch the table does not hold, the fast path's today)."""
 
     stage: int
     step: int
     on_step_thread: bool
+    batch: int | None = None
+    queries: tuple[int, ...] = ()
 
 
 _current = threading.local()

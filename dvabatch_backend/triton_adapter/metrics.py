@@ -66,6 +66,10 @@ class StageMetrics:
         step_seconds = pb_utils.MetricFamily(name="dvabatch_loop_step_seconds_total", kind=counter,
                                              description="Host seconds the engine loop's steps took (launches run on its thread included)")
         self._steps, self._step_seconds = steps.Metric(labels={"model": model}), step_seconds.Metric(labels={"model": model})
+        tabled = pb_utils.MetricFamily(name="dvabatch_table_answered_queries_total", kind=counter,
+                                       description="Queries answered with their result from a batch that was a row of the "
+                                                   "batch table (the rest: the fast path's)")
+        self._tabled = tabled.Metric(labels={"model": model})
         drains = pb_utils.MetricFamily(name="dvabatch_fast_path_drains_total", kind=counter,
                                        description="Drains of Triton's queue behind the fast path: its execute calls came full too long and were refused until one was not")
         self._drains = drains.Metric(labels={"model": model})
@@ -75,7 +79,7 @@ class StageMetrics:
         self._refused = {reason: refused.Metric(labels={"model": model, "reason": reason}) for reason in _REFUSALS}
         self._goodput = goodput.Metric(labels={"model": model})
         self._families = [*families.values(), queue, ops, queued, refused, goodput, fast, fast_batches, fast_device,
-                          handovers, drains, steps, step_seconds]  # alive while reporting
+                          handovers, drains, steps, step_seconds, tabled]  # alive while reporting
         if device_calls:
             calls = pb_utils.MetricFamily(name="dvabatch_device_calls_total", kind=counter,
                                           description="execute calls where the model runs on a device: handed to the engine "
@@ -127,6 +131,7 @@ class StageMetrics:
         self._increment(self._handovers, "inline_handovers", stats.inline_handovers)
         self._increment(self._drains, "caller_drains", stats.caller_drains)
         self._increment(self._steps, "loop_steps", stats.loop_steps)
+        self._increment(self._tabled, "table_answered", stats.answered_ok - stats.inline_queries)
         self._increment(self._step_seconds, "loop_step_seconds", stats.loop_step_seconds)
         self._set(self._queued, ("queued", -1), stats.queued)
         if self._device_calls:

@@ -33,6 +33,7 @@ from perf.baselines import add_baseline
 from perf.baselines.bench import sample_queries
 from perf.compare.by_own_driver import warm_up_and_peak
 from perf.compare.on_device import TIMEOUT_S, device_config, poisson_schedule, sustained_rates
+from perf.compare.served_metrics import ADAPTER_SAMPLE_S, batch_reports, scrape
 from perf.load.drivers import alternating, run_closed_loop, run_open_loop
 from slicer import model_config
 from slicer.triton_files import STUB_PATHS, add_model_copy
@@ -81,9 +82,12 @@ def paired(rounds: Mapping[str, Sequence[dict[str, Any]]], key: str) -> dict[str
 
 
 def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: Mapping[str, int], queries: int,
-            rounds: int, loads: Sequence[float], sustained: int, seed: int = 0) -> dict[str, Any]:
+            rounds: int, loads: Sequence[float], sustained: int, seed: int = 0,
+            metrics_url: str | None = None) -> dict[str, Any]:
     """The lone query and each load in `rounds` rounds, then `sustained` rounds of the sustained rates
-    (the order alternating), each on ZeroBatch's peak (module docstring)."""
+    (the order alternating), each on ZeroBatch's peak (module docstring). With `metrics_url`, each
+    load's batches as served (`served_metrics.batch_report`: the batch table's share of the answers,
+    the meta operations)."""
     pair = [systems["before"], systems["after"]]
     labels = {model: label for label, model in systems.items()}
     peak = warm_up_and_peak(url, [*pair, systems["ZeroBatch"]], manifest, int_high, PEAK_SECONDS, seed, TIMEOUT_S)
@@ -100,6 +104,7 @@ def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: 
     print(line("lone", result["lone"]), flush=True)
     for k, fraction in enumerate(loads):
         runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+        scraped = scrape(metrics_url) if metrics_url else None
         for turn in range(rounds):
             sample, lengths, offsets = poisson_schedule(manifest, int_high, fraction * peak, queries,
                                                         seed + 200 + 10 * k + turn, seed + 100 + 10 * k + turn)
@@ -110,8 +115,13 @@ def measure(url: str, systems: Mapping[str, str], manifest: Manifest, int_high: 
                 "p99_ms": paired(runs, "latency_p99_ms"),
                 "answered": {k: [r["answered"] for r in v] for k, v in runs.items()},
                 "queries": [r["queries"] for r in runs["after"]]}
+        if scraped is not None:
+            time.sleep(2 * ADAPTER_SAMPLE_S)  # the adapter's last counts reach the server
+            load["batches"] = batch_reports(scraped, scrape(metrics_url), {k: systems[k] for k in ("before", "after")})
         result["loads"].append(load)
         print(line(f"{fraction:g}x", load), flush=True)
+        for label, report in load.get("batches", {}).items():
+            print(f"        {label}: {json.dumps(report)}", flush=True)
     lone_ms = statistics.median(r["latency_mean_ms"] for r in lone["before"]) if lone["before"] else None
     result["sustained"] = []
     for turn in range(sustained if lone_ms else 0):
@@ -166,7 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in systems.values():
                 server.wait_model_ready(name, timeout=600)
             result = measure(server.grpc_url, systems, manifest, int_bounds(full), args.queries, args.rounds,
-                             tuple(float(f) for f in args.loads.split(",") if f), args.sustained)
+                             tuple(float(f) for f in args.loads.split(",") if f), args.sustained,
+                             metrics_url=server.metrics_url)
     result.update(model=manifest.name, device=args.device, device_profile=profile, before=str(args.before),
                   queries=args.queries, rounds=args.rounds, seconds=time.perf_counter() - began)
     out = args.out / args.model_dir.name

@@ -52,7 +52,8 @@ def _ratio(a: float, b: float) -> float | None:
 def batch_report(before: Snapshot, after: Snapshot, model: str) -> dict[str, Any]:
     """What `model` ran between the snapshots: queries and executions (Triton's), the mean batch
     of an execution; and for a dvabatch model each stage's mean batch, the inline runs and their
-    mean batch, and the meta operations."""
+    mean batch, the share of answers whose batch was a row of the batch table, and the meta
+    operations."""
     queries = sum(_delta(before, after, "nv_inference_count", model).values())
     executions = sum(_delta(before, after, "nv_inference_exec_count", model).values())
     report: dict[str, Any] = {"queries": queries, "executions": executions,
@@ -65,6 +66,9 @@ def batch_report(before: Snapshot, after: Snapshot, model: str) -> dict[str, Any
         inline = sum(_delta(before, after, "dvabatch_fast_path_batches_total", model).values())
         inline_queries = sum(_delta(before, after, "dvabatch_fast_path_queries_total", model).values())
         report["inline_runs"], report["inline_mean_batch"] = inline, _ratio(inline_queries, inline)
+        tabled = sum(_delta(before, after, "dvabatch_table_answered_queries_total", model).values())
+        report["table_answered"] = tabled  # answers whose batch was a row of the batch table
+        report["table_share"] = _ratio(tabled, tabled + inline_queries)
         report["meta_operations"] = {k: v for k, v in _delta(before, after, "dvabatch_meta_operations_total", model).items()
                                      if v}
         calls = _delta(before, after, "dvabatch_device_calls_total", model)

@@ -12,7 +12,8 @@ from dvabatch_backend.runtime.pipeline import Pipeline
 from dvabatch_backend.runtime.query import QueryState
 from dvabatch_backend.runtime.scheduler import Scheduler
 from dvabatch_backend.runtime.settings import RuntimeSettings
-from policies import PipelinedPolicy, create_policy
+from dvabatch_backend.runtime.work import Launch, launching
+from policies import PipelinedPolicy, RandomLegalPolicy, create_policy
 
 from ..conftest import Collector, GatedEngine, LaunchLedger, assert_matches_reference, make_scheduler
 
@@ -131,3 +132,41 @@ def test_a_cancelled_query_leaves_at_the_next_step_and_the_others_are_answered(z
     for qid, query in ((running, inputs[0]), (kept, inputs[2])):
         assert_matches_reference(model, query, collector.one(qid))
     assert gate.started.acquire(timeout=0) and not gate.started.acquire(timeout=0)  # stage 0 ran one more batch: kept's
+
+
+@pytest.mark.parametrize("pairs", [1, 2])
+def test_every_launch_of_the_pipeline_is_a_row_of_the_batch_table(zoo, pairs: int) -> None:
+    """Random arrivals under random legal `new`, `stretch` and `split`: each launch's batch is a row
+    of the batch table holding the launch's queries while it runs (the ledger checks `snapshot()`)."""
+    model = zoo.stages("token", 3)
+    ledger = LaunchLedger()
+    policy = RandomLegalPolicy(seed=pairs, stretch=0.8, split=0.5, hold=0.1)
+    pipeline = ledger.watch(make_scheduler(model, policy, ledger.wrap(model.engines()), num_buffer_pairs=pairs,
+                                           fast_path=False), tabled=True)
+    rng = np.random.default_rng(pairs)
+    collector = Collector()
+    sent: dict[int, dict[str, np.ndarray]] = {}
+    with pipeline:
+        for _ in range(40):
+            batch = [model.query(rng) for _ in range(int(rng.integers(1, 4)))]
+            sent.update(zip(pipeline.submit_many([(q, collector) for q in batch]), batch))
+        assert collector.wait_for(set(sent), timeout=60)
+    for qid, inputs in sent.items():
+        assert_matches_reference(model, inputs, collector.one(qid))
+    assert ledger.launches > 0 and ledger.violations == []
+
+
+class _Noop:
+    def run(self, inputs, outputs) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
+def test_the_ledger_names_a_launch_whose_batch_the_table_does_not_hold(zoo) -> None:
+    model = zoo.stages("dense", 2)
+    ledger = LaunchLedger()
+    (engine,) = ledger.wrap([_Noop()])
+    pipeline = ledger.watch(make_scheduler(model, PipelinedPolicy(), model.engines()), tabled=True)
+    with launching(Launch(0, 1, False, batch=7, queries=(3,))):  # the table is empty
+        engine.run({}, {})
+    assert ledger.violations == ["engine 0: launched on MainThread batch 7 of queries [3], which the batch table "
+                                 "does not hold"]
