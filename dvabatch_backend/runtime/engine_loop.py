@@ -8,9 +8,11 @@ are the step's per-stage launches, not threads. Arrivals need no step: `submit` 
 the scheduler's lock and wakes the loop.
 
 Who holds the step (`work.Step`): the loop's thread, or `execute`'s thread for a fast-path run
-while the scheduler holds nothing (`InlineHold.reserve` takes it for the run; the loop waits). Where a launch runs: on the thread that holds the step, where nothing could run beside
-it (one buffer pair: a stage waits for the stage after it to free the pair, so stages run one at a
-time, and a quiet pipeline runs a query through every stage without a wake-up); on a worker where
+while the scheduler holds nothing (`InlineHold.reserve` takes it for the run; the loop waits).
+
+Where a launch runs: on the thread that holds the step, where nothing could run beside it (one
+buffer pair: a stage waits for the stage after it to free the pair, so stages run one at a time,
+and a quiet pipeline runs a query through every stage without a wake-up); on a worker where
 another stage could run meanwhile (two or more pairs), so that batches in different stages overlap
 and the step stays free to launch them. Either way a stage has one launch in flight at a time.
 
@@ -26,7 +28,7 @@ from typing import Callable, Sequence
 from .engine import StageEngine
 from .executor import run_work
 from .scheduler import Scheduler
-from .work import Launch, Work, WorkListener, WorkResult, current_launch, launching  # noqa: F401 - re-exported
+from .work import Launch, Work, WorkListener, WorkResult, launching
 
 log = logging.getLogger(__name__)
 
