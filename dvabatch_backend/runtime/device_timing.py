@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 
 class DeviceTimer:
@@ -78,6 +78,11 @@ class DeviceTimer:
             self._seconds += max(0.0, self._elapsed(start, end))
             self._runs += 1
             self._free += (start, end)
+
+
+def device_timers(engines: Iterable[Any]) -> list[DeviceTimer]:
+    """The timers of those engines that run on a device (an engine's `device_timer`, where it has one)."""
+    return [t for t in (getattr(e, "device_timer", None) for e in engines) if t is not None]
 
 
 def cuda_timer() -> DeviceTimer:

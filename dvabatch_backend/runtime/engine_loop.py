@@ -25,6 +25,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
+from .device_timing import device_timers
 from .engine import StageEngine
 from .executor import run_work
 from .scheduler import Scheduler
@@ -88,7 +89,7 @@ class EngineLoop(WorkListener):
                          if overlap else None)
         self.entry_wait: Callable[[], None] | None = None  # `Pipeline.wait_at_entry`; set before start
         # each engine's device timer, where it runs on a device: read by the step, published for the metrics
-        self._timers = [t for t in (getattr(e, "device_timer", None) for e in engines) if t is not None]
+        self._timers = device_timers(engines)
         self.wakeups = 0  # how often the loop waited for a signal and woke (its thread only)
         self.steps = 0  # the loop's steps, and the host seconds they took (its thread writes, any reads)
         self.step_seconds = 0.0

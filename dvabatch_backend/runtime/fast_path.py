@@ -40,6 +40,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from .buffers import MemoryFactory, StageBuffer
+from .device_timing import device_timers
 from .engine import StageEngine
 from .work import Launch, launching
 from .fences import FenceFactory
@@ -72,6 +73,8 @@ class FastPath:
         self._buffers = [StageBuffer(k, -1, manifest.boundary(k), scheduler.bs_max, manifest.max_length)
                          for k in boundaries]
         self.engine = "stages" if whole_model is None else "model"
+        # the engines' device timers, where they run on a device: read after each run, for the metrics
+        self._timers = device_timers(self._engines)
 
     @property
     def model_timer(self) -> Any:
@@ -245,10 +248,8 @@ class FastPath:
                 out.fence.reset()
                 engine.run(views[stage], views[stage + 1])
                 out.fence.record()
-            for engine in self._engines:  # the device times of what completed, for the metrics
-                timer = getattr(engine, "device_timer", None)
-                if timer is not None:
-                    timer.collect()
+            for timer in self._timers:
+                timer.collect()
         return views[-1]
 
 
