@@ -157,16 +157,19 @@ class EngineLoop(WorkListener):
             self.steps += 1
 
     def _step(self, step: int, completed: list[tuple[Work, WorkResult | BaseException]]) -> tuple[bool, float | None]:
-        """One step: the completions, the batch window, one launch per idle stage (last first, so a
-        pair is freed downstream before upstream asks for it). Whether it launched anything, and
-        when the batch window next passes."""
+        """One step: the completions, the batch window, one launch per idle stage. Whether it
+        launched anything, and when the batch window next passes. Launches on workers go last
+        stage first, so a pair is freed downstream before upstream asks for it; launches on this
+        thread go in stage order, each finished before the next stage is asked, so a batch crosses
+        every stage in one step."""
         scheduler = self._scheduler
         for done, result in completed:
             self._in_flight.discard(done.stage)
             self._finish(done, result)
         wake_at = scheduler.on_window()
         launched = False
-        for stage in reversed(range(scheduler.num_stages)):
+        stages = range(scheduler.num_stages)
+        for stage in (stages if self._workers is None else reversed(stages)):
             if stage in self._in_flight:
                 continue
             work = scheduler.next_work(stage)
