@@ -203,9 +203,11 @@ class EngineLoop(WorkListener):
 
     def _finish(self, work: Work, result: WorkResult | BaseException) -> None:
         scheduler = self._scheduler
+        if isinstance(result, BaseException):  # the entry's wait for the device failed: this batch alone
+            log.warning("stage %d: waiting for the device failed after %s: %s", work.stage, work.item, result)
+            scheduler.fail_work(work, result)
+            return
         try:
-            if isinstance(result, BaseException):
-                raise result
             scheduler.finish_work(work, result)
         except Exception as exc:  # a fault after the run: its queries get an error, the loop serves on
             log.exception("stage %d: bookkeeping failed after %s", work.stage, work.item)

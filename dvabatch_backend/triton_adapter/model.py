@@ -29,7 +29,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -384,17 +384,17 @@ class TritonPythonModel:
         several = self._inline_many and not any(_request_timeout_us(r) for r in requests)
         cancelled: set[int] = set()  # requests Triton reports cancelled while they waited for a batch
 
-        def answer(i: int, response: Callable[[], Any]) -> None:
-            done[i] = response()
+        def answer(i: int, response: Any) -> None:
+            done[i] = response
 
         def send_done() -> None:  # a later batch is about to run: the answers so far leave now
             for i in list(done):
                 self._send(requests[i], done.pop(i))
 
         left = self._scheduler.run_inline_group(  # type: ignore[arg-type]
-            tensors, lambda i, out: answer(i, lambda: self._response(out)), several,
+            tensors, lambda i, out: answer(i, self._response(out)), several,
             lambda i: _is_cancelled(requests[i], i, cancelled), full,
-            lambda i, error: answer(i, lambda: _error_response(error)),
+            lambda i, error: answer(i, _error_response(error)),
             send_done if self._answers_early else None)
         if not left and len(done) == len(requests):  # all answered here: returned by execute
             return [done[i] for i in range(len(requests))]
