@@ -340,6 +340,15 @@ def make_scheduler(model: SlicedModel, policy: Policy, engines: list | None = No
     return Pipeline.create(model.manifest, engines or model.engines(), policy, RuntimeSettings(**options), **extra)  # type: ignore[arg-type]
 
 
+def call(pipeline: Pipeline, queries: list[dict[str, np.ndarray]], collector: Collector) -> tuple[list[int], bool]:
+    """A caller's call: its queries submitted, and the loop's steps run here until they are answered
+    (`Pipeline.serve_here`); their ids, and whether they were answered by its return."""
+    ids: list[int] = []
+    answered = pipeline.serve_here(lambda: ids.extend(pipeline.submit_many([(q, collector) for q in queries])),
+                                   lambda: all(i in collector.answers for i in ids))
+    return ids, answered
+
+
 def assert_all_answered_correctly(model: SlicedModel, scheduler, collector: "Collector",
                                   sent: Mapping[int, Mapping[str, np.ndarray]]) -> None:
     """Every query sent answered exactly once, equal to the unsliced model; no buffer-rule violation,

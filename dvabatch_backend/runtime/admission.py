@@ -149,15 +149,15 @@ class Admission:
         self.slo_seconds = None if slo.slo_ms is None else slo.slo_ms / 1000.0
         self._derived_bound = derived_queue_bound(service, bs_max, overlapping)
         # a bs_max batch's passage through the stages matters beside the wait a standing queue allows
-        # (and the pipeline's own hand-offs cost little beside it: `InlineHold.caller_backlog`)
+        # (and the pipeline's own hand-offs cost little beside it: `CallerQueue.caller_backlog`)
         self.long_passage = service.pipeline_time(bs_max) > CAPPED_PASSAGE
         # with one buffer pair, where that passage is each waiting row's wait; at any length, as a
         # call's (the batch-size profile alone is taken at one length, and a shorter length's rows
         # may still gain from a larger batch)
         self.backlog_batch = (service.efficient_batch(bs_max, BACKLOG_BATCH_TOLERANCE, every_length=True)
                               if self.long_passage and not overlapping else bs_max)
-        # a call of the caller's, run inline: in batches no larger than buy throughput at any
-        # length, each request answered as its batch is done (`InlineHold.plan`)
+        # any batch but a backlog's: no larger than buys throughput at any length, so that a call's
+        # requests are answered as their batch is done rather than with its largest batch
         self.call_batch = (service.efficient_batch(bs_max, BACKLOG_BATCH_TOLERANCE, every_length=True)
                            if self.long_passage else bs_max)
         self.overlapping = overlapping
@@ -165,7 +165,7 @@ class Admission:
         # timeout is the user's
         self.refuses_standing = queue.max_queue_size is None and not queue.default_timeout_us
         self.door_since: float | None = None  # since when the door refuses (the door rule), None while open
-        self.door_shut_at: float | None = None  # when the door last shut: overload known (`InlineHold`)
+        self.door_shut_at: float | None = None  # when the door last shut: overload known (`CallerQueue`)
 
     @property
     def max_queue_size(self) -> int:

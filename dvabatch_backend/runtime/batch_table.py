@@ -44,6 +44,7 @@ class BatchRow:
     started: bool = False  # an executor has taken one of its items (a split child: its parent had)
     parent: int | None = None  # set on the children of a split
     group: int = -1  # the batch created by `new` whose buffer rows these are
+    whole: bool = False  # runs the one-stage route: the unsliced model (`Scheduler.runs_whole`)
 
     def __post_init__(self) -> None:
         if self.group < 0:
@@ -70,6 +71,7 @@ class BatchInfo:
     is_split: bool
     query_ids: tuple[int, ...]
     started: bool = False  # a stage has begun running it: before that, joining it costs no wait
+    whole: bool = False  # it runs the unsliced model, a one-stage route: no stage boundary to join or split at
 
 
 class BatchTable:
@@ -97,7 +99,7 @@ class BatchTable:
     def info(self, row: BatchRow) -> BatchInfo:
         return BatchInfo(
             row.id, row.bs, row.created, row.pad_length, tuple(row.status_map),
-            row.no_stretch, row.parent is not None, tuple(q.id for q in row.queries), row.started,
+            row.no_stretch, row.parent is not None, tuple(q.id for q in row.queries), row.started, row.whole,
         )
 
     def latest(self) -> BatchRow | None:
@@ -190,11 +192,13 @@ class BatchTable:
 
         Rows wait (nothing is returned) while stretched rows are still catching up through
         earlier stages; the item that completes the batch at this stage carries every row
-        not yet handed on: the merge. At the last stage nothing is handed on.
+        not yet handed on: the merge. At the last stage nothing is handed on, nor after a row of
+        the one-stage route (`whole`), whose rows have then passed every stage.
         """
         row = self._rows[item.batch_id]
-        row.status_map[stage] += item.num
-        if stage == self.num_stages - 1 or row.status_map[stage] < row.bs:
+        for k in range(stage, self.num_stages if row.whole else stage + 1):
+            row.status_map[k] += item.num
+        if stage == self.num_stages - 1 or row.whole or row.status_map[stage] < row.bs:
             return None
         start = row.pushed[stage]
         row.pushed[stage] = row.bs

@@ -139,10 +139,10 @@ class BatchTableView:
 class Policy(ABC):
     """Base class of batching policies; subclasses name themselves with `name`.
 
-    `runs_inline` says whether a batch that meets nobody may skip the policy and run on the fast
-    path (runtime/fast_path.py): the stages in a row, answered with the model's final outputs.
-    None (the default) allows it unless the policy overrides `on_stage_done`, whose splits may
-    answer early from an exit head; a policy whose splits never change an answer sets True.
+    `runs_inline` says whether a batch that meets nobody may run the unsliced model, a one-stage
+    route with no boundary to split at (`Scheduler.serve_whole_model`). None (the default) allows
+    it unless the policy overrides `on_stage_done`, whose splits may answer early from an exit
+    head; a policy whose splits never change an answer sets True.
     """
 
     name: str = "policy"
@@ -150,7 +150,7 @@ class Policy(ABC):
 
     @classmethod
     def allows_inline(cls) -> bool:
-        """Whether the fast path may serve for this policy (see `runs_inline`)."""
+        """Whether a batch may run the unsliced model under this policy (see `runs_inline`)."""
         if cls.runs_inline is not None:
             return cls.runs_inline
         return cls.on_stage_done is Policy.on_stage_done
@@ -182,7 +182,7 @@ class Policy(ABC):
         `exit` flags and `exit_outputs` some parts leave now, answered from this stage's outputs
         (`table.stage_outputs()`, read-only, valid during the call). A split the batch cannot take
         (sizes not summing to its rows, an exit output the stage does not give) is refused and the
-        batch goes on whole. Overriding it turns the fast path off unless `runs_inline` is True."""
+        batch goes on whole. Overriding it keeps batches off the unsliced model unless `runs_inline` is True."""
         return None
 
 

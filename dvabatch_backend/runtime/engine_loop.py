@@ -7,8 +7,10 @@ nothing, the item the scheduler has for it (`Scheduler.next_work`): the paper's 
 are the step's per-stage launches, not threads. Arrivals need no step: `submit` batches them under
 the scheduler's lock and wakes the loop.
 
-Who holds the step (`work.Step`): the loop's thread, or `execute`'s thread for a fast-path run
-while the scheduler holds nothing (`InlineHold.reserve` takes it for the run; the loop waits).
+Who holds the step (`work.Step`): the loop's thread, or a caller's while the loop is idle
+(`serve_here`: a Triton `execute` call runs the steps that answer its own requests on its thread,
+saving the wake-up of the loop's; arrivals meanwhile only mark the loop woken, and it steps once
+the caller lets go). The steps are the same either way; so is the batch table they serve.
 
 Where a launch runs: on the thread that holds the step, where nothing could run beside it (one
 buffer pair: a stage waits for the stage after it to free the pair, so stages run one at a time,
@@ -76,9 +78,13 @@ class EngineLoop(WorkListener):
     """The loop's thread and, with two or more buffer pairs, its launch workers (module docstring).
     Its state (`_woken`, `_completed`) is guarded by `_signal`; `_in_flight` is the step's."""
 
-    def __init__(self, scheduler: Scheduler, engines: Sequence[StageEngine]) -> None:
+    def __init__(self, scheduler: Scheduler, engines: Sequence[StageEngine],
+                 whole_model: StageEngine | None = None) -> None:
+        """`whole_model`: the unsliced model's engine, for the batches that take the one-stage
+        route (`Scheduler.serve_whole_model`)."""
         self._scheduler = scheduler
         self._engines = list(engines)
+        self._whole_model = whole_model
         self.step = scheduler.step
         self._signal = threading.Condition()
         self._woken = False
@@ -89,12 +95,13 @@ class EngineLoop(WorkListener):
                          if overlap else None)
         self.entry_wait: Callable[[], None] | None = None  # `Pipeline.wait_at_entry`; set before start
         # each engine's device timer, where it runs on a device: read by the step, published for the metrics
-        self._timers = device_timers(engines)
+        self._timers = device_timers([*engines, *([whole_model] if whole_model is not None else [])])
         self.wakeups = 0  # how often the loop waited for a signal and woke (its thread only)
         self.steps = 0  # the loop's steps, and the host seconds they took (its thread writes, any reads)
         self.step_seconds = 0.0
         self.handover = HandOverCost()  # under `_signal`
         self._idle = False  # the loop waits for a signal (under `_signal`)
+        self._driven = False  # a caller runs the steps (`serve_here`): wake-ups only mark `_woken`
         self.died: BaseException | None = None  # what ended the loop, if not a stop
         self.on_death: Callable[[BaseException], None] = lambda exc: None
         self.thread = threading.Thread(target=self._run, name="dvabatch-engine-loop", daemon=True)
@@ -113,9 +120,53 @@ class EngineLoop(WorkListener):
     def wake(self) -> None:
         with self._signal:
             self._woken = True
+            if self._driven:
+                return  # the caller's steps see the work; the loop is told when it lets go
             if self._idle:
                 self.handover.woken(self._scheduler.clock())
             self._signal.notify()
+
+    # -- a caller's steps -------------------------------------------------------------------
+
+    def serve_here(self, submit: Callable[[], None], answered: Callable[[], bool]) -> bool:
+        """Call `submit` (the caller's arrivals) and, while the loop is idle, run its steps on this
+        thread until `answered()` or a step launches nothing (the policy holds queries back for its
+        window, or they wait for a pair); whether `answered()`. The loop is claimed before `submit`,
+        so that the arrivals do not wake it. Not claimed (`submit` alone) while the loop steps, has
+        work in flight, or another caller runs its steps. Every launch here runs on this thread, in
+        stage order; so with two or more buffer pairs, where the loop's workers overlap batches in
+        different stages, only a call whose queries make one batch is run here."""
+        with self._signal:
+            claimed = self._idle and not (self._driven or self._completed or self._in_flight)
+            self._driven = self._driven or claimed
+        if not claimed:
+            submit()
+            return answered()
+        try:
+            submit()
+            if self._workers is not None and self._scheduler.batches() > 1:
+                return answered()  # batches that could overlap on the loop's workers: the loop's
+            with self.step.held() as step:  # the loop is idle: it holds no step
+                while not answered():
+                    began = self._scheduler.clock()
+                    launched, _ = self._step(step, [], here=True)
+                    self._step_done(began)
+                    if not launched:
+                        break
+        finally:
+            with self._signal:
+                self._driven = False  # from here on a wake-up reaches the loop
+                woken = self._woken
+            if woken and not self._scheduler.holds_nothing_now():
+                self.wake()  # work came meanwhile that these steps left (a window, a queue): the loop's
+        return answered()
+
+    def _step_done(self, began: float) -> None:
+        """A step ended (its holder's thread, the step still held): the device timers read, and counted."""
+        for timer in self._timers:
+            timer.collect()
+        self.step_seconds += self._scheduler.clock() - began
+        self.steps += 1
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -148,28 +199,27 @@ class EngineLoop(WorkListener):
                 completed, self._completed = self._completed, []
             if scheduler.stopping and not self._in_flight and not completed:
                 return
-            with self.step.held() as step:  # waits while a fast-path run holds it
+            with self.step.held() as step:  # waits while a caller runs the steps (`serve_here`)
                 began = scheduler.clock()
                 launched, wake_at = self._step(step, completed)
-                for timer in self._timers:
-                    timer.collect()
-                self.step_seconds += scheduler.clock() - began
-            self.steps += 1
+                self._step_done(began)
 
-    def _step(self, step: int, completed: list[tuple[Work, WorkResult | BaseException]]) -> tuple[bool, float | None]:
+    def _step(self, step: int, completed: list[tuple[Work, WorkResult | BaseException]],
+              here: bool = False) -> tuple[bool, float | None]:
         """One step: the completions, the batch window, one launch per idle stage. Whether it
         launched anything, and when the batch window next passes. Launches on workers go last
         stage first, so a pair is freed downstream before upstream asks for it; launches on this
-        thread go in stage order, each finished before the next stage is asked, so a batch crosses
-        every stage in one step."""
+        thread (one pair, or `here`: a caller's step) go in stage order, each finished before the
+        next stage is asked, so a batch crosses every stage in one step."""
         scheduler = self._scheduler
         for done, result in completed:
             self._in_flight.discard(done.stage)
             self._finish(done, result)
         wake_at = scheduler.on_window()
         launched = False
+        here = here or self._workers is None
         stages = range(scheduler.num_stages)
-        for stage in (stages if self._workers is None else reversed(stages)):
+        for stage in (stages if here else reversed(stages)):
             if stage in self._in_flight:
                 continue
             work = scheduler.next_work(stage)
@@ -177,7 +227,7 @@ class EngineLoop(WorkListener):
                 continue
             launched = True
             queries = tuple(q.id for q in work.queries)
-            if self._workers is None:
+            if here:
                 self._finish(work, self._launch(work, Launch(stage, step, True, work.item.batch_id, queries)))
             else:
                 self._in_flight.add(stage)
@@ -186,10 +236,11 @@ class EngineLoop(WorkListener):
 
     def _launch(self, work: Work, launch: Launch) -> WorkResult | BaseException:
         """Run `work` on its stage's engine; a failure of the entry's wait is the result."""
+        engine = self._whole_model if work.whole else self._engines[work.stage]
         with launching(launch):
-            result = run_work(work, self._engines[work.stage], self._scheduler)
-        try:
-            if work.stage == 0 and self.entry_wait is not None:
+            result = run_work(work, engine, self._scheduler)  # type: ignore[arg-type]
+        try:  # the unsliced model writes host outputs: its run has ended on the device
+            if work.stage == 0 and not work.whole and self.entry_wait is not None:
                 self.entry_wait()
         except Exception as exc:  # noqa: BLE001 - a device fault: this batch's queries get the error
             return exc

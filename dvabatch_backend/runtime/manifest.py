@@ -147,7 +147,7 @@ class Manifest:
 
     @property
     def fast_path_engine(self) -> str:
-        """What runs a query that meets nobody (runtime/fast_path.py): "model", the unsliced model
+        """What runs a batch that meets nobody (`Scheduler.serve_whole_model`): "model", the unsliced model
         (`full_model`), when the slicer measured it faster than the stages in a row; else "stages"."""
         choice = self.extra.get("fast_path")
         engine = choice.get("engine") if isinstance(choice, dict) else None

@@ -1,12 +1,14 @@
 """The pipeline: a `Scheduler` and the `EngineLoop` that owns its engines.
 
 This is what serves: `start` starts the loop, `submit` hands queries to the scheduler,
-`run_inline` runs a batch that meets nobody on the caller's thread (the fast path, holding the
-loop's step), `stop` answers what is left ("shutting down") and joins the loop. The scheduler owns
-the state; the loop owns the engines and is the scheduler's `WorkListener`.
+`serve_here` lets a caller run the loop's steps on its own thread while the loop is idle (a
+Triton `execute` call answering its own requests), `stop` answers what is left ("shutting down")
+and joins the loop. The scheduler owns the state; the loop owns the engines and is the
+scheduler's `WorkListener`.
 """
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -17,9 +19,8 @@ import numpy as np
 from .decisions import Policy, PolicyContext
 from .engine import StageEngine
 from .engine_loop import EngineLoop, hands_over
-from .fast_path import FastPath
 from .manifest import Manifest
-from .query import Reply, request_rows
+from .query import Reply
 from .admission import Admission
 from .batch_table import TableSnapshot
 from .buffers import BufferState, MemoryFactory
@@ -34,23 +35,31 @@ from .stats import RuntimeStats, TraceEvent
 log = logging.getLogger(__name__)
 
 
-class Pipeline:
-    """A `Scheduler` and its `EngineLoop` (and the fast path, which borrows the loop's step).
+class CallRoute(enum.Enum):
+    """What becomes of a caller's call (`Pipeline.route_call`)."""
 
-    `Pipeline.create(manifest, engines, policy, settings)` makes the scheduler too.
-    """
+    HERE = "here"  # submitted; the caller runs the loop's steps that answer it, if the loop is idle
+    LOOP = "loop"  # submitted; the caller returns at once and the loop answers it
+    REFUSED = "refused"  # refused whole, unread: the caller's queue is drained (`CallerQueue.refusing`)
+
+
+class Pipeline:
+    """A `Scheduler` and its `EngineLoop`. `Pipeline.create(manifest, engines, policy, settings)`
+    makes the scheduler too."""
 
     def __init__(self, scheduler: Scheduler, engines: Sequence[StageEngine],
                  whole_model: StageEngine | None = None) -> None:
-        """`whole_model`: the unsliced model's engine, which then runs the fast path instead of the
-        stages in a row."""
+        """`whole_model`: the unsliced model's engine, which a batch that meets nobody then runs,
+        the one-stage route (`Scheduler.serve_whole_model`), where the policy allows it."""
         if len(engines) != scheduler.num_stages:
             raise ValueError(f"{len(engines)} engines for {scheduler.num_stages} stages")
         self.scheduler = scheduler
         self._engines = list(engines)
-        self.loop = EngineLoop(scheduler, engines)
+        self._whole_model = whole_model if scheduler.settings.fast_path and type(scheduler.policy).allows_inline() else None
+        if self._whole_model is not None:
+            scheduler.serve_whole_model()
+        self.loop = EngineLoop(scheduler, engines, self._whole_model)
         self.loop.on_death = self._loop_died
-        self._fast_path = FastPath(scheduler, engines, whole_model) if scheduler.inline.allowed else None
         self._state_lock = threading.Lock()  # guards _started and _stop_called
         self._started = False
         self._stop_called = False
@@ -72,20 +81,18 @@ class Pipeline:
     # -- lifecycle ----------------------------------------------------------------------
 
     def install_buffers(self, fence_factory: FenceFactory, memory_factory: MemoryFactory) -> None:
-        """Every buffer's fence and memory, the pipeline's and the fast path's, before it starts
-        (`device_memory.place_on_streams`: stages on CUDA streams)."""
+        """Every buffer's fence and memory, before it starts (`device_memory.place_on_streams`:
+        stages on CUDA streams). The one-stage route's outputs stay the host's: the unsliced
+        model's engine returns when it has written them."""
         with self._state_lock:
             if self._started:
                 raise RuntimeError("buffers can only be installed before the pipeline starts")
         with self.scheduler.lock:
             self.scheduler.board.buffers.install_fences(fence_factory, memory_factory)
-        if self._fast_path is not None:
-            self._fast_path.install_buffers(fence_factory, memory_factory)
 
     def wait_at_entry(self, wait: Callable[[], None]) -> None:
         """Before it starts: the loop calls `wait` after it ran a batch at stage 0, before it takes
-        more work (`loading.wait_at_entry`: until the batch has finished on the device). The fast
-        path does not: it runs the stages in a row and waits once, for the answers."""
+        more work (`loading.wait_at_entry`: until the batch has finished on the device)."""
         with self._state_lock:
             if self._started:
                 raise RuntimeError("the entry's wait can only be set before the pipeline starts")
@@ -111,8 +118,8 @@ class Pipeline:
             self._stop_called = True
             started = self._started
         self.scheduler.stop()
-        if not started or threading.current_thread() in self.threads:
-            return
+        if not started or threading.current_thread() in self.threads or self.scheduler.step.is_mine():
+            return  # a reply during a step: the loop waits for this thread's step, and ends after it
         for thread in self.threads:
             thread.join(timeout)
             if thread.is_alive():
@@ -126,8 +133,8 @@ class Pipeline:
 
     @property
     def fast_path_engine(self) -> str:
-        """What runs the fast path: "model" (the unsliced model), "stages" (in a row) or "off"."""
-        return "off" if self._fast_path is None else self._fast_path.engine
+        """What runs a batch that meets nobody: "model" (the one-stage route) or "stages"."""
+        return "model" if self._whole_model is not None else "stages"
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -147,56 +154,35 @@ class Pipeline:
                     timeout_us: int | None = None) -> list[int]:
         return self.scheduler.submit_many(requests, timeout_us)
 
+    def submit_call(self, requests: Sequence[Sequence[tuple[Mapping[str, np.ndarray], Reply]]],
+                    timeouts_us: Sequence[int | None] | None = None) -> list[list[int]]:
+        return self.scheduler.submit_call(requests, timeouts_us)
+
     def refuse_at_door(self, requests: int) -> list[QueryError]:
         return self.scheduler.refuse_at_door(requests)
 
-    def run_inline(self, inputs: Mapping[str, np.ndarray], wait: bool = True) -> dict[str, np.ndarray] | None:
-        """The fast path (runtime/fast_path.py): the model's outputs for a batch of rows in the model's
-        layout, run at once on this thread while the pipeline holds nothing; None when the rows must
-        be submitted instead (the fast path is off, the pipeline busy, the rows not one batch, or the
-        run failed). `wait`: with one buffer pair, wait for a busy pipeline to empty first
-        (`InlineHold.reserve`); not for rows whose deadline the pipeline keeps."""
-        return None if self._fast_path is None else self._fast_path.run(inputs, wait)
+    def serve_here(self, submit: Callable[[], None], answered: Callable[[], bool]) -> bool:
+        """`submit()` (the caller submits its queries) and, while the engine loop is idle, run its
+        steps on this thread until `answered()` (`EngineLoop.serve_here`); whether it holds. Off
+        (`submit` alone) where the setting `fast_path` is: every step is then the loop's."""
+        if not self.scheduler.settings.fast_path:
+            submit()
+            return answered()
+        return self.loop.serve_here(submit, answered)
 
-    def run_inline_requests(self, requests: Sequence[Mapping[str, np.ndarray]],
-                            answer: Callable[[int, dict[str, np.ndarray]], None],
-                            cancelled: Callable[[int], bool] | None = None,
-                            between_batches: Callable[[], None] | None = None) -> list[int] | None:
-        """Several requests' rows on the fast path, batched as the policy batches them at an empty
-        pipeline (`FastPath.run_requests`): `answer(i, outputs)` as each request is done, `cancelled(i)`
-        before a batch a request waited for, `between_batches()` before each batch after the first;
-        None when not taken, else the requests left (for `submit_many`, bar the cancelled)."""
-        return None if self._fast_path is None else self._fast_path.run_requests(requests, answer, cancelled,
-                                                                                  between_batches)
-
-    def run_inline_group(self, requests: Sequence[Mapping[str, np.ndarray]],
-                         answer: Callable[[int, dict[str, np.ndarray]], None], several: bool = True,
-                         cancelled: Callable[[int], bool] | None = None, full: bool = False,
-                         refuse: Callable[[int, QueryError], None] | None = None,
-                         between_batches: Callable[[], None] | None = None) -> list[int]:
-        """The requests one call hands over together (a Triton `execute` call: what queued while the
-        last one ran) on the fast path where it takes them: a lone request by `run_inline`, several
-        by `run_inline_requests` when `several`. `answer(i, outputs)` for each request answered here;
-        returns the others' indices, in order (all of them where it took none): those `cancelled`
-        said were, and the rest for `submit_many`. `full`: the call came full (its caller had a
-        batch waiting); full calls for too long have the calls handed to the pipeline or refused,
-        `refuse(i, error)` for each request (`InlineHold.caller_backlog`).
-        `between_batches()`: before each batch of several requests after the first."""
-        hold = self.scheduler.inline
-        if self._fast_path is None or hold.caller_backlog(full, sum(request_rows(requests))):
-            return list(range(len(requests)))
-        if hold.refusing and refuse is not None:
-            for i, error in enumerate(self.scheduler.refuse_caller_backlog(len(requests))):
-                refuse(i, error)
-            return []
-        if len(requests) == 1:
-            outputs = self.run_inline(requests[0], wait=several)  # not several: a deadline, the pipeline's
-            if outputs is None:
-                return [0]
-            answer(0, outputs)
-            return []
-        left = self.run_inline_requests(requests, answer, cancelled, between_batches) if several else None
-        return list(range(len(requests))) if left is None else left
+    def route_call(self, requests: int, rows: int, full: bool, hand_off: bool = False) -> CallRoute:
+        """A caller's call of `requests` requests (`rows` rows), `full` or not (its caller had a batch
+        waiting: `CallerQueue.caller_backlog`): refused whole while the caller's queue is drained;
+        left to the loop while that queue stands, or, with `hand_off` (the engines run beside the
+        host), where `hands_over` says so; else served here."""
+        caller = self.scheduler.caller
+        if caller.caller_backlog(full):
+            return CallRoute.LOOP
+        if caller.refusing:
+            return CallRoute.REFUSED
+        if hand_off and self.hands_over(requests, rows):
+            return CallRoute.LOOP
+        return CallRoute.HERE
 
     def hands_over(self, requests: int, rows: int) -> bool:
         """Where the engines run beside the host: whether a call of `requests` requests (`rows` rows)
@@ -251,17 +237,17 @@ class Pipeline:
         return self.scheduler.pending_count
 
     def observe(self) -> tuple[RuntimeStats, list[int]]:
-        """The scheduler's stats and queue lengths, each stage's device time (and the fast path's
-        unsliced model's) added from its engine's events where it runs on a device."""
+        """The scheduler's stats and queue lengths, each stage's device time (and the unsliced
+        model's) added from its engine's events where it runs on a device."""
         stats, queues = self.scheduler.observe()
         stats.loop_steps, stats.loop_step_seconds = self.loop.steps, self.loop.step_seconds
         for stage, engine in zip(stats.stages, self._engines):
             timer = getattr(engine, "device_timer", None)
             if timer is not None:
                 stage.device_seconds = timer.seconds()
-        whole = self._fast_path.model_timer if self._fast_path is not None else None
+        whole = getattr(self._whole_model, "device_timer", None)
         if whole is not None:
-            stats.inline_device_seconds = whole.seconds()
+            stats.whole_device_seconds = whole.seconds()
         return stats, queues
 
     def executor_states(self) -> list[ExecutorState]:

@@ -3,22 +3,21 @@
 A policy is other people's code: its plan is checked whole before anything changes, and a plan
 that cannot be carried out is refused with a reason (`PolicyError` for its queries, or the batch
 going on whole for a `Split`). The checks are plain functions of the decision and what it names.
-`inline_batches` is the fast path's use of a policy: the batches it would make at an empty pipeline.
 """
 from __future__ import annotations
 
 import logging
-from typing import Iterator, Sequence, TypeVar
+from typing import Sequence, TypeVar
 
 import numpy as np
 
-from .decisions import ArrivalPlan, BatchTableView, New, Policy, Split, Stretch
+from .decisions import ArrivalPlan, New, Split, Stretch
 from .manifest import Manifest
 from .query import Query, QueryInfo
 from .query_table import QueryTable
 
 log = logging.getLogger(__name__)
-_Row = TypeVar("_Row", Query, QueryInfo)  # a query, or what a policy sees of one (the fast path plans those)
+_Row = TypeVar("_Row", Query, QueryInfo)  # a query, or what a policy sees of one
 
 
 def is_int(value: object) -> bool:
@@ -95,48 +94,3 @@ def pad_unsafe_stretch(batch_id: int, pad_length: int, queries: Sequence[Query])
     if not other:
         return None
     return f"the model is not pad-safe: queries of lengths {other} cannot join batch {batch_id} of length {pad_length}"
-
-
-def inline_batches(policy: Policy, view: BatchTableView, lengths: Sequence[int], now: float, ids: Iterator[int],
-                   cap: int, manifest: Manifest) -> tuple[list[tuple[list[int], int]], int, int]:
-    """The batches `policy` makes of rows of these lengths arriving now at an empty pipeline, as (row
-    indices, pad length) in the order to run them; how many times it failed; how many of its batches
-    were split by length (a model that is not pad-safe). A batch holds at most `cap` rows (bs_max,
-    or fewer: `Admission.call_batch`); rows it leaves waiting are offered again; rows it never takes
-    (or a policy that fails) go in arrival order, `cap` at a time. A model that is not pad-safe gets one batch per length, as the scheduler
-    carries out a `New`. `ids`: query ids no real query has."""
-    index = {next(ids): i for i in range(len(lengths))}
-    waiting = [QueryInfo(qid, lengths[i], now) for qid, i in index.items()]
-    batches: list[tuple[list[int], int]] = []
-    failures = reshaped = 0
-    while waiting:
-        try:
-            plan = policy.on_arrival(list(waiting), view, now)
-            check_plan(plan)
-            decisions = [d for d in plan.decisions if isinstance(d, New)]
-        except Exception:  # a broken policy must not lose rows: arrival order instead
-            log.exception("policy %s failed in on_arrival (fast path)", policy.name)
-            failures += 1
-            decisions = []
-        left = {q.id: q for q in waiting}
-        taken: list[tuple[list[QueryInfo], int | None]] = []
-        for d in decisions:
-            # at most `cap` of them; the rest stay waiting, offered again
-            rows = [left.pop(qid) for qid in [q for q in dict.fromkeys(d.query_ids) if q in left][:cap]]
-            if rows:
-                taken.append((rows, d.pad_length))
-        if not taken:  # nothing decided: arrival order
-            taken = [(list(left.values())[:cap], None)]
-            for q in taken[0][0]:
-                del left[q.id]
-        for rows, pad in taken:
-            groups = [rows]
-            if not manifest.pad_safe:
-                groups, split = by_length(New(tuple(q.id for q in rows), pad), rows)
-                reshaped += split
-            for group in groups:
-                longest = max(q.length for q in group)
-                length = longest if pad is None or not manifest.pad_safe else max(longest, min(pad, manifest.max_length))
-                batches.append(([index[q.id] for q in group], length))
-        waiting = list(left.values())
-    return batches, failures, reshaped

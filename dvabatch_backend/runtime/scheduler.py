@@ -13,7 +13,7 @@ The parts it owns, one concern each: the `QueryTable` (each query's `QueryState`
 counters that follow), the `BatchTable`, the `StageBoard` (batch queues, buffer pairs, executor
 states, wake-ups), `Admission` (refusals and drops, and
 the predicted cost), the `SplitStep` (the policy's splits after a stage, early exits), the
-`InlineHold` (the fast path's hold on the pipeline), the stats and the `Trace`. A policy's plans
+`CallerQueue` (what the caller's calls say of its own queue), the stats and the `Trace`. A policy's plans
 are checked (`plan_checks`) before anything is carried out.
 
 Lock discipline: one lock, `Scheduler.lock`, guards all of it. Every public method takes it;
@@ -33,12 +33,12 @@ import numpy as np
 
 from .admission import STANDING_WAIT, Admission, ServiceModel
 from .batch_table import BatchItem, BatchTable, TableSnapshot
-from .buffers import BufferPool, BufferState, PairUse
+from .buffers import BufferPool, BufferState, PairUse, StageBuffer
 from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, Stretch
 from .errors import (BadInputError, BufferStateError, CancelledError, OverloadedError, PolicyError, QueryError,
                      QueueFullError, ShuttingDownError)
 from .fences import FenceFactory, host_fences
-from .inline_hold import InlineHold
+from .caller_queue import CallerQueue
 from .manifest import Manifest
 from .plan_checks import arrival_refusal, by_length, check_plan, pad_unsafe_stretch
 from .query import Answer, Query, QueryState, Reply, read_query
@@ -84,14 +84,34 @@ class Scheduler:
         self._ids = itertools.count()
         self._policy = policy
         self._splits = SplitStep(policy, manifest, self._table, buffers, self.queries, self.stats, self.recorder)
-        self.inline = InlineHold(self, policy, self._view, self._ids)
+        self.caller = CallerQueue(self)  # what the caller's calls say of its own queue
         self._wake_at: float | None = None
         self._stopping = False
         self._stop_error: Callable[[int], QueryError] = ShuttingDownError
         # where the stages replay CUDA graphs of bucket lengths, a batch of a pad-safe model is
         # padded to a bucket before stage 0 (`graph_length`): every stage's inputs then match a graph
         self._pads_to_graphs = replays_graphs(settings) and manifest.pad_safe and manifest.has_seq
+        self._whole_outputs: StageBuffer | None = None  # the one-stage route's outputs (`runs_whole`)
         policy.bind(context or PolicyContext.for_model(manifest, bs_max, settings.num_buffer_pairs))
+
+    def serve_whole_model(self) -> None:
+        """Before any query: a batch may take the one-stage route, the unsliced model at stage 0
+        (`Pipeline` has its engine). The rule, at stage 0's launch: the batch is the only row of the
+        table and not yet begun, so no batch in flight could overlap with its stages, and it is
+        marked no-stretch then, so no query joins it past a boundary it no longer has; the policy
+        allows it (`Policy.allows_inline`: its splits never change an answer)."""
+        m = self.manifest
+        with self.lock:
+            self._whole_outputs = StageBuffer(m.num_stages, -1, m.boundary(m.num_stages), self.bs_max, m.max_length)
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @property
+    def runs_whole(self) -> bool:
+        """Whether a batch may take the one-stage route (`serve_whole_model`)."""
+        return self._whole_outputs is not None
 
     def padded_length(self, length: int) -> int:
         """The length a batch whose longest query (or the policy's padding) is `length` runs at: a
@@ -128,25 +148,39 @@ class Scheduler:
         """Take arrived queries (one request's rows: admitted or refused together); return their ids
         at once. Bad ones, and ones over the queue bound or the latency target, are answered here
         and now. `timeout_us` is the request's own timeout (admission.py)."""
+        return self.submit_call([requests], [timeout_us])[0]
+
+    def submit_call(self, requests: Sequence[Sequence[tuple[Mapping[str, np.ndarray], Reply]]],
+                    timeouts_us: Sequence[int | None] | None = None) -> list[list[int]]:
+        """`submit_many` for each of several requests that arrived together (a caller's call), with
+        one batching decision for all of them; each request's query ids."""
         now = self.clock()
-        arrived = [read_query(next(self._ids), inputs, self.manifest, now, reply) for inputs, reply in requests]
-        accepted = [q for q in arrived if isinstance(q, Query)]
-        for q in accepted:
-            q.request = accepted[0].id
-        deliveries: list[Delivery] = [(reply, Answer(bad.query_id, None, bad)) for bad, (_, reply)
-                                      in zip(arrived, requests) if isinstance(bad, BadInputError)]
+        timeouts = list(timeouts_us) if timeouts_us is not None else [None] * len(requests)
+        arrived = [[read_query(next(self._ids), inputs, self.manifest, now, reply) for inputs, reply in rows]
+                   for rows in requests]
+        deliveries: list[Delivery] = []
         with self.lock:
-            self.stats.submitted += len(requests)
-            self.stats.answered_error += len(deliveries)
-            if accepted:
-                deliveries += self._admit(accepted, now, timeout_us)
+            # as Triton's bound leaves out the batch it hands `execute`: at an idle entry the call's
+            # first batch starts at once, and its rows wait behind nobody
+            starts = self.bs_max if self.holds_nothing() else 0
+            for rows, queries, timeout_us in zip(requests, arrived, timeouts):
+                accepted = [q for q in queries if isinstance(q, Query)]
+                for q in accepted:
+                    q.request = accepted[0].id
+                bad = [(reply, Answer(q.query_id, None, q)) for q, (_, reply) in zip(queries, rows)
+                       if isinstance(q, BadInputError)]
+                self.stats.submitted += len(rows)
+                self.stats.answered_error += len(bad)
+                deliveries += bad
+                if accepted:
+                    deliveries += self._admit(accepted, now, timeout_us, starts)
             deliveries += self._dispatch(now)
         _deliver(deliveries)
-        return [q.id if isinstance(q, Query) else q.query_id for q in arrived]
+        return [[q.id if isinstance(q, Query) else q.query_id for q in queries] for queries in arrived]
 
     def refuse_caller_backlog(self, requests: int) -> list[QueryError]:
         """One refusal for each of `requests`, a call of the caller's oldest while its queue is
-        drained (`InlineHold.refusing`)."""
+        drained (`CallerQueue.refusing`)."""
         with self.lock:
             return self._refused_unread(requests, "Exceeds maximum queue size: overloaded, the calls have come "
                                                   "full (a batch or more waiting before the model) too long")
@@ -179,8 +213,9 @@ class Scheduler:
         self.stats.queue_full += requests
         return [QueueFullError(next(self._ids), why) for _ in range(requests)]
 
-    def _admit(self, queries: list[Query], now: float, timeout_us: int | None) -> list[Delivery]:
-        """Queue the queries, or refuse them all: stopping, the door, the queue bound, the latency target."""
+    def _admit(self, queries: list[Query], now: float, timeout_us: int | None, starts: int = 0) -> list[Delivery]:
+        """Queue the queries, or refuse them all: stopping, the door, the queue bound, the latency
+        target. `starts`: the queued rows that start at once, which the bound does not count."""
         admission, refuse = self.admission, self.queries.refuse
         if self._stopping:
             return [refuse(q, self._stop_error(q.id)) for q in queries]
@@ -189,9 +224,10 @@ class Scheduler:
             self.stats.queue_full += len(queries)
             return [refuse(q, QueueFullError(q.id, why)) for q in queries]
         deliveries: list[Delivery] = []
-        why = admission.queue_refusal(self.stats.queued, len(queries))
+        rows = max(self.stats.queued + len(queries) - starts, 0) - self.stats.queued  # may be < 0: room
+        why = admission.queue_refusal(self.stats.queued, rows)
         if why is not None:
-            deliveries = self._push_out_oldest(self.stats.queued + len(queries) - admission.max_queue_size, why)
+            deliveries = self._push_out_oldest(self.stats.queued + rows - admission.max_queue_size, why)
             if deliveries is None:
                 self.stats.queue_full += len(queries)
                 return [refuse(q, QueueFullError(q.id, why)) for q in queries]
@@ -305,8 +341,8 @@ class Scheduler:
         self.queries.batch(queries)
         # a backlog's batches stop at the efficient size (admission.py)
         backlog = (self.queries.queue_since is not None or self.admission.door_since is not None
-                   or self.inline.handed_over)
-        cap = self.admission.backlog_batch if backlog else self.bs_max
+                   or self.caller.handed_over)
+        cap = self.admission.backlog_batch if backlog else self.admission.call_batch
         if isinstance(decision, Stretch):
             why = self._table.stretch_refusal(decision.batch_id, [q.length for q in queries])
             if why is None and self._table.get(decision.batch_id).bs + len(queries) > cap:
@@ -401,17 +437,22 @@ class Scheduler:
             return None
         item = board.queues[stage].pop_coalesced()
         row = self._table.get(item.batch_id)
+        if stage == 0 and not row.started and self._whole_outputs is not None and len(self._table) == 1:
+            row.whole = row.no_stretch = True  # the one-stage route (`serve_whole_model`)
         row.pair = pair
         row.started = True
         use = PairUse(stage, pair, row.rows(item), group=row.group)
         board.buffers.begin(use)
         board.states[stage] = ExecutorState.WORKING
         inp, out = board.buffers.pair(stage, pair)
+        if row.whole:
+            out = self._whole_outputs  # type: ignore[assignment]
         queries = row.queries[item.start:item.start + item.num]
         if stage == 0:
             self.queries.run(queries)
         return Work(stage, item, use, inp.rows(row.pad_length, use.rows), out.rows(row.pad_length, use.rows),
-                    queries, self.clock(), gather=stage == 0, scatter=stage == self.num_stages - 1)
+                    queries, self.clock(), gather=stage == 0, scatter=row.whole or stage == self.num_stages - 1,
+                    whole=row.whole)
 
     def finish_work(self, work: Work, result: WorkResult) -> None:
         """`work` ran: answer exits, carry out `Schedule()`, hand on, legitimate."""
@@ -423,6 +464,22 @@ class Scheduler:
                     self._finish_locked(work, result, now, deliveries)
         finally:  # answers already taken from the query table are delivered whatever happens
             _deliver(deliveries)
+
+    def _count_run(self, work: Work, now: float) -> None:
+        """A run's counts: its stage's, and the service model's measure of the stage; a run of the
+        unsliced model (the one-stage route) is counted apart, as no stage's. Under the lock."""
+        seconds, rows = now - work.started, work.item.num
+        if work.whole:
+            self.stats.whole_runs += 1
+            self.stats.whole_rows += rows
+            self.stats.whole_seconds += seconds
+            return
+        stats = self.stats.stages[work.stage]
+        stats.batches += 1
+        stats.rows += rows
+        stats.busy_seconds += seconds
+        row = self._table.get(work.item.batch_id) if work.item.batch_id in self._table else None
+        self.admission.service.observe(work.stage, rows, seconds, row.pad_length if row else None)
 
     def fail_work(self, work: Work, error: BaseException) -> None:
         """`finish_work` raised (a runtime bug, or a subclass that breaks it): answer the queries of
@@ -453,30 +510,30 @@ class Scheduler:
         """`finish_work` under the lock; the answers go into `deliveries` as they are made (the caller
         delivers them even if this raises midway: they have left the query table)."""
         stage, item, board = work.stage, work.item, self.board
-        stats = self.stats.stages[stage]
-        stats.batches += 1
-        stats.rows += item.num
-        stats.busy_seconds += now - work.started
-        row = self._table.get(item.batch_id) if item.batch_id in self._table else None
-        self.admission.service.observe(stage, item.num, now - work.started, row.pad_length if row else None)
-        self.recorder.record("run", work.started, stage, item, t1=now)
+        self._count_run(work, now)
+        self.recorder.record("run", work.started, stage, item, "whole model" if work.whole else "", t1=now)
         if result.error is not None:
             deliveries += self.queries.errors(work.queries, result.error, stage)
         for i, error in result.row_errors.items():  # those rows' queries alone fail; the rest go on
             deliveries += self.queries.errors([work.queries[i]], error, stage)
         if result.error is None and result.answers is not None:
-            deliveries += self.queries.results(work.queries, result.answers)
+            answered = self.queries.results(work.queries, result.answers)
+            self.stats.table_answered += len(answered)
+            deliveries += answered
         nxt = self._table.complete(item, stage)  # then the policy's `Schedule()`: a split, an early exit
         handed_on, exiting = ([], None) if nxt is None else self._splits.after(stage, nxt, now)
         board.buffers.finish(work.use, handed_on=bool(handed_on))
+        if work.whole:  # its rows passed every stage: boundary 1 holds nothing for stage 1
+            board.buffers.discard(1, work.use.pair, work.use.rows)
         for out_item in handed_on:
             board.push(stage + 1, out_item, now)
         if exiting is not None:
             deliveries += self._splits.exit_early(stage, work.use.pair, exiting, now)
-        if stage == self.num_stages - 1 and self._table.retire_if_done(item.batch_id):
+        leaves = stage == self.num_stages - 1 or work.whole
+        if leaves and self._table.retire_if_done(item.batch_id):
             self.recorder.record("exit", now, stage, BatchItem(item.batch_id, 0, 0))
         board.pairs_returned(stage)
-        if stage == self.num_stages - 1 or exiting is not None:
+        if leaves or exiting is not None:
             deliveries += self._dispatch(now)
         board.settle(stage)
         self.progress.notify()
@@ -484,9 +541,19 @@ class Scheduler:
     # -- observation --------------------------------------------------------------------
 
     def holds_nothing(self) -> bool:
-        """No query unanswered, no batch, no stage working, not stopping (the fast path's condition). Under the lock."""
+        """No query unanswered, no batch, no stage working, not stopping. Under the lock."""
         return (not self._stopping and not len(self.queries) and not len(self._table)
                 and ExecutorState.WORKING not in self.board.states)
+
+    def batches(self) -> int:
+        """Rows of the batch table now."""
+        with self.lock:
+            return len(self._table)
+
+    def holds_nothing_now(self) -> bool:
+        """`holds_nothing`, taking the lock."""
+        with self.lock:
+            return self.holds_nothing()
 
     @property
     def buffer_violations(self) -> list[BufferStateError]:
@@ -517,10 +584,6 @@ class Scheduler:
     @property
     def pending_count(self) -> int:
         return len(self.queries)
-
-    def wait_for_nothing_held(self, timeout: float) -> bool:
-        """Wait (up to `timeout` s) until the scheduler holds nothing (`holds_nothing`). Under the lock."""
-        return self.progress.wait_until(self.holds_nothing, timeout, lambda: self._stopping)
 
     def wait_until(self, predicate: Callable[["Scheduler"], bool], timeout: float) -> bool:
         """Wait until `predicate(self)` holds after some progress; it is evaluated under the lock."""

@@ -73,8 +73,9 @@ class RuntimeSettings:
     # "off" or "on" (onnxruntime's default, after runs too); None: the unsliced model's "on", the
     # stages' "in_run" (`loading.MODEL_SPINNING`, runtime/engine.py says why)
     spinning: str | None = None
-    # a batch that meets nobody (the pipeline empty) runs its stages in a row on the caller's thread
-    # (runtime/fast_path.py), unless the policy may answer early (`Policy.allows_inline`)
+    # while the engine loop is idle, a caller runs the steps that answer its requests on its own
+    # thread (`EngineLoop.serve_here`), and a batch that meets nobody may run the unsliced model
+    # (`Scheduler.serve_whole_model`), unless the policy may answer early (`Policy.allows_inline`)
     fast_path: bool = True
     queue: QueuePolicy = QueuePolicy()
     slo: SloPolicy = SloPolicy()

@@ -42,18 +42,18 @@ class RuntimeStats:
     cancelled_in_flight: int = 0  # cancelled after stage 0 took it: it finishes, the answer is discarded
     within_slo: int = 0  # answers (results) within the latency target: goodput; every result without one
     queued: int = 0  # admitted, not yet taken by stage 0 (a gauge)
-    # the fast path (runtime/fast_path.py): runs on the caller's thread, the rows they answered (also
-    # counted in submitted and answered_ok), runs that failed and sent their rows the usual way, and
     # the caller's calls sent to the pipeline because its own queue stood, and the drains of that
     # queue, begun when its calls had come full too long (`InlineHold.caller_backlog`)
-    inline_runs: int = 0
-    inline_queries: int = 0
-    inline_fallbacks: int = 0
     inline_handovers: int = 0
     caller_drains: int = 0
-    # the unsliced model's time on its device over the fast path's runs (its events; 0 on the CPU,
-    # and where the fast path runs the stages, whose times are the stages')
-    inline_device_seconds: float = 0.0
+    # the one-stage route (`Scheduler.serve_whole_model`): runs of the unsliced model, their rows,
+    # the host seconds they took, and the model's time on its device (its events; 0 on the CPU)
+    whole_runs: int = 0
+    whole_rows: int = 0
+    whole_seconds: float = 0.0
+    whole_device_seconds: float = 0.0
+    # answers with their result taken from a batch-table row's outputs (every result: a metric to check it)
+    table_answered: int = 0
     # the engine loop's own steps and the host time they took (`EngineLoop`, copied by `Pipeline.observe`)
     loop_steps: int = 0
     loop_step_seconds: float = 0.0

@@ -35,7 +35,8 @@ class Work:
 
     `inputs` and `outputs` are views of the buffer pair's rows; stage 0 first gathers the
     queries' tensors into `inputs` (`gather`), the last stage scatters `outputs` into one
-    answer per query (`scatter`).
+    answer per query (`scatter`). `whole`: the batch takes the one-stage route, the unsliced
+    model run at stage 0 into the model's outputs (`Scheduler.runs_whole`), and leaves answered.
     """
 
     stage: int
@@ -47,6 +48,7 @@ class Work:
     started: float
     gather: bool
     scatter: bool
+    whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,9 +117,8 @@ class Progress:
 
 @dataclass(frozen=True)
 class Launch:
-    """A launch being run on this thread: the stage (-1: the fast path's engines), the step that made
-    it, whether it runs on the thread that holds that step, and the batch-table row and queries it
-    runs (None and none: a batch the table does not hold, the fast path's today)."""
+    """A launch being run on this thread: the stage, the step that made it, whether it runs on the
+    thread that holds that step, and the batch-table row and queries it runs."""
 
     stage: int
     step: int
@@ -145,8 +146,9 @@ def launching(launch: Launch) -> Iterator[None]:
 
 class Step:
     """The right to launch an engine (engine_loop.py): held by one thread at a time, the engine
-    loop's or, for a fast-path run, its caller's (`InlineHold.reserve`). `count` numbers the steps;
-    `holder` is the thread holding one, or None. Taken before the scheduler's lock, never under it."""
+    loop's or a caller's that runs the loop's steps while the loop is idle (`EngineLoop.serve_here`).
+    `count` numbers the steps; `holder` is the thread holding one, or None. Taken before the
+    scheduler's lock, never under it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -91,8 +91,9 @@ PARAMETERS: dict[str, Parameter] = {
         _runtime("spinning")),
     "fast_path": Parameter(
         parameters.boolean, "`true`",
-        "When the pipeline holds nothing, an `execute` call's requests run inline on that thread, in the "
-        "batches the policy makes of them; `false` sends every query through the pipeline.",
+        "While the engine loop is idle, an `execute` call runs the loop's steps that answer its requests on "
+        "its own thread, and a batch that meets nobody may run the unsliced model; `false` leaves every "
+        "step to the loop's thread and every batch to the stages.",
         _runtime("fast_path")),
     "engine": Parameter(
         parameters.choice(*ENGINES), "`onnxruntime`",

@@ -2,7 +2,8 @@
 
 A sampler thread copies the scheduler's counters into Triton custom metrics every `period`
 seconds (the hot path is left alone): batches, rows and busy seconds per stage, batch-queue
-lengths, the meta operations done, and the queries the fast path answered. Only the adapter imports this module.
+lengths, the meta operations done, the batch table's answers and the unsliced model's runs.
+Only the adapter imports this module.
 """
 from __future__ import annotations
 
@@ -51,15 +52,15 @@ class StageMetrics:
                                         description="Queries answered without running, by reason; cancelled_in_flight ran anyway")
         goodput = pb_utils.MetricFamily(name="dvabatch_goodput_queries_total", kind=counter,
                                         description="Queries answered with their result within the latency target (slo_ms; every result without one)")
-        fast = pb_utils.MetricFamily(name="dvabatch_fast_path_queries_total", kind=counter,
-                                     description="Queries answered on the fast path (run inline: the pipeline held nothing)")
-        fast_batches = pb_utils.MetricFamily(name="dvabatch_fast_path_batches_total", kind=counter,
-                                             description="Batches run on the fast path (the policy's batches of what one execute call handed over)")
-        fast_device = pb_utils.MetricFamily(name="dvabatch_fast_path_device_seconds_total", kind=counter,
-                                            description="Seconds the fast path's unsliced model took on its device (events around each run; 0 on the CPU)")
-        self._fast_device = fast_device.Metric(labels={"model": model})
-        handovers = pb_utils.MetricFamily(name="dvabatch_fast_path_handovers_total", kind=counter,
-                                          description="execute calls sent to the pipeline, not run inline, because Triton's queue stood (calls came full)")
+        whole = pb_utils.MetricFamily(name="dvabatch_whole_model_queries_total", kind=counter,
+                                     description="Queries whose batch ran the unsliced model (the one-stage route: a batch that met nobody)")
+        whole_batches = pb_utils.MetricFamily(name="dvabatch_whole_model_batches_total", kind=counter,
+                                             description="Batches that ran the unsliced model (rows of the batch table like any other)")
+        whole_device = pb_utils.MetricFamily(name="dvabatch_whole_model_device_seconds_total", kind=counter,
+                                            description="Seconds the unsliced model took on its device (events around each run; 0 on the CPU)")
+        self._whole_device = whole_device.Metric(labels={"model": model})
+        handovers = pb_utils.MetricFamily(name="dvabatch_caller_handovers_total", kind=counter,
+                                          description="execute calls left to the engine loop, returning at once, because Triton's queue stood (calls came full)")
         self._handovers = handovers.Metric(labels={"model": model})
         steps = pb_utils.MetricFamily(name="dvabatch_loop_steps_total", kind=counter,
                                       description="Steps of the engine loop (completions read, the batch window, launches)")
@@ -68,17 +69,17 @@ class StageMetrics:
         self._steps, self._step_seconds = steps.Metric(labels={"model": model}), step_seconds.Metric(labels={"model": model})
         tabled = pb_utils.MetricFamily(name="dvabatch_table_answered_queries_total", kind=counter,
                                        description="Queries answered with their result from a batch that was a row of the "
-                                                   "batch table (the rest: the fast path's)")
+                                                   "batch table (every result: the served path is the table's)")
         self._tabled = tabled.Metric(labels={"model": model})
-        drains = pb_utils.MetricFamily(name="dvabatch_fast_path_drains_total", kind=counter,
-                                       description="Drains of Triton's queue behind the fast path: its execute calls came full too long and were refused until one was not")
+        drains = pb_utils.MetricFamily(name="dvabatch_caller_drains_total", kind=counter,
+                                       description="Drains of Triton's queue: its execute calls came full too long and were refused until one was not")
         self._drains = drains.Metric(labels={"model": model})
-        self._fast = fast.Metric(labels={"model": model})
-        self._fast_batches = fast_batches.Metric(labels={"model": model})
+        self._whole = whole.Metric(labels={"model": model})
+        self._whole_batches = whole_batches.Metric(labels={"model": model})
         self._queued = queued.Metric(labels={"model": model})
         self._refused = {reason: refused.Metric(labels={"model": model, "reason": reason}) for reason in _REFUSALS}
         self._goodput = goodput.Metric(labels={"model": model})
-        self._families = [*families.values(), queue, ops, queued, refused, goodput, fast, fast_batches, fast_device,
+        self._families = [*families.values(), queue, ops, queued, refused, goodput, whole, whole_batches, whole_device,
                           handovers, drains, steps, step_seconds, tabled]  # alive while reporting
         if device_calls:
             calls = pb_utils.MetricFamily(name="dvabatch_device_calls_total", kind=counter,
@@ -125,13 +126,13 @@ class StageMetrics:
         for reason, metric in self._refused.items():
             self._increment(metric, reason, getattr(stats, _REFUSALS[reason]))
         self._increment(self._goodput, "within_slo", stats.within_slo)
-        self._increment(self._fast, "inline_queries", stats.inline_queries)
-        self._increment(self._fast_batches, "inline_runs", stats.inline_runs)
-        self._increment(self._fast_device, "inline_device_seconds", stats.inline_device_seconds)
+        self._increment(self._whole, "whole_rows", stats.whole_rows)
+        self._increment(self._whole_batches, "whole_runs", stats.whole_runs)
+        self._increment(self._whole_device, "whole_device_seconds", stats.whole_device_seconds)
         self._increment(self._handovers, "inline_handovers", stats.inline_handovers)
         self._increment(self._drains, "caller_drains", stats.caller_drains)
         self._increment(self._steps, "loop_steps", stats.loop_steps)
-        self._increment(self._tabled, "table_answered", stats.answered_ok - stats.inline_queries)
+        self._increment(self._tabled, "table_answered", stats.table_answered)
         self._increment(self._step_seconds, "loop_step_seconds", stats.loop_step_seconds)
         self._set(self._queued, ("queued", -1), stats.queued)
         if self._device_calls:

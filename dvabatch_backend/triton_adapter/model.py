@@ -1,22 +1,22 @@
 """The Triton adapter: a thin `TritonPythonModel` over the runtime.
 
-It translates requests into queries and answers into responses. When the pipeline holds nothing,
-the requests of one `execute` call run on the fast path: inline on this thread, holding the engine
-loop's step, in the batches the policy makes of them (`runtime/fast_path.py`), their responses
-returned from `execute` as one message to the server rather than a send per request. Where the
-model runs on a device (a GPU, or its stand-in; parameter `hand_off_calls`), a call goes to the
-engine loop instead and `execute` returns, where `Pipeline.hands_over` says so (work in flight, or
-requests that met each other, whose batch runs longer than a hand-over costs): the host reads the
-next call while the device runs, and answers leave by response sender.
+It translates requests into queries and answers into responses. `execute` submits every request's
+rows to the scheduler (a request of shape [k, ...] is k queries that share one response), where the
+policy batches them into rows of the batch table like any other. While the engine loop is idle,
+`execute` then runs the loop's steps that answer them on its own thread (`Pipeline.serve_here`:
+no wake-up of the loop's) and, where every request was answered, returns their responses as one
+message to the server rather than a send each. Requests not answered by then (the policy's window
+holds them, or the loop was busy) are answered through their response senders as their rows leave
+the pipeline; responses are built and sent by responder threads, not the engine loop, since a send
+is a round trip to the server process.
 
-Calls that come full (Triton's batcher had max_batch_size rows waiting) say Triton's own queue, which
-the runtime's admission cannot see, is not draining: they go the pipeline's way
-(`InlineHold.caller_backlog`), so overload meets the runtime's bound and is refused. Otherwise
-`execute` hands every request to the scheduler and returns None at once; each request is answered
-through its response sender when all of its rows have left the pipeline. A request of shape [k, ...]
-is k queries that share one response. Responses are built and sent by responder threads, not by the
-stage executor whose batch finished: a send is a round trip to the server process, and the last
-stage would otherwise stand idle through one per query of its batch.
+Where the model runs on a device (a GPU, or its stand-in; parameter `hand_off_calls`), `execute`
+leaves the steps to the loop and returns at once where `Pipeline.hands_over` says so (work in
+flight, or requests that met each other, whose batch runs longer than a hand-over costs): the host
+reads the next call while the device runs. Calls that come full (Triton's batcher had
+max_batch_size rows waiting) say Triton's own queue, which the runtime's admission cannot see, is
+not draining (`CallerQueue.caller_backlog`): they are left to the loop, so overload meets the
+runtime's bound and is refused.
 
 Settings come from `config.pbtxt` parameters (`config.PARAMETERS`, checked at load with the bad value
 named). Only this module imports `triton_python_backend_utils`; the runtime does not.
@@ -38,7 +38,7 @@ from ..runtime.errors import BadInputError, CancelledError, QueryError, RefusedE
 from ..runtime.manifest import Manifest
 from ..runtime.query import Answer, request_rows
 from ..runtime.loading import load_pipeline
-from ..runtime.pipeline import Pipeline
+from ..runtime.pipeline import CallRoute, Pipeline
 from . import parameters
 from .config import parse_parameters
 from .metrics import StageMetrics
@@ -108,40 +108,56 @@ def _send(answer: "_RequestAnswer") -> None:
 
 
 class _RequestAnswer:
-    """Collects the answers of one request's rows; when all are in, hands itself to the responder."""
+    """Collects the answers of one request's rows. When all are in it hands itself to the responder,
+    unless `held`: `execute` is running the steps that answer it, and returns its response
+    (`release`)."""
 
     def __init__(self, sender: Any, rows: int, output_names: list[str], responder: _Responder,
-                 batch_axes: Mapping[str, int]) -> None:
+                 batch_axes: Mapping[str, int], held: bool = False) -> None:
         self._sender = sender
         self._answers: list[Answer | None] = [None] * rows
         self._missing = rows
         self._names = output_names
         self._batch_axes = batch_axes  # outputs served in a layout whose batch axis is not the first
         self._responder = responder
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _answers, _missing and _held
+        self._held = held
         # held while the final response is sent, and while the cancel watch asks Triton about the
         # request: once the final response is out Triton frees the request, and asking then crashes it
         self.sending = threading.Lock()
         self.sent = False
+        self.query_ids: list[int] = []  # its rows' queries, once submitted
+
+    @property
+    def answered(self) -> bool:
+        return not self._missing
 
     def reply_for(self, row: int) -> Any:
         def reply(answer: Answer) -> None:
             with self._lock:
                 self._answers[row] = answer
                 self._missing -= 1
-                if self._missing:
+                if self._missing or self._held:
                     return
             self._responder.submit(self)
 
         return reply
 
-    def send(self) -> None:
+    def release(self) -> bool:
+        """No longer held: True where it was held and every row is answered (the caller returns or
+        sends the response), else False (it is sent when its last row is answered, or was)."""
+        with self._lock:
+            was_held, self._held = self._held, False
+            return was_held and not self._missing
+
+    def response(self) -> Any:
         errors = [a.error for a in self._answers if a is not None and a.error is not None]
         if errors:
-            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(_describe(errors), _code(errors[0])))
-        else:
-            tensors = [output_tensor(name, self._batched(name)) for name in self._names]
-            response = pb_utils.InferenceResponse(output_tensors=tensors)
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(_describe(errors), _code(errors[0])))
+        return pb_utils.InferenceResponse(output_tensors=[output_tensor(name, self._batched(name)) for name in self._names])
+
+    def send(self) -> None:
+        response = self.response()
         with self.sending:
             self.sent = True
             self._sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -207,7 +223,8 @@ class _CancelWatch:
         self._thread = threading.Thread(target=self._loop, name="dvabatch-cancel-watch", daemon=True)
         self._thread.start()
 
-    def add(self, request: Any, answer: "_RequestAnswer", ids: list[int]) -> None:
+    def add(self, request: Any, answer: "_RequestAnswer") -> None:
+        ids = answer.query_ids
         if ids:
             with self._lock:
                 self._open[ids[0]] = (request, answer, ids)
@@ -256,20 +273,8 @@ class _CancelWatch:
             self._open.clear()
 
 
-def _is_cancelled(request: Any, i: int, cancelled: set[int]) -> bool:
-    """Whether Triton reports `request` cancelled (a round trip to the server); adds `i` to `cancelled` if so."""
-    if request.is_cancelled():
-        cancelled.add(i)
-        return True
-    return False
-
-
 def _error_response(error: QueryError) -> Any:
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), _code(error)))
-
-
-def _cancelled_response() -> Any:
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError("cancelled by the client before it ran", _cancelled_code()))
 
 
 def _device_bytes(device: str) -> int | None:
@@ -325,12 +330,8 @@ class TritonPythonModel:
         device_bytes = None if held_before is None else _device_bytes(settings.runtime.device) - held_before
         self._output_names = [t.name for t in manifest.outputs]
         self._input_names = [t.name for t in manifest.inputs]
-        self._fast_path = self._scheduler.scheduler.inline.allowed
-        runtime = settings.runtime  # timeouts and a latency target: the pipeline drops what misses them
-        self._inline_many = runtime.slo.slo_ms is None and runtime.queue.default_timeout_us == 0
-        # where a call's batches take long, the requests answered before a later batch runs leave
-        # then (a send each, on the stub's thread), not with the call's last batch; a call run as
-        # one batch is returned by execute (one message)
+        # where a call's batches take long, each request leaves as its batch is done (a send each),
+        # not with the call's last batch; else the call's responses are returned by execute
         self._answers_early = self._scheduler.admission.long_passage
         self._call_capacity = _call_capacity(config)
         self._responder = _Responder()
@@ -358,54 +359,41 @@ class TritonPythonModel:
         refused = self._scheduler.refuse_at_door(len(requests))  # overload: refused unread (admission.py)
         if refused:  # returned by execute: one message to the server, not a send each
             return [_error_response(e) for e in refused]
-        if self._fast_path:
-            tensors = [self._inputs(request) for request in requests]
-            if all(t is not None for t in tensors):
-                full = self._came_full(tensors)  # type: ignore[arg-type]
-                return self._fast(requests, tensors, full)  # type: ignore[arg-type]
-        self._submit(requests)
-        return None
-
-    def _fast(self, requests: list[Any], tensors: list[dict[str, np.ndarray]], full: bool) -> list[Any] | None:
-        """A call the fast path may take: run here, or, where the engines run beside the host and the
-        rule says so (`Pipeline.hands_over`), handed to the engine loop, `execute` returning at once."""
-        if self._hand_off and self._scheduler.hands_over(len(requests), sum(request_rows(tensors))):
-            self._submit(requests, tensors)
+        tensors = [self._inputs(request) for request in requests]
+        if any(t is None for t in tensors):  # an input missing: each request read (and refused) alone
+            self._watch(requests, self._submit(requests))
             return None
-        return self._inline(requests, tensors, full)
+        ready: list[dict[str, np.ndarray]] = tensors  # type: ignore[assignment]
+        route = self._scheduler.route_call(len(requests), sum(request_rows(ready)), self._came_full(ready),
+                                           self._hand_off)
+        if route is CallRoute.REFUSED:  # Triton's queue is drained: the call refused whole, unread
+            return [_error_response(e) for e in self._scheduler.scheduler.refuse_caller_backlog(len(requests))]
+        if route is CallRoute.LOOP:
+            self._watch(requests, self._submit(requests, ready))
+            return None
+        answers: list[_RequestAnswer | None] = []
+        self._scheduler.serve_here(lambda: answers.extend(self._submit(requests, ready, held=not self._answers_early)),
+                                   lambda: all(a is None or a.answered for a in answers))
+        return self._release(requests, answers)
 
-    def _inline(self, requests: list[Any], tensors: list[dict[str, np.ndarray]], full: bool) -> list[Any] | None:
-        """`requests` (their inputs `tensors`) on the fast path where it takes them: where every
-        request was answered here their responses are returned, in order (execute returns them: one
-        message); else each is sent, and the rest handed to the pipeline."""
-        done: dict[int, Any] = {}
-        # several only without deadlines: later batches wait for earlier ones, so deadlines
-        # stay the pipeline's to keep
-        several = self._inline_many and not any(_request_timeout_us(r) for r in requests)
-        cancelled: set[int] = set()  # requests Triton reports cancelled while they waited for a batch
-
-        def answer(i: int, response: Any) -> None:
-            done[i] = response
-
-        def send_done() -> None:  # a later batch is about to run: the answers so far leave now
-            for i in list(done):
-                self._send(requests[i], done.pop(i))
-
-        left = self._scheduler.run_inline_group(  # type: ignore[arg-type]
-            tensors, lambda i, out: answer(i, self._response(out)), several,
-            lambda i: _is_cancelled(requests[i], i, cancelled), full,
-            lambda i, error: answer(i, _error_response(error)),
-            send_done if self._answers_early else None)
-        if not left and len(done) == len(requests):  # all answered here: returned by execute
-            return [done[i] for i in range(len(requests))]
-        for i, response in done.items():  # a batch failed (or answers went early): the rest the usual way
-            self._send(requests[i], response)
-        for i in cancelled:
-            self._send(requests[i], _cancelled_response())
-        left = [i for i in left if i not in cancelled]
-        if left:
-            self._submit([requests[i] for i in left], [tensors[i] for i in left])
+    def _release(self, requests: list[Any], answers: list[_RequestAnswer | None]) -> list[Any] | None:
+        """After `execute` ran the steps it could: where every request was answered, their responses
+        in order (returned by execute: one message); else the answered ones are sent, and the rest
+        go when their last row is answered, watched for cancellation meanwhile."""
+        done = [a is not None and a.release() for a in answers]
+        if all(done):
+            return [a.response() for a in answers]  # type: ignore[union-attr]
+        for answer, answered in zip(answers, done):
+            if answered:
+                self._responder.submit(answer)  # type: ignore[arg-type]
+        self._watch(requests, answers)
         return None
+
+    def _watch(self, requests: list[Any], answers: list[_RequestAnswer | None]) -> None:
+        """Have the cancel watch ask about the requests not yet answered."""
+        for request, answer in zip(requests, answers):
+            if answer is not None and not answer.answered:
+                self._cancel_watch.add(request, answer)
 
     def _came_full(self, tensors: list[dict[str, np.ndarray]]) -> bool:
         """Whether Triton's batcher handed over a full batch: the next request of the largest size
@@ -413,23 +401,15 @@ class TritonPythonModel:
         rows = request_rows(tensors)
         return bool(self._call_capacity) and sum(rows) + max(rows) > self._call_capacity
 
-    def _response(self, outputs: Mapping[str, np.ndarray]) -> Any:
-        return pb_utils.InferenceResponse(output_tensors=[
-            output_tensor(name, self._served_layout(name, rows)) for name, rows in outputs.items()])
-
-    @staticmethod
-    def _send(request: Any, response: Any, quiet: bool = False) -> None:
-        """Send a response the fast path made, when it is not returned by `execute`. `quiet`: a
-        failure is not logged (an error sent where an answer may have left already)."""
-        try:
-            request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception as exc:  # noqa: BLE001 - a client gone: its answer was given, and is lost alone
-            if not quiet:
-                pb_utils.Logger.log_error(f"dvabatch: sending a response failed: {exc}")
-
-    def _submit(self, requests: list[Any], tensors: list[dict[str, np.ndarray]] | None = None) -> None:
-        """Hand each request's rows to the scheduler; answered through its response sender.
-        `tensors`: the requests' inputs, read already (else read here, while `execute` runs)."""
+    def _submit(self, requests: list[Any], tensors: list[dict[str, np.ndarray]] | None = None,
+                held: bool = False) -> list[_RequestAnswer | None]:
+        """Hand each request's rows to the scheduler; each request's answer, None where the request
+        was refused as it was read (its error sent). `tensors`: the requests' inputs, read already
+        (else read here, while `execute` runs). `held`: the caller runs the steps and returns the
+        responses (`_release`); else each is sent when its last row is answered."""
+        answers: list[_RequestAnswer | None] = []
+        calls: list[list[tuple[dict[str, np.ndarray], Any]]] = []
+        timeouts: list[int | None] = []
         for k, request in enumerate(requests):
             sender = request.get_response_sender()
             try:
@@ -437,12 +417,17 @@ class TritonPythonModel:
             except ValueError as exc:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                answers.append(None)
                 continue
             answer = _RequestAnswer(sender, len(rows), self._output_names, self._responder,
-                                    self._manifest.output_batch_axes)
-            ids = self._scheduler.submit_many([(row, answer.reply_for(i)) for i, row in enumerate(rows)],
-                                              timeout_us=_request_timeout_us(request))
-            self._cancel_watch.add(request, answer, ids)
+                                    self._manifest.output_batch_axes, held)
+            calls.append([(row, answer.reply_for(i)) for i, row in enumerate(rows)])
+            timeouts.append(_request_timeout_us(request))
+            answers.append(answer)
+        submitted = [a for a in answers if a is not None]
+        for answer, ids in zip(submitted, self._scheduler.submit_call(calls, timeouts)):
+            answer.query_ids = ids
+        return answers
 
     def _inputs(self, request: Any) -> dict[str, np.ndarray] | None:
         """The request's input tensors by name (views of its memory), or None if one is missing."""
@@ -453,11 +438,6 @@ class TritonPythonModel:
                 return None
             arrays[name] = input_array(tensor)
         return arrays
-
-    def _served_layout(self, name: str, rows: np.ndarray) -> np.ndarray:
-        """Rows of output `name` (batch axis first, as the runtime keeps them) in the model's layout."""
-        axis = self._manifest.output_batch_axes.get(name, 0)
-        return rows if axis == 0 else np.ascontiguousarray(np.moveaxis(rows, 0, axis))
 
     def _rows(self, request: Any) -> list[dict[str, np.ndarray]]:
         """One dict of tensors per row of the request (copied: no views into request memory)."""

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from dvabatch_backend.runtime.manifest import Manifest
+from dvabatch_backend.runtime.pipeline import CallRoute
 from dvabatch_backend.runtime.loading import make_engine
 from dvabatch_backend.runtime.query import validate_inputs
 from perf.load.arrivals import paced, poisson
@@ -196,14 +197,15 @@ class DvaBatch(DynamicBatcher):
     """The runtime's pipeline behind the served adapter's entry (`TritonPythonModel.execute`): the
     batcher's thread with no delay takes what queued while its last call ran, at most bs_max
     queries (what Triton's dynamic batcher with no queue delay hands `execute`, one request per
-    query); instead of running the unsliced model it runs them on the fast path where that takes
-    them (`Pipeline.run_inline_group`, as `execute` does) and submits the rest together
-    (`submit_many`); answers through the same `done` callbacks, an error as not answered."""
+    query); instead of running the unsliced model it routes the call as `execute` does
+    (`Pipeline.route_call`: with `hand_off`, to the loop where the hand-over rule says so) and
+    submits it, running the loop's steps here while the loop is idle (`Pipeline.serve_here`);
+    answers through the same `done` callbacks, an error as not answered."""
 
-    def __init__(self, pipeline: Any, several_inline: bool = True) -> None:
+    def __init__(self, pipeline: Any, hand_off: bool = False) -> None:
         super().__init__(None, pipeline.manifest, pipeline.bs_max, thread_name="dvabatch-execute")
         self._pipeline = pipeline
-        self._several = several_inline  # the adapter's default (no latency target, no default timeout)
+        self._hand_off = hand_off  # the adapter's `hand_off_calls` (on by default on a device)
 
     def start(self) -> DvaBatch:
         self._pipeline.start()
@@ -215,27 +217,33 @@ class DvaBatch(DynamicBatcher):
         self._pipeline.stop()
 
     def counts(self) -> tuple[int, int, int, int]:
-        """(pipeline batches, their queries, fast-path batches, their queries) so far (stage 0's)."""
+        """(stage batches, their queries, unsliced-model batches, their queries) so far (stage 0's)."""
         stats = self._pipeline.stats
-        return stats.stages[0].batches, stats.stages[0].rows, stats.inline_runs, stats.inline_queries
+        return stats.stages[0].batches, stats.stages[0].rows, stats.whole_runs, stats.whole_rows
 
     def _run(self, batch: list[tuple[Inputs, Done]]) -> None:
         """One `execute` call: each query a request of one row."""
-        dones = [done for _, done in batch]
-        requests = [{name: value[None] for name, value in query.items()} for query, _ in batch]
-        left = self._pipeline.run_inline_group(requests, lambda i, outputs: dones[i](True), self._several)
-        if left:
-            self._pipeline.submit_many([(batch[i][0], lambda answer, done=dones[i]: done(answer.error is None))
-                                        for i in left])
+        pipeline, ids, answered = self._pipeline, [], set()
+
+        def reply(done: Done) -> Callable[[Any], None]:
+            return lambda answer: (answered.add(answer.query_id), done(answer.error is None))
+
+        def submit() -> None:
+            ids.extend(pipeline.submit_many([(query, reply(done)) for query, done in batch]))
+
+        if pipeline.route_call(len(batch), len(batch), False, self._hand_off) is CallRoute.HERE:
+            pipeline.serve_here(submit, lambda: answered.issuperset(ids))
+        else:
+            submit()
 
 
 def batch_summary(before: Sequence[int], after: Sequence[int]) -> dict[str, float | int]:
-    """A load's batches from two `DvaBatch.counts`: how many ran through the pipeline and on the
-    fast path, their mean sizes, and the share of queries the fast path answered."""
-    batches, rows, inline_runs, inline_queries = (b - a for a, b in zip(before, after))
+    """A load's batches from two `DvaBatch.counts`: how many ran through the stages and through the
+    unsliced model (the one-stage route), their mean sizes, and the share of queries the latter took."""
+    batches, rows, whole_runs, whole_rows = (b - a for a, b in zip(before, after))
     return {"pipeline_batches": batches, "pipeline_mean_bs": rows / batches if batches else 0.0,
-            "fast_path_batches": inline_runs, "fast_path_mean_bs": inline_queries / inline_runs if inline_runs else 0.0,
-            "fast_path_share": inline_queries / (rows + inline_queries) if rows + inline_queries else 0.0}
+            "whole_batches": whole_runs, "whole_mean_bs": whole_rows / whole_runs if whole_runs else 0.0,
+            "whole_share": whole_rows / (rows + whole_rows) if rows + whole_rows else 0.0}
 
 
 def query_length(manifest: Manifest, query: Inputs) -> int:
@@ -475,8 +483,8 @@ def plot(result: Mapping[str, Any], path: Path) -> None:
 def _batches_cell(batches: Mapping[str, Any] | None) -> str:
     if not batches:
         return ""
-    return (f"; batches of {batches['pipeline_mean_bs']:.1f} in the pipeline, {batches['fast_path_mean_bs']:.1f} on the "
-            f"fast path, {100 * batches['fast_path_share']:.0f} % of queries there")
+    return (f"; batches of {batches['pipeline_mean_bs']:.1f} through the stages, {batches['whole_mean_bs']:.1f} through "
+            f"the unsliced model, {100 * batches['whole_share']:.0f} % of queries there")
 
 
 def _names(text: str) -> tuple[str, ...]:

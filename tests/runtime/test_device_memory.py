@@ -17,7 +17,8 @@ from dvabatch_backend.runtime.fences import host_fences
 from policies import create_policy
 from policies.examples.early_exit import EarlyExitPolicy
 
-from ..conftest import Collector, ExitQueries, SlicedModel, assert_all_answered_correctly, make_scheduler, sliced_cascade
+from ..conftest import (Collector, ExitQueries, SlicedModel, assert_all_answered_correctly, assert_matches_reference, call,
+                        make_scheduler, sliced_cascade)
 from .test_property import drive_scenario, scenario_policy, scenarios
 
 torch = pytest.importorskip("torch")
@@ -106,17 +107,17 @@ def test_a_policy_that_never_looks_at_stage_outputs_copies_nothing_to_the_host(z
     assert memory.copies == 0
 
 
-def test_the_fast_path_runs_its_stages_over_boundaries_in_device_memory(zoo) -> None:
+def test_a_callers_steps_run_its_stages_over_boundaries_in_device_memory(zoo) -> None:
     model = zoo.get("token", ("h2", "h4"))
     pipeline = on_torch_memory(model, create_policy("load"), num_buffer_pairs=1)
     rng = np.random.default_rng(3)
     query = model.query(rng)
+    collector = Collector()
     with pipeline:
-        outputs = pipeline.run_inline({name: value[None] for name, value in query.items()})
-    assert outputs is not None
-    for name, ref in model.reference(query).items():
-        np.testing.assert_allclose(outputs[name][0], ref, atol=1e-4)
-    assert pipeline.stats.inline_queries == 1
+        (qid,), answered = call(pipeline, [query], collector)
+    assert answered
+    assert_matches_reference(model, query, collector.one(qid))
+    assert [s.batches for s in pipeline.stats.stages] == [1, 1, 1]
 
 
 def test_installing_buffers_after_the_start_is_refused(zoo) -> None:

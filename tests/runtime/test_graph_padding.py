@@ -21,7 +21,7 @@ from dvabatch_backend.runtime.settings import graph_buckets, graph_length
 from policies import create_policy
 from slicer import cut, toy
 
-from ..conftest import Collector, SlicedModel, assert_all_answered_correctly, assert_matches_reference, make_scheduler
+from ..conftest import Collector, SlicedModel, assert_all_answered_correctly, assert_matches_reference, call, make_scheduler
 
 MAX_LENGTH = 40  # buckets 16, 32, 40
 GRAPHS = {"engine": "torch", "device": "cuda", "cuda_graphs": True}  # the stages replay graphs
@@ -94,24 +94,20 @@ def test_without_graphs_a_batch_runs_at_its_own_length(model: SlicedModel) -> No
     assert not recorder.seen() <= BUCKETS, recorder.lengths
 
 
-def test_the_fast_path_pads_to_a_bucket_and_cuts_back(model: SlicedModel) -> None:
+def test_a_callers_batches_pad_to_a_bucket_and_cut_back(model: SlicedModel) -> None:
     recorder = LengthRecorder(model)
     pipeline = make_scheduler(model, create_policy("load"), recorder.engines, num_buffer_pairs=1, **GRAPHS)
+    collector = Collector()
     with pipeline:
-        lone = queries(model, [9])[0]
-        outputs = pipeline.run_inline({name: value[None] for name, value in lone.items()})
-        assert outputs is not None
-        for name, ref in model.reference(lone).items():
-            assert outputs[name].shape == (1, *ref.shape)
-            np.testing.assert_allclose(outputs[name][0], ref, atol=1e-4, rtol=0)
+        lone = queries(model, [9])
         several = queries(model, [3, 33, 17])
-        answers: dict[int, dict[str, np.ndarray]] = {}
-        left = pipeline.run_inline_requests([{n: v[None] for n, v in q.items()} for q in several],
-                                            lambda i, out: answers.__setitem__(i, out))
-        assert left == []
-    for i, query in enumerate(several):
+        ids = [call(pipeline, rows, collector)[0] for rows in (lone, several)]
+        assert collector.wait_for([i for group in ids for i in group])
+    for qid, query in zip([i for group in ids for i in group], [*lone, *several]):
+        answer = collector.one(qid)
         for name, ref in model.reference(query).items():
-            np.testing.assert_allclose(answers[i][name][0], ref, atol=1e-4, rtol=0)
+            assert answer.outputs[name].shape == ref.shape  # type: ignore[index]
+        assert_matches_reference(model, query, answer)
     assert recorder.seen() <= BUCKETS and recorder.lengths[0], recorder.lengths
 
 

@@ -33,7 +33,7 @@ from slicer.profiler import int_bounds
 from slicer.slice_model import SliceOptions, slice_model
 
 from dvabatch_backend.runtime.admission import STANDING_SECONDS, STANDING_WAIT
-from dvabatch_backend.runtime.inline_hold import STANDING_CALLS
+from dvabatch_backend.runtime.caller_queue import STANDING_CALLS
 
 from ..triton_support import Clients, ServedModel, add_variant, admitted_requests, settle
 
@@ -294,25 +294,24 @@ def _pending(server: TritonServer, model: str) -> float:
     return found
 
 
-def _fast_path(server: TritonServer, model: str) -> tuple[float, float]:
-    """(batches, queries) the model ran on the fast path (0 until the first sample)."""
+def _served(server: TritonServer, model: str) -> tuple[float, float]:
+    """(batches made, queries answered from them) by the model's batch table (0 until the first sample)."""
     text = _metrics_text(server)
-    batches, queries = (_sample(family, {"model": model}, text) or 0.0
-                        for family in ("dvabatch_fast_path_batches_total", "dvabatch_fast_path_queries_total"))
-    return batches, queries
+    batches = _sample("dvabatch_meta_operations_total", {"model": model, "operation": "new"}, text) or 0.0
+    return batches, _sample("dvabatch_table_answered_queries_total", {"model": model}, text) or 0.0
 
 
-def test_requests_that_queued_during_a_fast_path_run_are_handed_over_together_and_run_as_one_batch(server) -> None:
-    """A lone request holds the model's stage (gate_engine.py) on the fast path, inside `execute`;
-    8 requests sent meanwhile wait in Triton's queue (its pending count says so), so the next
-    `execute` gets all 8 and the load policy runs them as one batch: 2 fast-path batches for 9
-    queries, as ZeroBatch would run them, and every answer the unsliced model's."""
+def test_requests_that_queued_during_a_call_are_handed_over_together_and_run_as_one_batch(server) -> None:
+    """A lone request holds the model's stage (gate_engine.py) inside `execute`, which runs the
+    loop's steps; 8 requests sent meanwhile wait in Triton's queue (its pending count says so), so
+    the next `execute` gets all 8 and the load policy batches them as one: 2 rows of the batch
+    table for 9 queries, as ZeroBatch would run them, and every answer the unsliced model's."""
     triton, models, _ = server
     model = models["fixed"]
     held, gate = model.version_dir / "held", model.version_dir / "open"
     rng = np.random.default_rng(4)
     client = grpcclient.InferenceServerClient(triton.grpc_url)
-    before = _fast_path(triton, "dense_load")
+    before = _served(triton, "dense_load")
     queries = [model.query(rng) for _ in range(9)]
     answers = _Answers()
     try:
@@ -331,7 +330,7 @@ def test_requests_that_queued_during_a_fast_path_run_are_handed_over_together_an
         assert error is None, error
         for out, ref in model.reference(query).items():
             np.testing.assert_allclose(result.as_numpy(out)[0], ref, atol=1e-4, err_msg=f"query {i} {out}")
-    assert _settle(lambda: _fast_path(triton, "dense_load"),
+    assert _settle(lambda: _served(triton, "dense_load"),
                    lambda v: v[1] >= before[1] + 9) == (before[0] + 2, before[1] + 9)
 
 
@@ -371,7 +370,7 @@ def test_requests_past_the_queue_bound_behind_an_inline_run_are_refused_at_once(
         for out, ref in model.reference(queries[i]).items():
             np.testing.assert_allclose(result.as_numpy(out)[0], ref, atol=1e-4, err_msg=f"query {i} {out}")
     assert 0 not in refused and len(refused) == 2
-    assert _settle(lambda: _fast_path(triton, model.name)[1], lambda v: v >= 3) == 3  # the refused never ran
+    assert _settle(lambda: _served(triton, model.name)[1], lambda v: v >= 3) == 3  # the refused never ran
 
 
 def test_when_tritons_queue_stands_behind_the_fast_path_its_backlog_is_handed_over_and_refused(server) -> None:
@@ -414,7 +413,7 @@ def test_when_tritons_queue_stands_behind_the_fast_path_its_backlog_is_handed_ov
     answers.wait(n)  # every answer
     client.close()
     _results_or_refusals(model, queries, answers)
-    handovers = _settle(lambda: _sample("dvabatch_fast_path_handovers_total", {"model": model.name},
+    handovers = _settle(lambda: _sample("dvabatch_caller_handovers_total", {"model": model.name},
                                         _metrics_text(triton)) or 0.0, lambda v: v >= 1)
     assert handovers >= 1
 

@@ -65,7 +65,7 @@ def test_a_model_and_its_baselines_served_on_the_stand_in_answer_as_the_unsliced
 
 def _device_seconds(snapshot: dict, model: str) -> float:
     """The device time the model's metrics report: its stages' and its fast path's."""
-    names = ("dvabatch_stage_device_seconds_total", "dvabatch_fast_path_device_seconds_total")
+    names = ("dvabatch_stage_device_seconds_total", "dvabatch_whole_model_device_seconds_total")
     return sum(v for (name, m, _), v in snapshot.items() if name in names and m == model)
 
 

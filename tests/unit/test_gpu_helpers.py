@@ -125,8 +125,8 @@ def test_gpu_side_by_side_on_a_zoo_model_answers_every_query(tmp_path: Path) -> 
     for load in result["loads"]:
         assert all(s["answered"] == s["sent"] == load["queries"] for s in load["systems"].values())
         batches = load["systems"]["DVABatch-load"]["batches"]
-        ran = batches["pipeline_mean_bs"] * batches["pipeline_batches"] + batches["fast_path_mean_bs"] * batches["fast_path_batches"]
-        assert 0 < ran <= load["queries"] and 0 <= batches["fast_path_share"] <= 1
+        ran = batches["pipeline_mean_bs"] * batches["pipeline_batches"] + batches["whole_mean_bs"] * batches["whole_batches"]
+        assert 0 < ran <= load["queries"] and 0 <= batches["whole_share"] <= 1
 
 
 class _ThreadRecordingEngine(_GatedEngine):
@@ -143,12 +143,13 @@ class _ThreadRecordingEngine(_GatedEngine):
         super().run(inputs, outputs)
 
 
-@pytest.mark.parametrize("pairs", [2, 1])
-def test_dvabatch_takes_what_queued_as_the_adapter_execute_does(tmp_path: Path, pairs: int) -> None:
+@pytest.mark.parametrize("pairs,hand_off", [(2, False), (1, False), (2, True), (1, True)])
+def test_dvabatch_takes_what_queued_as_the_adapter_execute_does(tmp_path: Path, pairs: int, hand_off: bool) -> None:
     """The side by side's DVABatch front hands the runtime what queued while its last call ran, as
-    Triton hands `execute`: a lone query on the fast path (on the front's thread), the three that
-    queued behind it together, as one batch: through the engine loop's launch workers with two buffer
-    pairs, on the fast path with one."""
+    Triton hands `execute`: a lone query runs at once on the front's thread (the loop idle), the
+    three that queued behind it together, as one batch: on the front's thread too, or, with the
+    hand-over rule (`hand_off`: several requests, the hand-over not yet measured), on the engine
+    loop's thread (one pair) or its launch worker (two)."""
     import threading
 
     from dvabatch_backend.runtime.pipeline import Pipeline
@@ -161,7 +162,7 @@ def test_dvabatch_takes_what_queued_as_the_adapter_execute_does(tmp_path: Path, 
     for engine in engines[1:]:
         engine.gate.set()
     settings = RuntimeSettings(num_buffer_pairs=pairs, bs_max=4)
-    front = DvaBatch(Pipeline.create(manifest, engines, create_policy("load"), settings)).start()
+    front = DvaBatch(Pipeline.create(manifest, engines, create_policy("load"), settings), hand_off).start()
     done = [threading.Event() for _ in queries]
     try:
         front.submit(queries[0], _on(done[0]))
@@ -174,5 +175,5 @@ def test_dvabatch_takes_what_queued_as_the_adapter_execute_does(tmp_path: Path, 
         front.stop()
     assert all(d.ok for d in done)
     assert engines[0].batches == [1, 3]
-    second = "dvabatch-launch" if pairs > 1 else "dvabatch-execute"  # two pairs: the loop's launch worker
+    second = "dvabatch-execute" if not hand_off else "dvabatch-launch" if pairs > 1 else "dvabatch-engine-loop"
     assert engines[0].threads[0] == "dvabatch-execute" and engines[0].threads[1].startswith(second)
