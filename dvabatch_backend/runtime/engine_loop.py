@@ -220,7 +220,7 @@ class EngineLoop(WorkListener):
         here = here or self._workers is None
         stages = range(scheduler.num_stages)
         for stage in (stages if here else reversed(stages)):
-            if stage in self._in_flight:
+            if stage in self._in_flight or (stage and not scheduler.has_items(stage)):
                 continue
             work = scheduler.next_work(stage)
             if work is None:

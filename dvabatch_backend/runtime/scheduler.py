@@ -96,10 +96,11 @@ class Scheduler:
 
     def serve_whole_model(self) -> None:
         """Before any query: a batch may take the one-stage route, the unsliced model at stage 0
-        (`Pipeline` has its engine). The rule, at stage 0's launch: the batch is the only row of the
-        table and not yet begun, so no batch in flight could overlap with its stages, and it is
-        marked no-stretch then, so no query joins it past a boundary it no longer has; the policy
-        allows it (`Policy.allows_inline`: its splits never change an answer)."""
+        (`Pipeline` has its engine, which the slicer measured faster than the stages in a row). The
+        rule, at stage 0's launch of a batch not yet begun: no other batch could run in its stages
+        beside it (one buffer pair, whose stages run batches one at a time, or the batch is the
+        table's only row); it is marked no-stretch then, so no query joins it past a boundary it no
+        longer has. The policy allows it (`Policy.allows_inline`: its splits never change an answer)."""
         m = self.manifest
         with self.lock:
             self._whole_outputs = StageBuffer(m.num_stages, -1, m.boundary(m.num_stages), self.bs_max, m.max_length)
@@ -287,6 +288,8 @@ class Scheduler:
 
     def on_window(self) -> float | None:
         """Call the policy again if its batch window has passed; return the next wake-up time."""
+        if self._wake_at is None:  # read unlocked: a window set later wakes the loop (`window_moved`)
+            return None
         with self.lock:
             now = self.clock()
             if self._wake_at is None or self._wake_at > now:
@@ -375,6 +378,11 @@ class Scheduler:
 
     # -- stages (hand-off) --------------------------------------------------------------
 
+    def has_items(self, stage: int) -> bool:
+        """Whether `stage`'s batch queue holds an item; read unlocked, so only a step may trust it
+        for a stage past the first (whose items only `finish_work`, in a step, pushes)."""
+        return bool(len(self.board.queues[stage]))
+
     def next_work(self, stage: int) -> Work | None:
         """The item `stage` may run now (its buffer pair legitimate), taken off its queue; or None.
 
@@ -437,7 +445,8 @@ class Scheduler:
             return None
         item = board.queues[stage].pop_coalesced()
         row = self._table.get(item.batch_id)
-        if stage == 0 and not row.started and self._whole_outputs is not None and len(self._table) == 1:
+        if stage == 0 and not row.started and self._whole_outputs is not None and (
+                not self.admission.overlapping or len(self._table) == 1):
             row.whole = row.no_stretch = True  # the one-stage route (`serve_whole_model`)
         row.pair = pair
         row.started = True

@@ -64,13 +64,26 @@ def build_repository(scratch: Path, model_dir: Path, before: Path, device: str, 
     for label, model in systems.items():
         add_model_copy(scratch, model_dir, model)
         (scratch / model / "config.pbtxt").write_text(model_config.with_parameters(text, {}, model))
-    (scratch / systems["before"] / "1" / "model.py").write_text(before_entry(before.resolve()))
+    own_entry(scratch / systems["before"] / "1", before_entry(before.resolve()))
     engine, on = ("simulated", "cpu") if device == "simulated" else ("onnxruntime", "cpu")
     systems["ZeroBatch"] = f"{name}_zerobatch"
     threads = 1 if device == "simulated" else available_cores()  # the CPU baseline on every core, as served
     add_baseline(scratch, version_dir, systems["ZeroBatch"], 0, threads=threads, engine=engine, device=on,
                  device_profile=device_profile)
     return systems
+
+
+def own_entry(version_link: Path, entry: str) -> None:
+    """Replace the linked version folder `version_link` by a folder of its own that links each file
+    of the shared one but `model.py`, which is `entry`: written through the link, the entry would
+    replace the shared folder's own, and every system would run it."""
+    shared = version_link.resolve()
+    version_link.unlink()
+    version_link.mkdir()
+    for item in shared.iterdir():
+        if item.name not in ("model.py", "__pycache__"):
+            (version_link / item.name).symlink_to(item, target_is_directory=item.is_dir())
+    (version_link / "model.py").write_text(entry)
 
 
 def paired(rounds: Mapping[str, Sequence[dict[str, Any]]], key: str) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 Triton counts, per model, the queries it answered (`nv_inference_count`) and the executions that
 ran them (`nv_inference_exec_count`): for a baseline their ratio is the batcher's mean batch. The
 dvabatch adapter adds per stage the batches and rows each stage ran (`dvabatch_stage_*`), the
-inline runs of the fast path, and the meta operations (triton_adapter/metrics.py). `scrape` reads
+runs of the unsliced model, the batch table's answers and the meta operations (triton_adapter/metrics.py). `scrape` reads
 one snapshot, `batch_report` turns two snapshots into each model's figures.
 """
 from __future__ import annotations
@@ -63,12 +63,17 @@ def batch_report(before: Snapshot, after: Snapshot, model: str) -> dict[str, Any
         rows = _delta(before, after, "dvabatch_stage_rows_total", model)
         report["stage_batches"] = {k: batches[k] for k in sorted(batches)}
         report["stage_mean_batch"] = {k: _ratio(rows.get(k, 0.0), batches[k]) for k in sorted(batches)}
+        # the fast path's, where a checkout from before the one batch table serves (perf.compare.before_after)
         inline = sum(_delta(before, after, "dvabatch_fast_path_batches_total", model).values())
         inline_queries = sum(_delta(before, after, "dvabatch_fast_path_queries_total", model).values())
+        whole = sum(_delta(before, after, "dvabatch_whole_model_batches_total", model).values())
+        whole_queries = sum(_delta(before, after, "dvabatch_whole_model_queries_total", model).values())
         report["inline_runs"], report["inline_mean_batch"] = inline, _ratio(inline_queries, inline)
+        report["whole_model_runs"], report["whole_model_mean_batch"] = whole, _ratio(whole_queries, whole)
         tabled = sum(_delta(before, after, "dvabatch_table_answered_queries_total", model).values())
         report["table_answered"] = tabled  # answers whose batch was a row of the batch table
         report["table_share"] = _ratio(tabled, tabled + inline_queries)
+        report["loop_steps"] = sum(_delta(before, after, "dvabatch_loop_steps_total", model).values())
         report["meta_operations"] = {k: v for k, v in _delta(before, after, "dvabatch_meta_operations_total", model).items()
                                      if v}
         calls = _delta(before, after, "dvabatch_device_calls_total", model)

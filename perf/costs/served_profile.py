@@ -32,15 +32,15 @@ SAMPLE_RATE = 250  # py-spy samples a second
 # (part, function names): a sample is charged to the first part one of its frames names, leaf first
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine (onnxruntime)", ("run_with_iobinding", "InferenceSession.run", "OrtRunner.run", "OrtStageEngine.run")),
-    ("answers: build and send", ("_RequestAnswer.send", "TritonPythonModel._send", "TritonPythonModel._response",
-                                 "_batched", "split_outputs", "_send", "_Responder._loop")),
-    ("copies in and out of batches", ("gather_rows", "gather_inputs", "scatter_outputs", "FastPath._run_rows", "cut_to", "pad_batch",
-                                      "FastPath._run", "FastPath._slice", "FastPath._copy_row", "_rows_alone")),
-    ("batching: policy and scheduler", ("on_arrival", "Scheduler.", "InlineHold.", "inline_batches", "QueryTable.",
+    ("answers: build and send", ("_RequestAnswer.send", "_RequestAnswer.response", "TritonPythonModel._send",
+                                 "TritonPythonModel._release", "_batched", "split_outputs", "_send", "_Responder._loop")),
+    ("copies in and out of batches", ("gather_rows", "gather_inputs", "scatter_outputs", "cut_to", "pad_batch",
+                                      "_rows_alone", "_split_rows")),
+    ("batching: policy and scheduler", ("on_arrival", "Scheduler.", "CallerQueue.", "QueryTable.", "BatchTable.",
                                         "StageBoard.", "SplitStep.", "Admission.", "check_plan", "arrival_refusal",
-                                        "EngineLoop.")),
+                                        "EngineLoop.", "Pipeline.")),
     ("reading requests", ("TritonPythonModel._inputs", "TritonPythonModel._rows", "_read", "parse_request",
-                          "BatchCheck", "validate_inputs")),
+                          "read_query", "validate_inputs")),
     ("cancel watch, metrics", ("_CancelWatch", "StageMetrics")),
     ("execute, other", ("execute",)),
 )
