@@ -561,7 +561,7 @@ FAST_PATH_MARGIN = 0.1
 
 def fast_path_choice(folder: Path, manifest: Manifest, lengths: Sequence[int], threads: int,
                      int_high: dict[str, int]) -> dict[str, Any]:
-    """Which engine runs a lone query on the fast path (runtime/fast_path.py): the unsliced model
+    """Which engine runs a batch that meets nobody (`Scheduler.serve_whole_model`): the unsliced model
     (`model.onnx`, loaded beside the stages) or the stages in a row, each as served (the model's
     session spinning as onnxruntime's do by default, the stages' within a run:
     `loading.STAGE_SPINNING`), from one query at each profiled length `LIGHT_LOAD_GAP` after

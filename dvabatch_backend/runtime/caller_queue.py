@@ -4,7 +4,7 @@ A Triton `execute` call hands over what queued in Triton's dynamic batcher while
 ran. That queue is the caller's, and the runtime's admission cannot see it: left there, overload
 would queue without bound, and the runtime cannot tell a burst from overload by how long its calls
 have come full (the caller gives no arrival times). `caller_backlog` is told, for each call,
-whether it came full (the caller had at least a batch waiting). Three steps:
+whether it came full (the caller had at least a batch waiting). Two steps:
 
 1. **Handed over.** Once the calls have come full `STANDING_CALLS` times in a row and for
    `STANDING_WAIT`, `execute` returns as soon as it has submitted them (`handed_over`, counted in

@@ -94,8 +94,7 @@ def stream_memory(streams: Sequence[StreamLike]) -> MemoryFactory:
 
 def place_on_streams(pipeline: Any, streams: Sequence[StreamLike]) -> None:
     """Give a `Pipeline` (not started) whose stage i runs on `streams[i]` `CudaEventFence`s on those
-    streams and its middle boundaries in device memory (module docstring), the fast path's scratch
-    buffers too. A stage shown with no stream (None: a wrapped engine) reads and writes host memory."""
+    streams and its middle boundaries in device memory (module docstring). A stage shown with no stream (None: a wrapped engine) reads and writes host memory."""
     fences: FenceFactory = cuda_fences(streams)
     pipeline.install_buffers(fences, stream_memory(streams))
     if any(is_simulated(s) for s in streams):

@@ -5,8 +5,7 @@ executor's busy time (`StageStats.busy_seconds`) is the host's launch time, not 
 engine on a stream keeps a `DeviceTimer`: an event recorded on the stream before a run's work and
 one after it; once the second has completed, the time between them (CUDA's event timing, or the
 stand-in's deadlines) is the run's time on the device, queued behind nothing of its own stream.
-`collect()` adds the completed runs, read by whoever holds the engine loop's step (each step, and
-the fast path after its run); `seconds()` is what was collected, which the metrics read
+`collect()` adds the completed runs, read by whoever holds the engine loop's step, at the end of each step; `seconds()` is what was collected, which the metrics read
 (`StageStats.device_seconds`, the `dvabatch_stage_device_seconds_total` metric) without touching
 an event.
 

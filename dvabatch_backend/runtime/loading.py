@@ -23,8 +23,8 @@ def find_version_dir(model_dir: str | Path, manifest_file: str = "manifest.json"
 EngineWrapper = Callable[[int, StageEngine], StageEngine]
 
 # onnxruntime's threads, unless `RuntimeSettings.spinning` says otherwise (runtime/engine.py): the
-# unsliced model runs only the fast path, a lone query at a time while the pipeline holds nothing,
-# and spins as onnxruntime does by default, as a user's own model would (a light load's next query
+# unsliced model runs the batches that no other could overlap (the one-stage route, most often a
+# lone query), and spins as onnxruntime does by default, as a user's own model would (a light load's next query
 # finds its threads awake, where each stage's threads would be asleep by then); the stages spin
 # only within a run, so that one stage's threads never spin through the next stage's run. A
 # one-stage model's only stage spins within a run too, though it runs every lone query: it also
@@ -87,9 +87,9 @@ def load_pipeline(model_dir: str | Path, policy: Policy, settings: RuntimeSettin
     """A pipeline (not started) over a sliced model folder, one engine per stage; `wrap(stage,
     engine)`, when given, replaces each engine (instrumentation, fault injection).
 
-    The fast path runs the unsliced model where the slicer found it faster than the stages in a
-    row (`Manifest.fast_path_engine`), loaded here; with `wrap` it runs the wrapped stages, so that
-    what the wrapper injects or records covers every query."""
+    The unsliced model, where the slicer found it faster than the stages in a row
+    (`Manifest.fast_path_engine`), is loaded for the one-stage route; not with `wrap`, so that what
+    the wrapper injects or records covers every query."""
     version_dir = find_version_dir(model_dir, manifest_file)
     manifest = Manifest.load(version_dir / manifest_file)
     engines = make_engines(version_dir, manifest, settings)

@@ -103,7 +103,7 @@ def _specs_by_name(specs: tuple[TensorSpec, ...]) -> dict[str, TensorSpec]:
 
 def request_rows(requests: Sequence[Mapping[str, np.ndarray]]) -> list[int]:
     """The rows of each request (its first input's batch axis; 1 for a request without inputs): the
-    fast path's and the Triton adapter's one count of a call's size."""
+    Triton adapter's count of a call's size."""
     return [next(iter(r.values())).shape[0] if r else 1 for r in requests]
 
 
@@ -146,53 +146,6 @@ def validate_inputs(
     if len(lengths) > 1:
         raise BadInputError(query_id, f"inputs disagree on the sequence length: {sorted(lengths)}")
     return arrays, (lengths.pop() if lengths else 0)
-
-
-class BatchCheck:
-    """The fast path's check of a batch for one manifest, each input's rule worked out once: it checks
-    every request an `execute` call hands it, and hashing the specs to look the rules up again per
-    request costs more than the check itself."""
-
-    def __init__(self, manifest: Manifest) -> None:
-        self._manifest = manifest
-        self._rules = tuple((name, spec, _input_rule(spec), _fixed_dims(spec, manifest))
-                            for name, spec in _specs_by_name(manifest.inputs).items())
-
-    def __call__(self, inputs: Mapping[str, np.ndarray], bs_max: int) -> tuple[int, int] | None:
-        """(rows, length) of a batch of queries in the model's own layout (every input [rows, ...],
-        one length), when every row is well-formed and they fit one batch of `bs_max`; else None.
-
-        `validate_inputs`'s rules (`_tensor_problem`), on whole tensors. None sends the rows the
-        usual way, where a bad one is answered with its own error."""
-        if len(inputs) != len(self._rules):
-            return None
-        rows, length = -1, -1
-        for name, spec, rule, fixed in self._rules:
-            arr = inputs.get(name)
-            if not isinstance(arr, np.ndarray) or rows not in (-1, arr.shape[0]):
-                return None
-            if fixed is not None:  # `_tensor_problem`'s rules for an input of one shape, in one comparison
-                if arr.dtype != rule.np_dtype or arr.shape[1:] != fixed or arr.shape[0] < 1:
-                    return None
-            elif _tensor_problem(arr, spec, rule, self._manifest, batched=True) is not None:
-                return None
-            rows = arr.shape[0]
-            if rule.seq_axis is not None:
-                n = arr.shape[rule.seq_axis + 1]
-                if length not in (-1, n):
-                    return None
-                length = n
-        if rows > bs_max:
-            return None
-        return rows, max(length, 0)
-
-
-def _fixed_dims(spec: TensorSpec, manifest: Manifest) -> tuple[int, ...] | None:
-    """One query's shape of an input that has one (no length dim, no index bound to check), else None."""
-    dims = spec.dims[1:]
-    if spec.name in manifest.input_bounds or not all(type(d) is int and d > 0 for d in dims):
-        return None
-    return tuple(dims)  # type: ignore[arg-type]
 
 
 def _check_names(query_id: int, inputs: Mapping[str, np.ndarray], specs: Mapping[str, TensorSpec]) -> None:

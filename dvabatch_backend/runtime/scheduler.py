@@ -80,7 +80,7 @@ class Scheduler:
         buffers = BufferPool(manifest, settings.num_buffer_pairs, bs_max, fence_factory)
         self.board = StageBoard(self.num_stages, self._table, buffers, self.stats, self.recorder)
         self.progress = Progress(self.lock)
-        self.step = Step()  # the right to launch: the engine loop's, lent to the fast path (engine_loop.py)
+        self.step = Step()  # the right to launch: the engine loop's, lent to a caller while it is idle (engine_loop.py)
         self._ids = itertools.count()
         self._policy = policy
         self._splits = SplitStep(policy, manifest, self._table, buffers, self.queries, self.stats, self.recorder)

@@ -43,7 +43,7 @@ class RuntimeStats:
     within_slo: int = 0  # answers (results) within the latency target: goodput; every result without one
     queued: int = 0  # admitted, not yet taken by stage 0 (a gauge)
     # the caller's calls sent to the pipeline because its own queue stood, and the drains of that
-    # queue, begun when its calls had come full too long (`InlineHold.caller_backlog`)
+    # queue, begun when its calls had come full too long (`CallerQueue.caller_backlog`)
     inline_handovers: int = 0
     caller_drains: int = 0
     # the one-stage route (`Scheduler.serve_whole_model`): runs of the unsliced model, their rows,

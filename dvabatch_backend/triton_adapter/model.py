@@ -210,7 +210,7 @@ class _CancelWatch:
     """A thread that asks Triton whether queued requests were cancelled (a gRPC client's deadline
     or cancel), and has the scheduler drop their queries before a stage runs them. Only requests
     with a query not yet taken by stage 0 are asked, at most `CANCEL_POLL_MAX` a round, round robin.
-    With none to ask it sleeps until one is added: a light load answered on the fast path adds none,
+    With none to ask it sleeps until one is added: a light load answered by `execute`'s own steps adds none,
     and a thread that woke every `CANCEL_POLL_SECONDS` for nothing would take the GIL and a core
     from the queries it serves."""
 
@@ -397,7 +397,7 @@ class TritonPythonModel:
 
     def _came_full(self, tensors: list[dict[str, np.ndarray]]) -> bool:
         """Whether Triton's batcher handed over a full batch: the next request of the largest size
-        here would not have fitted its max_batch_size (`InlineHold.caller_backlog` says why it counts)."""
+        here would not have fitted its max_batch_size (`CallerQueue.caller_backlog` says why it counts)."""
         rows = request_rows(tensors)
         return bool(self._call_capacity) and sum(rows) + max(rows) > self._call_capacity
 

@@ -8,7 +8,7 @@ from perf.costs.served_profile import charge, part_of
 
 def test_a_sample_is_charged_to_the_innermost_part_it_names() -> None:
     engine = ["_bootstrap (threading.py:1)", "TritonPythonModel.execute (model.py:3)",
-              "FastPath._run (fast_path.py:9)", "OrtStageEngine.run (engine.py:4)", "Session.run_with_iobinding (x.py:1)"]
+              "gather_rows (query.py:9)", "OrtStageEngine.run (engine.py:4)", "Session.run_with_iobinding (x.py:1)"]
     assert part_of(engine) == "engine (onnxruntime)"
     assert part_of(engine[:3]) == "copies in and out of batches"
     assert part_of(["Thread.run (threading.py:1)", "_Responder._loop (model.py:1)", "_RequestAnswer.send (model.py:2)"]) \
