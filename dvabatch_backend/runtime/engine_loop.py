@@ -128,26 +128,32 @@ class EngineLoop(WorkListener):
 
     # -- a caller's steps -------------------------------------------------------------------
 
-    def serve_here(self, submit: Callable[[], None], answered: Callable[[], bool]) -> bool:
+    def serve_here(self, submit: Callable[[], None], answered: Callable[[], bool],
+                   between: Callable[[], None] | None = None) -> bool:
         """Call `submit` (the caller's arrivals) and, while the loop is idle, run its steps on this
         thread until `answered()` or a step launches nothing (the policy holds queries back for its
         window, or they wait for a pair); whether `answered()`. The loop is claimed before `submit`,
         so that the arrivals do not wake it. Not claimed (`submit` alone) while the loop steps, has
         work in flight, or another caller runs its steps. Every launch here runs on this thread, in
         stage order; so with two or more buffer pairs, where the loop's workers overlap batches in
-        different stages, only a call whose queries make one batch is run here."""
+        different stages, only a call whose queries make one batch is run here. `between()`: before
+        each step after the first (where answers given so far should leave, not wait for the rest)."""
         with self._signal:
             claimed = self._idle and not (self._driven or self._completed or self._in_flight)
             self._driven = self._driven or claimed
         if not claimed:
             submit()
             return answered()
+        began_any = False
         try:
             submit()
             if self._workers is not None and self._scheduler.batches() > 1:
                 return answered()  # batches that could overlap on the loop's workers: the loop's
             with self.step.held() as step:  # the loop is idle: it holds no step
                 while not answered():
+                    if between is not None and began_any:
+                        between()
+                    began_any = True
                     began = self._scheduler.clock()
                     launched, _ = self._step(step, [], here=True)
                     self._step_done(began)

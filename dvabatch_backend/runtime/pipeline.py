@@ -161,14 +161,16 @@ class Pipeline:
     def refuse_at_door(self, requests: int) -> list[QueryError]:
         return self.scheduler.refuse_at_door(requests)
 
-    def serve_here(self, submit: Callable[[], None], answered: Callable[[], bool]) -> bool:
+    def serve_here(self, submit: Callable[[], None], answered: Callable[[], bool],
+                   between: Callable[[], None] | None = None) -> bool:
         """`submit()` (the caller submits its queries) and, while the engine loop is idle, run its
         steps on this thread until `answered()` (`EngineLoop.serve_here`); whether it holds. Off
-        (`submit` alone) where the setting `fast_path` is: every step is then the loop's."""
+        (`submit` alone) where the setting `fast_path` is: every step is then the loop's. `between()`
+        before each step after the first."""
         if not self.scheduler.settings.fast_path:
             submit()
             return answered()
-        return self.loop.serve_here(submit, answered)
+        return self.loop.serve_here(submit, answered, between)
 
     def route_call(self, requests: int, rows: int, full: bool, hand_off: bool = False) -> CallRoute:
         """A caller's call of `requests` requests (`rows` rows), `full` or not (its caller had a batch

@@ -112,9 +112,10 @@ class _RequestAnswer:
     unless `held`: `execute` is running the steps that answer it, and returns its response
     (`release`)."""
 
-    def __init__(self, sender: Any, rows: int, output_names: list[str], responder: _Responder,
+    def __init__(self, request: Any, rows: int, output_names: list[str], responder: _Responder,
                  batch_axes: Mapping[str, int], held: bool = False) -> None:
-        self._sender = sender
+        self._request = request  # its response sender is asked for only to send: a response returned by
+        # `execute` needs none, and each one asked for costs the stub a round of its own
         self._answers: list[Answer | None] = [None] * rows
         self._missing = rows
         self._names = output_names
@@ -160,7 +161,7 @@ class _RequestAnswer:
         response = self.response()
         with self.sending:
             self.sent = True
-            self._sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self._request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def is_cancelled(self, request: Any) -> bool:
         """Whether Triton reports `request` cancelled; False once its final response is sent."""
@@ -372,8 +373,15 @@ class TritonPythonModel:
             self._watch(requests, self._submit(requests, ready))
             return None
         answers: list[_RequestAnswer | None] = []
-        self._scheduler.serve_here(lambda: answers.extend(self._submit(requests, ready, held=not self._answers_early)),
-                                   lambda: all(a is None or a.answered for a in answers))
+
+        def send_answered() -> None:  # a later batch is about to run: the answers so far leave now
+            for answer in answers:
+                if answer is not None and answer.release():
+                    self._responder.submit(answer)
+
+        self._scheduler.serve_here(lambda: answers.extend(self._submit(requests, ready, held=True)),
+                                   lambda: all(a is None or a.answered for a in answers),
+                                   send_answered if self._answers_early else None)
         return self._release(requests, answers)
 
     def _release(self, requests: list[Any], answers: list[_RequestAnswer | None]) -> list[Any] | None:
@@ -411,15 +419,14 @@ class TritonPythonModel:
         calls: list[list[tuple[dict[str, np.ndarray], Any]]] = []
         timeouts: list[int | None] = []
         for k, request in enumerate(requests):
-            sender = request.get_response_sender()
             try:
                 rows = self._rows(request) if tensors is None else _split_rows(tensors[k])
             except ValueError as exc:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)),
+                request.get_response_sender().send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 answers.append(None)
                 continue
-            answer = _RequestAnswer(sender, len(rows), self._output_names, self._responder,
+            answer = _RequestAnswer(request, len(rows), self._output_names, self._responder,
                                     self._manifest.output_batch_axes, held)
             calls.append([(row, answer.reply_for(i)) for i, row in enumerate(rows)])
             timeouts.append(_request_timeout_us(request))
