@@ -344,7 +344,7 @@ def call(pipeline: Pipeline, queries: list[dict[str, np.ndarray]], collector: Co
     """A caller's call: its queries submitted, and the loop's steps run here until they are answered
     (`Pipeline.serve_here`); their ids, and whether they were answered by its return."""
     ids: list[int] = []
-    answered = pipeline.serve_here(lambda: ids.extend(pipeline.submit_many([(q, collector) for q in queries])),
+    answered = pipeline.serve_here(lambda _: ids.extend(pipeline.submit_many([(q, collector) for q in queries])),
                                    lambda: all(i in collector.answers for i in ids))
     return ids, answered
 

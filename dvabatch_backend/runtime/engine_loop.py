@@ -128,9 +128,10 @@ class EngineLoop(WorkListener):
 
     # -- a caller's steps -------------------------------------------------------------------
 
-    def serve_here(self, submit: Callable[[], None], answered: Callable[[], bool],
+    def serve_here(self, submit: Callable[[bool], None], answered: Callable[[], bool],
                    between: Callable[[], None] | None = None) -> bool:
-        """Call `submit` (the caller's arrivals) and, while the loop is idle, run its steps on this
+        """Call `submit(claimed)` (the caller's arrivals; `claimed`: it may lend its memory, see
+        `Scheduler.submit_call`) and, while the loop is idle, run its steps on this
         thread until `answered()` or a step launches nothing (the policy holds queries back for its
         window, or they wait for a pair); whether `answered()`. The loop is claimed before `submit`,
         so that the arrivals do not wake it. Not claimed (`submit` alone) while the loop steps, has
@@ -142,23 +143,15 @@ class EngineLoop(WorkListener):
             claimed = self._idle and not (self._driven or self._completed or self._in_flight)
             self._driven = self._driven or claimed
         if not claimed:
-            submit()
+            submit(False)
             return answered()
-        began_any = False
         try:
-            submit()
-            if self._workers is not None and self._scheduler.batches() > 1:
-                return answered()  # batches that could overlap on the loop's workers: the loop's
             with self.step.held() as step:  # the loop is idle: it holds no step
-                while not answered():
-                    if between is not None and began_any:
-                        between()
-                    began_any = True
-                    began = self._scheduler.clock()
-                    launched, _ = self._step(step, [], here=True)
-                    self._step_done(began)
-                    if not launched:
-                        break
+                try:
+                    submit(True)
+                    self._steps_until(step, answered, between)
+                finally:
+                    self._scheduler.own_borrowed()  # before any launch of the loop's can gather them
         finally:
             with self._signal:
                 self._driven = False  # from here on a wake-up reaches the loop
@@ -166,6 +159,21 @@ class EngineLoop(WorkListener):
             if woken and not self._scheduler.holds_nothing_now():
                 self.wake()  # work came meanwhile that these steps left (a window, a queue): the loop's
         return answered()
+
+    def _steps_until(self, step: int, answered: Callable[[], bool], between: Callable[[], None] | None) -> None:
+        """`serve_here`'s steps, on the caller's thread holding `step`."""
+        first = True
+        while not answered():
+            if self._workers is not None and self._scheduler.batches() > 1:
+                return  # batches that could overlap on the loop's workers: the loop's
+            if between is not None and not first:
+                between()
+            first = False
+            began = self._scheduler.clock()
+            launched, _ = self._step(step, [], here=True)
+            self._step_done(began)
+            if not launched:
+                return
 
     def _step_done(self, began: float) -> None:
         """A step ended (its holder's thread, the step still held): the device timers read, and counted."""

@@ -155,20 +155,21 @@ class Pipeline:
         return self.scheduler.submit_many(requests, timeout_us)
 
     def submit_call(self, requests: Sequence[Sequence[tuple[Mapping[str, np.ndarray], Reply]]],
-                    timeouts_us: Sequence[int | None] | None = None) -> list[list[int]]:
-        return self.scheduler.submit_call(requests, timeouts_us)
+                    timeouts_us: Sequence[int | None] | None = None, borrowed: bool = False) -> list[list[int]]:
+        return self.scheduler.submit_call(requests, timeouts_us, borrowed)
 
     def refuse_at_door(self, requests: int) -> list[QueryError]:
         return self.scheduler.refuse_at_door(requests)
 
-    def serve_here(self, submit: Callable[[], None], answered: Callable[[], bool],
+    def serve_here(self, submit: Callable[[bool], None], answered: Callable[[], bool],
                    between: Callable[[], None] | None = None) -> bool:
-        """`submit()` (the caller submits its queries) and, while the engine loop is idle, run its
+        """`submit(claimed)` (the caller submits its queries, lending its memory where `claimed`:
+        `Scheduler.submit_call`) and, while the engine loop is idle, run its
         steps on this thread until `answered()` (`EngineLoop.serve_here`); whether it holds. Off
         (`submit` alone) where the setting `fast_path` is: every step is then the loop's. `between()`
         before each step after the first."""
         if not self.scheduler.settings.fast_path:
-            submit()
+            submit(False)
             return answered()
         return self.loop.serve_here(submit, answered, between)
 

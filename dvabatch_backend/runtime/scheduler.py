@@ -92,6 +92,7 @@ class Scheduler:
         # padded to a bucket before stage 0 (`graph_length`): every stage's inputs then match a graph
         self._pads_to_graphs = replays_graphs(settings) and manifest.pad_safe and manifest.has_seq
         self._whole_outputs: StageBuffer | None = None  # the one-stage route's outputs (`runs_whole`)
+        self._borrowed: list[Query] = []  # queries whose inputs are a caller's memory (`submit_call`)
         policy.bind(context or PolicyContext.for_model(manifest, bs_max, settings.num_buffer_pairs))
 
     def serve_whole_model(self) -> None:
@@ -152,9 +153,11 @@ class Scheduler:
         return self.submit_call([requests], [timeout_us])[0]
 
     def submit_call(self, requests: Sequence[Sequence[tuple[Mapping[str, np.ndarray], Reply]]],
-                    timeouts_us: Sequence[int | None] | None = None) -> list[list[int]]:
+                    timeouts_us: Sequence[int | None] | None = None, borrowed: bool = False) -> list[list[int]]:
         """`submit_many` for each of several requests that arrived together (a caller's call), with
-        one batching decision for all of them; each request's query ids."""
+        one batching decision for all of them; each request's query ids. `borrowed`: the inputs are
+        the caller's memory, valid until it lets go of the loop's step (`EngineLoop.serve_here`),
+        when those of the queries still queued are copied (`own_borrowed`)."""
         now = self.clock()
         timeouts = list(timeouts_us) if timeouts_us is not None else [None] * len(requests)
         arrived = [[read_query(next(self._ids), inputs, self.manifest, now, reply) for inputs, reply in rows]
@@ -175,6 +178,8 @@ class Scheduler:
                 deliveries += bad
                 if accepted:
                     deliveries += self._admit(accepted, now, timeout_us, starts)
+                    if borrowed:
+                        self._borrowed += accepted
             deliveries += self._dispatch(now)
         _deliver(deliveries)
         return [[q.id if isinstance(q, Query) else q.query_id for q in queries] for queries in arrived]
@@ -553,6 +558,16 @@ class Scheduler:
         """No query unanswered, no batch, no stage working, not stopping. Under the lock."""
         return (not self._stopping and not len(self.queries) and not len(self._table)
                 and ExecutorState.WORKING not in self.board.states)
+
+    def own_borrowed(self) -> None:
+        """The caller that lent its memory (`submit_call`) lets go of the step: the queries not yet
+        gathered into a batch (queued) get copies of their inputs. Called holding the step, so no
+        launch gathers meanwhile."""
+        with self.lock:
+            for q in self._borrowed:
+                if q.state.is_queued and self.queries.get(q.id) is q:
+                    q.inputs = {name: np.array(value) for name, value in q.inputs.items()}
+            self._borrowed.clear()
 
     def batches(self) -> int:
         """Rows of the batch table now."""

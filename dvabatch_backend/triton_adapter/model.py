@@ -303,13 +303,13 @@ def _request_timeout_us(request: Any) -> int | None:
     return timeout or None
 
 
-def _split_rows(arrays: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-    """One dict of tensors per row of a request's inputs (each row copied)."""
+def _split_rows(arrays: Mapping[str, np.ndarray], copy: bool = True) -> list[dict[str, np.ndarray]]:
+    """One dict of tensors per row of a request's inputs (each row copied, or a view)."""
     counts = {name: arr.shape[0] if arr.ndim else 0 for name, arr in arrays.items()}
     if len(set(counts.values())) != 1 or 0 in counts.values():
         raise ValueError(f"inputs disagree on the number of rows: {counts}")
     k = next(iter(counts.values()))
-    return [{name: np.array(arr[i], copy=True) for name, arr in arrays.items()} for i in range(k)]
+    return [{name: np.array(arr[i], copy=True) if copy else arr[i] for name, arr in arrays.items()} for i in range(k)]
 
 
 class TritonPythonModel:
@@ -379,7 +379,7 @@ class TritonPythonModel:
                 if answer is not None and answer.release():
                     self._responder.submit(answer)
 
-        self._scheduler.serve_here(lambda: answers.extend(self._submit(requests, ready, held=True)),
+        self._scheduler.serve_here(lambda here: answers.extend(self._submit(requests, ready, held=True, borrow=here)),
                                    lambda: all(a is None or a.answered for a in answers),
                                    send_answered if self._answers_early else None)
         return self._release(requests, answers)
@@ -410,17 +410,19 @@ class TritonPythonModel:
         return bool(self._call_capacity) and sum(rows) + max(rows) > self._call_capacity
 
     def _submit(self, requests: list[Any], tensors: list[dict[str, np.ndarray]] | None = None,
-                held: bool = False) -> list[_RequestAnswer | None]:
+                held: bool = False, borrow: bool = False) -> list[_RequestAnswer | None]:
         """Hand each request's rows to the scheduler; each request's answer, None where the request
         was refused as it was read (its error sent). `tensors`: the requests' inputs, read already
         (else read here, while `execute` runs). `held`: the caller runs the steps and returns the
-        responses (`_release`); else each is sent when its last row is answered."""
+        responses (`_release`); else each is sent when its last row is answered. `borrow`: the rows
+        are views of the requests' memory, copied by the scheduler if still queued when `execute`
+        lets go of the loop's step (`Scheduler.submit_call`)."""
         answers: list[_RequestAnswer | None] = []
         calls: list[list[tuple[dict[str, np.ndarray], Any]]] = []
         timeouts: list[int | None] = []
         for k, request in enumerate(requests):
             try:
-                rows = self._rows(request) if tensors is None else _split_rows(tensors[k])
+                rows = self._rows(request) if tensors is None else _split_rows(tensors[k], copy=not borrow)
             except ValueError as exc:
                 request.get_response_sender().send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -432,7 +434,7 @@ class TritonPythonModel:
             timeouts.append(_request_timeout_us(request))
             answers.append(answer)
         submitted = [a for a in answers if a is not None]
-        for answer, ids in zip(submitted, self._scheduler.submit_call(calls, timeouts)):
+        for answer, ids in zip(submitted, self._scheduler.submit_call(calls, timeouts, borrow)):
             answer.query_ids = ids
         return answers
 

@@ -228,7 +228,7 @@ class DvaBatch(DynamicBatcher):
         def reply(done: Done) -> Callable[[Any], None]:
             return lambda answer: (answered.add(answer.query_id), done(answer.error is None))
 
-        def submit() -> None:
+        def submit(_: bool = False) -> None:
             ids.extend(pipeline.submit_many([(query, reply(done)) for query, done in batch]))
 
         if pipeline.route_call(len(batch), len(batch), False, self._hand_off) is CallRoute.HERE:

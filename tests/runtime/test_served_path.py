@@ -315,7 +315,7 @@ def test_random_schedules_of_callers_and_the_loop_answer_every_query_once_from_t
             release.clear()
             ids: list[int] = []
             caller = threading.Thread(target=pipeline.serve_here, name=f"caller-{i}", args=(
-                lambda queries=queries, ids=ids: ids.extend(submit(queries)),
+                lambda _, queries=queries, ids=ids: ids.extend(submit(queries)),
                 lambda ids=ids: all(q in collector.answers for q in ids)))
             caller.start()
             while caller.is_alive() and not entered.wait(0.05):
@@ -438,3 +438,31 @@ def test_long_batches_hand_the_callers_queue_over_then_drain_it_once_overload_is
         assert configured.stats.inline_handovers == 1 and configured.scheduler.caller.handed_over
         assert call(configured, False) == "served" and not configured.scheduler.caller.handed_over
         assert configured.stats.queue_full == 0 and configured.stats.caller_drains == 0
+
+
+def test_a_callers_borrowed_inputs_are_copied_for_the_rows_still_queued_when_it_lets_go(zoo) -> None:
+    """A caller lends its requests' memory while it holds the loop's step (`submit_call(borrowed=True)`):
+    the rows the policy holds back past its steps (a fixed window here) get copies before it lets go,
+    so the caller reusing its memory afterwards changes no answer."""
+    model = zoo.stages("token", 2)
+    rng = np.random.default_rng(8)
+    collector = Collector()
+    with make_scheduler(model, create_policy("input", window=0.05), num_buffer_pairs=1) as pipeline:
+        queries = [model.query(rng, length=5) for _ in range(2)]
+        lent = [{name: value.copy() for name, value in q.items()} for q in queries]  # the caller's memory
+        ids: list[int] = []
+        claims: list[bool] = []
+
+        def submit(claimed: bool) -> None:
+            claims.append(claimed)
+            ids.extend(i for group in pipeline.submit_call([[(q, collector)] for q in lent], borrowed=claimed)
+                       for i in group)
+
+        assert not pipeline.serve_here(submit, lambda: all(i in collector.answers for i in ids))  # the window holds them
+        assert claims == [True]
+        for q in lent:  # the caller's memory is reused once execute returns
+            for value in q.values():
+                value[...] = 0
+        assert collector.wait_for(ids)
+        for qid, query in zip(ids, queries):
+            assert_matches_reference(model, query, collector.one(qid))
