@@ -59,8 +59,15 @@ class Stage0Time:
         self._reference = StageProfile(context.stage_times, context.num_stages)
         self.available = self._by_length.available or self._reference.available
         self._stages = range(min(max(through, 1), context.num_stages))
+        self._known: dict[tuple[int, int], float] = {}  # (bs, length) -> seconds: asked on every batch made
 
     def seconds(self, bs: int, length: int) -> float:
+        known = self._known.get((bs, length))
+        if known is None:
+            known = self._known[bs, length] = self._profiled(bs, length)
+        return known
+
+    def _profiled(self, bs: int, length: int) -> float:
         if self._by_length.available:
             return sum(self._by_length.stage_seconds(k, bs, length) for k in self._stages)
         return sum(self._reference.time(k, bs) for k in self._stages) if self._reference.available else 0.0

@@ -158,6 +158,14 @@ def _check_names(query_id: int, inputs: Mapping[str, np.ndarray], specs: Mapping
         raise BadInputError(query_id, f"unknown input(s) {unknown}; the model expects {sorted(specs)}")
 
 
+def _within(arr: np.ndarray, bound: int) -> bool:
+    """Whether every value of an integer tensor lies in [0, bound), in one pass: read as unsigned, a
+    negative value is larger than any bound."""
+    if arr.dtype.kind == "i":
+        return int(arr.view(np.dtype(f"u{arr.dtype.itemsize}")).max()) < bound
+    return arr.dtype.kind == "u" and int(arr.max()) < bound
+
+
 def _tensor_problem(arr: np.ndarray, spec: TensorSpec, rule: _InputRule, manifest: Manifest,
                     batched: bool) -> str | None:
     """What is wrong with one input tensor, or None: one query's (no batch axis), or a batch's
@@ -177,7 +185,7 @@ def _tensor_problem(arr: np.ndarray, spec: TensorSpec, rule: _InputRule, manifes
         elif got != want:
             return f"input {spec.name!r} dim {axis} is {got}, expected {want}"
     bound = manifest.input_bounds.get(spec.name)
-    if bound is not None:
+    if bound is not None and not _within(arr, bound):
         low, high = int(arr.min()), int(arr.max())
         if low < 0 or high >= bound:
             bad = low if low < 0 else high
