@@ -575,7 +575,7 @@ def fast_path_choice(folder: Path, manifest: Manifest, lengths: Sequence[int], t
                                 LIGHT_LOAD_GAP, int_high=int_high)
         seconds[str(length)] = {"model": times[0], "stages": times[1]}
     return fast_path_record(seconds, f"one query {LIGHT_LOAD_GAP * 1e3:g} ms after the last",
-                            "one session's run, where the stages in a row are several")
+                            "one session's threads, spinning, keep a light load's next query quick")
 
 
 def fast_path_record(seconds: dict[str, dict[str, float]], how: str, model_note: str = "") -> dict[str, Any]:

@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 from .decisions import Policy
 from .device_times import on_serving_device
-from .engine import IN_RUN, PER_STAGE, OrtStageEngine, StageEngine, available_cores
+from .engine import IN_RUN, ON, PER_STAGE, OrtStageEngine, StageEngine, available_cores
 from .manifest import Manifest
 from .pipeline import Pipeline
 from .settings import ENGINES, SIMULATED, RuntimeSettings, graph_buckets
@@ -22,12 +22,15 @@ def find_version_dir(model_dir: str | Path, manifest_file: str = "manifest.json"
 
 EngineWrapper = Callable[[int, StageEngine], StageEngine]
 
-# onnxruntime's threads, unless `RuntimeSettings.spinning` says otherwise (runtime/engine.py): every
-# engine spins only within a run. Each run is followed at once, on the same cores, by the batch
-# table's bookkeeping and the answer (and by the server's request handling): threads spinning past
-# a run take those cores, and on a few cores slow that work several-fold. The stages for the same
-# reason and so that one stage's threads never spin through the next stage's run
-MODEL_SPINNING, STAGE_SPINNING = IN_RUN, IN_RUN
+# onnxruntime's threads, unless `RuntimeSettings.spinning` says otherwise (runtime/engine.py): the
+# unsliced model runs the batches that no other could overlap (the one-stage route, most often a
+# lone query), and spins as onnxruntime does by default, as a user's own model would (a light load's next query
+# finds its threads awake, where each stage's threads would be asleep by then); the stages spin
+# only within a run, so that one stage's threads never spin through the next stage's run. A
+# one-stage model's only stage spins within a run too, though it runs every lone query: it also
+# runs every batch under load, where threads spinning between runs take the cores the server's
+# request handling needs
+MODEL_SPINNING, STAGE_SPINNING = ON, IN_RUN
 
 
 def make_engine(path: Path, settings: RuntimeSettings, manifest: Manifest | None = None,

@@ -70,8 +70,8 @@ class RuntimeSettings:
     # set), which on a few cores takes them from the server and the clients and lengthens the tail
     thread_pool: str = "per_stage"
     # onnxruntime's threads spin-wait for work "in_run" (within a run, stopping when it returns),
-    # "off" or "on" (onnxruntime's default, after runs too); None: "in_run" for the unsliced model
-    # and the stages (`loading.MODEL_SPINNING`, which says why)
+    # "off" or "on" (onnxruntime's default, after runs too); None: the unsliced model's "on", the
+    # stages' "in_run" (`loading.MODEL_SPINNING`, runtime/engine.py says why)
     spinning: str | None = None
     # while the engine loop is idle, a caller runs the steps that answer its requests on its own
     # thread (`EngineLoop.serve_here`), and a batch that meets nobody may run the unsliced model

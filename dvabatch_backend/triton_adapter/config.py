@@ -85,7 +85,7 @@ PARAMETERS: dict[str, Parameter] = {
         "With `per_stage` pools: onnxruntime (or torch) threads per stage; 0 runs each stage on every core.",
         _runtime("threads_per_stage")),
     "spinning": Parameter(
-        parameters.choice(*SPINNING), "`in_run`",
+        parameters.choice(*SPINNING), "the unsliced model `on`, the stages `in_run`",
         "onnxruntime's threads spin-wait for work: `on` (before, within and after a run), `in_run` (within "
         "a run only), `off`. Set, it applies to every session.",
         _runtime("spinning")),

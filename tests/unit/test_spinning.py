@@ -53,8 +53,8 @@ class _Recorder:
 @pytest.mark.parametrize("setting, model, stages", [(None, MODEL_SPINNING, STAGE_SPINNING), (OFF, OFF, OFF)])
 def test_the_fast_paths_model_and_the_stages_spin_as_set(zoo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           setting: str | None, model: str, stages: str) -> None:
-    """A manifest whose batches may run the unsliced model: its engine and the stages spin as
-    `loading` says (within a run); a `spinning` setting applies to all of them."""
+    """A manifest whose fast path runs the unsliced model: its engine spins as onnxruntime's do by
+    default, the stages' within a run; a `spinning` setting applies to all of them."""
     import dvabatch_backend.runtime.loading as loading
 
     sliced = zoo.stages("dense", 2)
