@@ -146,7 +146,7 @@ class EngineLoop(WorkListener):
             submit(False)
             return answered()
         try:
-            with self.step.held() as step:  # the loop is idle: it holds no step
+            with self.step as step:  # the loop is idle: it holds no step
                 try:
                     submit(True)
                     self._steps_until(step, answered, between)
@@ -213,7 +213,7 @@ class EngineLoop(WorkListener):
                 completed, self._completed = self._completed, []
             if scheduler.stopping and not self._in_flight and not completed:
                 return
-            with self.step.held() as step:  # waits while a caller runs the steps (`serve_here`)
+            with self.step as step:  # waits while a caller runs the steps (`serve_here`)
                 began = scheduler.clock()
                 launched, wake_at = self._step(step, completed)
                 self._step_done(began)

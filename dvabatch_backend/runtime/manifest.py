@@ -68,6 +68,13 @@ class TensorSpec:
     dtype: str
     dims: tuple[Dim, ...]
 
+    def __hash__(self) -> int:  # kept: every query's checks look specs up in caches keyed by them
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.name, self.dtype, self.dims))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.dtype)

@@ -8,9 +8,8 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -126,6 +125,12 @@ class Launch:
     batch: int | None = None
     queries: tuple[int, ...] = ()
 
+    def __enter__(self) -> None:  # `with launching(launch):` (a class, not a generator: it runs every launch)
+        _current.launch = self
+
+    def __exit__(self, *exc: object) -> None:
+        _current.launch = None
+
 
 _current = threading.local()
 
@@ -135,13 +140,9 @@ def current_launch() -> Launch | None:
     return getattr(_current, "launch", None)
 
 
-@contextmanager
-def launching(launch: Launch) -> Iterator[None]:
-    _current.launch = launch
-    try:
-        yield
-    finally:
-        _current.launch = None
+def launching(launch: Launch) -> Launch:
+    """`with launching(launch):` this thread runs `launch` (`current_launch`) until the block ends."""
+    return launch
 
 
 class Step:
@@ -165,13 +166,11 @@ class Step:
         self.holder = None
         self._lock.release()
 
-    @contextmanager
-    def held(self) -> Iterator[int]:
-        step = self.acquire()
-        try:
-            yield step
-        finally:
-            self.release()
+    def __enter__(self) -> int:  # `with step_lock as step:` (a class, not a generator: it runs every query)
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def is_mine(self) -> bool:
         return self.holder == threading.get_ident()

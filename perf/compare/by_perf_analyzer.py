@@ -5,8 +5,9 @@
     python -m perf.compare.by_perf_analyzer --model-dir model_repository/my_model --lengths sst2
 
 `--model-dir` takes any sliced model folder (`dvabatch slice` wrote it) instead of a zoo model. The
-report also gives, for DVABatch, the share of each figure's queries answered on the fast path
-(runtime/fast_path.py), so the pipeline's own part shows.
+report also gives, for DVABatch, the share of each figure's answers that came from a row of the
+batch table, and the share that took the one-stage route (the unsliced model:
+`Scheduler.serve_whole_model`), so the pipeline's own part shows.
 
 One tritonserver serves the zoo model sliced as `dvabatch slice` would (the config.pbtxt the slicer
 wrote, untouched: its policy choice and settings) beside two baselines on the unsliced model, with
@@ -61,7 +62,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,8 +197,10 @@ class SystemResult:
     # "0.5x" -> rate, and the rounds' medians of throughput, mean_ms, p99_ms, with mean_spread/p99_spread (min, max)
     loads: dict[str, dict[str, Any]] = field(default_factory=dict)
     load_rounds: dict[str, list[dict[str, float]]] = field(default_factory=dict)
-    # DVABatch (and DVABatch-sliced): the share of the queries of each figure answered on the fast path (run inline)
-    fast_path_share: dict[str, float] = field(default_factory=dict)
+    # DVABatch (and DVABatch-sliced): the share of each figure's answers from a row of the batch
+    # table, and the share that ran the unsliced model (the one-stage route)
+    table_share: dict[str, float] = field(default_factory=dict)
+    whole_model_share: dict[str, float] = field(default_factory=dict)
     # each fixed load's executions by batch size (Triton's batch_stats, over the load's rounds)
     batch_histograms: dict[str, dict[str, int]] = field(default_factory=dict)
     stub_rss_mb: float | None = None  # its Python-backend stub's resident memory after the runs
@@ -326,17 +329,20 @@ def stub_rss_mb(server: Any, model: str) -> float | None:
         return None
 
 
-def fast_path_queries(metrics_url: str, model: str) -> float:
-    """The model's `dvabatch_fast_path_queries_total` (0 for a model without it: the baselines)."""
+TABLE_QUERIES, WHOLE_MODEL_QUERIES = "dvabatch_table_answered_queries_total", "dvabatch_whole_model_queries_total"
+
+
+def counter_totals(metrics_url: str, model: str, names: Sequence[str]) -> list[float]:
+    """The model's totals of each counter in `names` (0 for one it lacks: the baselines)."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
-    pattern = rf'^dvabatch_fast_path_queries_total{{[^}}]*model="{re.escape(model)}"[^}}]*}} ([0-9.e+-]+)$'
-    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+    return [sum(float(m.group(1)) for m in re.finditer(
+        rf'^{name}{{[^}}]*model="{re.escape(model)}"[^}}]*}} ([0-9.e+-]+)$', text, re.M)) for name in names]
 
 
-class FastPathShare:
-    """Counts, around one measurement, the share of a DVABatch model's answers (the slicer's config,
-    and `--sliced`'s) that took the fast path."""
+class TableShare:
+    """Counts, around one measurement, the shares of a DVABatch model's answers (the slicer's config,
+    and `--sliced`'s) from a row of the batch table, and by the unsliced model."""
 
     METRICS_PERIOD_S = 0.6  # the adapter samples its counters every 0.25 s: wait for the last sample
 
@@ -347,14 +353,17 @@ class FastPathShare:
         if self._system.label not in (DVA, SLICED):
             measure()
             return
-        before = (fast_path_queries(self._server.metrics_url, self._system.model),
-                  failure_counts(self._server.http_url, self._system.model)[0])
+        names = (TABLE_QUERIES, WHOLE_MODEL_QUERIES)
+        before = counter_totals(self._server.metrics_url, self._system.model, names)
+        answered_before = failure_counts(self._server.http_url, self._system.model)[0]
         measure()
         time.sleep(self.METRICS_PERIOD_S)
-        fast = fast_path_queries(self._server.metrics_url, self._system.model) - before[0]
-        answered = failure_counts(self._server.http_url, self._system.model)[0] - before[1]
+        tabled, whole = (after - b for after, b in
+                         zip(counter_totals(self._server.metrics_url, self._system.model, names), before))
+        answered = failure_counts(self._server.http_url, self._system.model)[0] - answered_before
         if answered > 0:
-            self._system.fast_path_share[key] = round(fast / answered, 3)
+            self._system.table_share[key] = round(tabled / answered, 3)
+            self._system.whole_model_share[key] = round(whole / answered, 3)
 
 
 def _run(url: str, model: str, data: Path, plan: Plan, windows_x: int = 1, **load: Any) -> PerfResult:
@@ -547,7 +556,7 @@ def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: 
     for system in systems:
         progress(f"{system.label}: warm-up")
         warm_up(server.grpc_url, system, data, plan, bs_max)
-    share = {s.label: FastPathShare(server, s) for s in systems}
+    share = {s.label: TableShare(server, s) for s in systems}
     progress(f"concurrency 1, {plan.load_rounds} round(s)")
     lone = share.get(DVA, share[systems[0].label])  # the rounds take every system in turn
     lone("c1", lambda: measure_lone(server.grpc_url, systems, data, plan))
@@ -704,9 +713,11 @@ def table(systems: Sequence[SystemResult], latency_target_ms: float, light: bool
     lines.append(f"sustained: the highest Poisson rate with p99 <= {latency_target_ms:g} ms and >= {KEEP_UP:.0%} of it "
                  "answered")
     for s in systems:
-        if s.fast_path_share:
-            lines.append(f"{s.label} answers on the fast path: "
-                         + ", ".join(f"{k} {v:.0%}" for k, v in s.fast_path_share.items()))
+        if s.table_share:
+            lines.append(f"{s.label} answers from a row of the batch table: "
+                         + ", ".join(f"{k} {v:.0%}" for k, v in s.table_share.items()))
+            lines.append(f"{s.label} answers by the unsliced model (the one-stage route): "
+                         + ", ".join(f"{k} {v:.0%}" for k, v in s.whole_model_share.items()))
     for s in systems:
         steps = ", ".join(f"{st['rate']:g}/s: {st['throughput']:.0f}/s p99 {st['p99_ms']:.0f} ms" for st in s.steps)
         lines.append(f"  {s.label} steps: {steps or '-'}")

@@ -173,7 +173,7 @@ def test_the_launch_ledger_names_two_steps_at_once() -> None:
     held, leave = threading.Event(), threading.Event()
 
     def hold_the_step() -> None:
-        with ledger.step.held():
+        with ledger.step:
             held.set()
             assert leave.wait(10)
 
@@ -184,6 +184,6 @@ def test_the_launch_ledger_names_two_steps_at_once() -> None:
         engine.run({}, {})  # claims the step's thread, but "holder" holds the step
     leave.set()
     holder.join(10)
-    with ledger.step.held() as step, launching(Launch(0, step, on_step_thread=True)):
+    with ledger.step as step, launching(Launch(0, step, on_step_thread=True)):
         engine.run({}, {})  # held by this thread: no violation
     assert ledger.violations == ["engine 0: launched on MainThread in a step another thread holds"]
