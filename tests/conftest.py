@@ -19,6 +19,7 @@ import pytest
 
 from dvabatch_backend import Answer, Manifest, OrtStageEngine, Pipeline, RuntimeSettings
 from dvabatch_backend.runtime.decisions import Policy
+from dvabatch_backend.runtime.settings import QueuePolicy
 from dvabatch_backend.runtime.work import Launch, Step, current_launch
 from slicer import cut, toy
 
@@ -334,8 +335,10 @@ class LedgeredEngine:
 
 def make_scheduler(model: SlicedModel, policy: Policy, engines: list | None = None, clock: Callable[[], float] | None = None,
                    **settings: object) -> Pipeline:
-    """A pipeline over the model (tracing on); `clock` replaces the wall clock (e.g. a frozen one)."""
-    options = {"record_trace": True, **settings}
+    """A pipeline over the model (tracing on); `clock` replaces the wall clock (e.g. a frozen one).
+    Its queue is unbounded unless `queue` says otherwise: these pipelines study the schedules, and
+    a random schedule's burst may pass the derived bound (admission tests set their own)."""
+    options = {"record_trace": True, "queue": QueuePolicy(max_queue_size=0), **settings}
     extra = {} if clock is None else {"clock": clock}
     return Pipeline.create(model.manifest, engines or model.engines(), policy, RuntimeSettings(**options), **extra)  # type: ignore[arg-type]
 

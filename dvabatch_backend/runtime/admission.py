@@ -1,74 +1,53 @@
 """Admission: what the runtime accepts, and what it drops before it runs.
 
-Five rules, each refusing with Triton's code and wording where Triton has one, and a cap:
-  - the queue bound (Triton's `max_queue_size`): queries admitted but not yet run by stage 0 are
-    "queued"; where a request would take them past the bound, the oldest queued requests that no
-    stage has started are refused "Exceeds maximum queue size", whole, to make room for it (the
-    request itself when they are too few), those still waiting before batched ones queued less
-    than `STANDING_WAIT` (a batch about to run, hollowed, would run the backlog a row or two at a
-    time; batched rows kept whatever their age could sit whole behind a deep stage-0 queue, so
-    the age bounds them). The oldest, not the newest: under overload a queue drained at the head
-    and pushed at the tail is crossed at the arrival rate, not the service rate, so what is
-    answered waits a fraction of the bound (the service rate over the arrival rate); a burst
-    within the bound refuses nothing either way. The default bound is about `QUEUE_SECONDS` of
-    work at the pipeline's peak (bs_max rows through the slowest stage, or through every stage in
-    a row with one buffer pair), and at least `QUEUE_BATCHES` full batches (`derived_queue_bound`);
-  - the standing queue (with the derived bound and no timeout configured): a queue that has held
-    more than a batch (bs_max rows) for `STANDING_SECONDS` is overload, not a burst (within the
-    bound, a burst falls back to a batch well within that time: arrivals outpaced the stages all
-    along); while it stands, a query queued longer than `STANDING_WAIT` is refused "Request
-    timeout expired" before it runs. Bursts and a load the stages carry, whose queue keeps falling
-    back, are served whole; overload is answered within about STANDING_WAIT plus a batch's
-    passage, also as it stops (the queue then drains at the service rate, no newer request pushing
-    it on). "Has not emptied" is not the test: a load near the peak keeps a few queued for long
-    and would be refused. CoDel's least wait over an interval is not used: by it, the queue left
-    as overload stops is a burst like any other;
-  - the door (with the standing-queue rule): once a queue has stood, an arrival that would wait
-    longer than `STANDING_WAIT` behind what is queued (at the rate the stages carry a backlog, the
-    measured correction applied: `backlog_rate`) is refused "Exceeds maximum queue size" before it
-    is read, until an arrival finds the pipeline holding nothing; meanwhile batches stay at the
-    backlog's size (below). Under overload most arrivals end here, where each pushed-out one
-    would cost a copy of its rows, an admission and a send of its own, on the stub's cores the
-    stages share; the answered then wait up to STANDING_WAIT, where pushed out they waited the
-    bound crossed at the arrival rate;
-  - the backlog's batches (not a refusal): with one buffer pair (batches through the stages one at
-    a time), while more than a batch is queued, batches are made no larger than `backlog_batch`,
-    the smallest profiled size whose time per row is within `BACKLOG_BATCH_TOLERANCE` of the
-    least, where a bs_max batch's passage through the stages takes more than `CAPPED_PASSAGE`
-    (`ServiceModel.efficient_batch`; the scheduler carries a policy's larger `New` out as several,
-    and refuses a `Stretch` past it). A backlog gains no throughput from a larger batch on such a
-    device (a CPU, typically), while every row of it waits for all of them: capping the batch cuts
-    the answered tail under overload at the same answered rate;
-  - the timeout (Triton's `default_timeout_microseconds`, a request's own `timeout` where
-    `allow_timeout_override`): a query still queued at its deadline is answered "Request timeout
-    expired" and never runs (with `timeout_action` "delay" it runs anyway);
-  - the latency target (`slo_ms`, NeuStream's admission): the target is split into per-stage
-    budgets in proportion to the profiled stage times; a query whose remaining budget is smaller
-    than what the stages still need (predicted from the profile, corrected by the times the
-    stages actually take) is answered "overloaded: cannot meet N ms" at once -- at arrival, and
-    again when stage 0 is about to take it -- rather than served late (`action` "serve_late" keeps it).
+One rule, at arrival: a request is refused when the work queued ahead of it, in seconds of the
+stages' own service, would keep it past the model's bound, its deadline or its latency target.
+The wait is predicted as the work of the rows queued ahead of it and of its own: each row's share
+of a full batch (bs_max rows at its length) through the slowest stage where stages
+overlap, through every stage in a row where they cannot (one buffer pair), at the profiled times
+(`row_work`), times the correction learnt from the times the stages take (`ServiceModel`), so a
+queue of short queries holds more rows than one of long ones. Each refusal answers with Triton's
+code and wording:
 
-`ServiceModel` is the prediction; `Admission` applies the rules. Both are owned by the
-scheduler and used under its lock. docs/queues-and-overload.md has the whole picture.
+  - the bound: by default a request may wait no longer than `QUEUE_BATCHES` bs_max batches at the
+    longest length take to enter the pipeline (`wait_bound`: a number of batches, so seconds of
+    this device's own service, on a CPU or a GPU alike), refused "Exceeds maximum queue size". A burst within it is
+    carried whole; under overload what is answered waits at most about the bound, the rest is
+    refused at once. A configured `max_queue_size` (Triton's, in rows: refused past it, as Triton
+    refuses) or timeout is the user's queue policy and replaces the derived bound; `max_queue_size`
+    0 with no timeout is unbounded;
+  - the deadline (Triton's `default_timeout_microseconds`, a request's own `timeout` where
+    `allow_timeout_override`): a request predicted to start past it is refused at arrival; one
+    still queued at it is answered "Request timeout expired" and never runs (with `timeout_action`
+    "delay" it runs anyway);
+  - the latency target (`slo_ms`, NeuStream's admission): a query predicted to finish past it is
+    answered "overloaded: cannot meet N ms" at once -- at arrival, and again when stage 0 is about
+    to take it -- rather than served late (`action` "serve_late" keeps it).
+
+The same rule runs at the door, before a call is read (`Scheduler.refuse_at_door`): under
+overload most arrivals end there, at almost no cost. Under overload the policy's batches are full,
+and the answered rate is the rate the stages sustain.
+
+`ServiceModel` is the prediction; `Admission` applies the rule. Both are owned by the scheduler
+and used under its lock. docs/queues-and-overload.md has the whole picture.
 """
 from __future__ import annotations
 
-import math
 from typing import Mapping, Sequence
 
 from .cost import StageCost
-from .errors import CancelledError, OverloadedError, QueryError, StandingQueueError, TimeoutExpiredError
+from .errors import CancelledError, OverloadedError, QueryError, TimeoutExpiredError
 from .query import Query, QueryState
 from .settings import MIN_WAKE_DELAY, QueuePolicy, SloPolicy
 
-QUEUE_SECONDS = 1.0  # the default queue bound holds about this much work at the pipeline's peak
-QUEUE_BATCHES = 2  # ... and at least this many bs_max batches
-BACKLOG_BATCH_TOLERANCE = 0.05  # a backlog's batches stop where a row costs within this of the least
-STANDING_SECONDS = 2 * QUEUE_SECONDS  # a queue over a batch for this long stands: overload
-STANDING_WAIT = QUEUE_SECONDS / 2  # while it stands, a query queued longer than this is refused
-CAPPED_PASSAGE = STANDING_WAIT / 10  # a backlog's batches are capped where a bs_max batch takes longer
-UNPROFILED_STAGE_SECONDS = 1e-3  # per row, for a manifest without stage times
+# the derived bound: a request may wait as long as this many bs_max batches take to enter the
+# pipeline. A count of batches, so the bound follows the device's measured service; eight carry a
+# burst of eight full batches at once, and keep an answered request's wait under overload to
+# about eight batch times beside a lone query's own
+QUEUE_BATCHES = 8
+UNPROFILED_STAGE_SECONDS = 1e-3  # per row, for a manifest without stage times, until the correction learns
 _EWMA = 0.05  # weight of one observation in the measured/profiled correction
+_ROUNDING = 1e-9  # relative: a sum of rows' work drifts from the bound's product by rounding alone
 
 
 class ServiceModel:
@@ -99,83 +78,64 @@ class ServiceModel:
     def pipeline_time(self, bs: int, from_stage: int = 0) -> float:
         return sum(self.stage_time(k, bs) for k in range(from_stage, self.num_stages))
 
-    def peak_rate(self, bs_max: int) -> float:
-        """Queries per second through the slowest stage at bs_max."""
-        return bs_max / max(self.stage_time(k, bs_max) for k in range(self.num_stages))
-
-    def efficient_batch(self, bs_max: int, tolerance: float, every_length: bool = False) -> int:
-        """The smallest profiled batch size (up to bs_max) whose seconds per row through every stage
-        are within `tolerance` of the fewest at any profiled size up to bs_max: past it, a larger
-        batch buys next to no throughput and makes each of its rows wait for all of them. With
-        `every_length`, the largest such size over the profiled lengths (a short length's rows gain
-        from a batch where a long one's are at their least). bs_max without a profile."""
-        if not self.cost.available:
-            return bs_max
-        sizes = sorted(b for b in self.cost.profiled(0) if b <= bs_max)
-        if not sizes:
-            return bs_max
-        lengths: list[int | None] = list(self.cost.lengths) if every_length and self._lengths else [None]
-        return max(self._efficient_at(sizes, length, tolerance) for length in lengths)
-
-    def _efficient_at(self, sizes: list[int], length: int | None, tolerance: float) -> int:
-        per_row = {b: sum(self.profiled(k, b, length) for k in range(self.num_stages)) / b for b in sizes}
-        best = min(per_row.values())
-        return next(b for b in sizes if per_row[b] <= best * (1 + tolerance))
-
     def observe(self, stage: int, bs: int, seconds: float, length: int | None = None) -> None:
         predicted = self.profiled(stage, bs, length)
         if predicted > 0 and seconds > 0:
             self.correction += _EWMA * (seconds / predicted - self.correction)
 
 
-def derived_queue_bound(service: ServiceModel, bs_max: int, overlapping: bool = True) -> int:
-    """About `QUEUE_SECONDS` of work at the pipeline's peak, and at least `QUEUE_BATCHES` batches of
-    bs_max. The peak: bs_max rows through the slowest profiled stage where stages overlap (two or
-    more buffer pairs), through every stage in a row where they cannot (one pair: one batch at a time)."""
-    times = [service.profiled(k, bs_max) for k in range(service.num_stages)]
-    peak = bs_max / (max(times) if overlapping else sum(times))
-    return max(QUEUE_BATCHES * bs_max, math.ceil(peak * QUEUE_SECONDS))
-
-
 class Admission:
     def __init__(self, queue: QueuePolicy, slo: SloPolicy, service: ServiceModel, bs_max: int,
                  overlapping: bool = True) -> None:
-        """`overlapping`: whether the stages run batches at once (two or more buffer pairs); the
-        derived queue bound counts on it."""
+        """`overlapping`: whether the stages run batches at once (two or more buffer pairs): a
+        backlog then drains through the slowest stage, else through every stage in a row."""
         self.queue = queue
         self.slo = slo
         self.service = service
         self.bs_max = bs_max
-        self.slo_seconds = None if slo.slo_ms is None else slo.slo_ms / 1000.0
-        self._derived_bound = derived_queue_bound(service, bs_max, overlapping)
-        # a bs_max batch's passage through the stages matters beside the wait a standing queue allows
-        # (and the pipeline's own hand-offs cost little beside it: `CallerQueue.caller_backlog`)
-        self.long_passage = service.pipeline_time(bs_max) > CAPPED_PASSAGE
-        # with one buffer pair, where that passage is each waiting row's wait; at any length, as a
-        # call's (the batch-size profile alone is taken at one length, and a shorter length's rows
-        # may still gain from a larger batch)
-        self.backlog_batch = (service.efficient_batch(bs_max, BACKLOG_BATCH_TOLERANCE, every_length=True)
-                              if self.long_passage and not overlapping else bs_max)
-        # any batch but a backlog's: no larger than buys throughput at any length, so that a call's
-        # requests are answered as their batch is done rather than with its largest batch
-        self.call_batch = (service.efficient_batch(bs_max, BACKLOG_BATCH_TOLERANCE, every_length=True)
-                           if self.long_passage else bs_max)
         self.overlapping = overlapping
-        # the standing-queue rule (and the door) go with the derived bound: a configured bound or
-        # timeout is the user's
-        self.refuses_standing = queue.max_queue_size is None and not queue.default_timeout_us
-        self.door_since: float | None = None  # since when the door refuses (the door rule), None while open
-        self.door_shut_at: float | None = None  # when the door last shut: overload known (`CallerQueue`)
+        self.slo_seconds = None if slo.slo_ms is None else slo.slo_ms / 1000.0
+        # the derived bound unless the config sets a queue policy (a bound or a timeout): the user's
+        self.derived_bound = queue.max_queue_size is None and not queue.default_timeout_us
+        self._row_work: dict[int, float] = {}  # by length: `row_work`, worked out once each
+        self._least_row_work: float | None = None
 
     @property
     def max_queue_size(self) -> int:
-        """The bound in effect (0: none). Derived: the pipeline's peak at bs_max and the longest
-        length from the profile, times `QUEUE_SECONDS`; fixed at load, not following the measured
-        correction: under contention, or with a slow engine, that would shrink the bound to a few
-        batches and refuse load the pipeline would carry."""
-        if self.queue.max_queue_size is not None:
-            return self.queue.max_queue_size
-        return self._derived_bound
+        """A configured bound in rows (0: none; the derived bound is in seconds: `wait_bound`)."""
+        return self.queue.max_queue_size or 0
+
+    def row_work(self, length: int | None = None) -> float:
+        """A row's profiled seconds in a backlog at `length` (None: the longest profiled): its share
+        of a bs_max batch through the slowest stage where stages overlap, through every stage in a
+        row where they cannot. Times the correction, the seconds it takes the stages now."""
+        key = -1 if length is None else length
+        work = self._row_work.get(key)
+        if work is None:
+            b, service = self.bs_max, self.service
+            times = [service.profiled(k, b, length) for k in range(service.num_stages)]
+            work = self._row_work[key] = (max(times) if self.overlapping else sum(times)) / b
+        return work
+
+    def least_row_work(self) -> float:
+        """The least `row_work` at any profiled length: what a request whose rows are unread adds at
+        the least (the door refuses one that even this would take past the bound)."""
+        if self._least_row_work is None:
+            self._least_row_work = min([self.row_work(n) for n in self.service.cost.lengths] or [self.row_work()])
+        return self._least_row_work
+
+    def drain_rate(self) -> float:
+        """Rows a second, at the longest length, the stages carry through a backlog now."""
+        return 1.0 / (self.row_work() * self.service.correction)
+
+    def batch_seconds(self) -> float:
+        """Seconds a bs_max batch takes to enter the pipeline at the drain rate: the unit of the
+        bound (the scheduler's lock not needed: it reads one float of the correction)."""
+        return self.bs_max / self.drain_rate()
+
+    def wait_bound(self) -> float | None:
+        """The derived bound (s): `QUEUE_BATCHES` batch times; None where the config sets a queue policy."""
+        return QUEUE_BATCHES * self.batch_seconds() if self.derived_bound else None
 
     def stage_budgets(self) -> list[float]:
         """The latency target split over the stages in proportion to their profiled times at bs_max (s)."""
@@ -184,39 +144,36 @@ class Admission:
         times = [self.service.profiled(k, self.bs_max) for k in range(self.service.num_stages)]
         return [self.slo_seconds * t / sum(times) for t in times]
 
-    def queue_refusal(self, queued: int, rows: int) -> str | None:
-        bound = self.max_queue_size
-        if bound and queued + rows > bound:
-            return f"Exceeds maximum queue size ({queued} queued, max_queue_size {bound})"
+    def queue_refusal(self, rows: int, work: float) -> str | None:
+        """Why a request is refused by the bound (module docstring), or None. `rows`: the rows that
+        would be queued with it, its own included (those that start at once left out); `work`:
+        their profiled seconds (`row_work`)."""
+        if self.queue.max_queue_size and rows > self.queue.max_queue_size:
+            return f"Exceeds maximum queue size ({rows} queued, max_queue_size {self.queue.max_queue_size})"
+        bound = self.wait_bound()
+        wait = max(work, 0.0) * self.service.correction
+        if bound is not None and wait > bound * (1 + _ROUNDING):
+            return (f"Exceeds maximum queue size: overloaded, {rows} queued would make a request wait about "
+                    f"{wait * 1000:.0f} ms (the bound: {QUEUE_BATCHES} batches, {bound * 1000:.0f} ms)")
         return None
 
-    def backlog_rate(self) -> float:
-        """Rows a second the stages carry through a backlog: its batches (`backlog_batch`) through
-        the slowest stage where stages overlap, through every stage in a row where they cannot,
-        at the times the stages take now (the profile and the measured correction)."""
-        b = self.backlog_batch
-        times = [self.service.stage_time(k, b) for k in range(self.service.num_stages)]
-        return b / (max(times) if self.overlapping else sum(times))
+    def timeout_refusal(self, work: float, timeout_us: int | None = None) -> str | None:
+        """Why a request behind `work` profiled seconds of rows (its own included) would time out
+        before a stage could take it, or None (module docstring)."""
+        timeout = self._timeout_s(timeout_us)
+        wait = max(work, 0.0) * self.service.correction
+        if timeout is None or wait <= timeout:
+            return None
+        return f"it would wait about {wait * 1000:.0f} ms, past its timeout of {timeout * 1000:g} ms"
 
-    def door_refusal(self, now: float, queued: int, queue_since: float | None, idle: bool) -> str | None:
-        """Why an arrival is refused before it is read (the door rule), or None. `queued`: the rows
-        queued now; `queue_since`: since when the queue has held more than a batch (None: no more);
-        `idle`: the pipeline holds nothing, which opens the door (an empty queue does not: stage 0
-        may just have taken all of it)."""
-        if not self.refuses_standing:
+    def _timeout_s(self, request_timeout_us: int | None) -> float | None:
+        """The timeout (s) a request's queries are refused past, or None (none, or "delay")."""
+        if self.queue.timeout_action != "reject":
             return None
-        if self.door_since is None:
-            if queue_since is None or now - queue_since <= STANDING_SECONDS:
-                return None
-            self.door_since = self.door_shut_at = now
-        elif idle:
-            self.door_since = None
-            return None
-        wait = queued / self.backlog_rate()
-        if wait <= STANDING_WAIT:
-            return None
-        return (f"Exceeds maximum queue size: overloaded, {queued} queued would make a request wait about "
-                f"{wait * 1000:.0f} ms")
+        timeout_us = self.queue.default_timeout_us
+        if request_timeout_us and self.queue.allow_timeout_override:
+            timeout_us = request_timeout_us
+        return timeout_us / 1e6 if timeout_us else None
 
     def deadline(self, arrival: float, request_timeout_us: int | None) -> float | None:
         """When a query stops being worth running: its request's timeout if it may override, else the default."""
@@ -228,11 +185,12 @@ class Admission:
     def slo_deadline(self, arrival: float) -> float | None:
         return None if self.slo_seconds is None else arrival + self.slo_seconds
 
-    def predicted_finish(self, now: float, queued_ahead: int) -> float:
-        """When a query arriving now behind `queued_ahead` others would leave: the queue drained at
-        the peak rate, then one pass through the pipeline in a batch of what is queued."""
+    def predicted_finish(self, now: float, queued_ahead: int, work: float) -> float:
+        """When a query arriving now behind `queued_ahead` rows of `work` profiled seconds would
+        leave: that work drained as the stages run now, then one pass through the pipeline in a
+        batch of what is queued."""
         bs = max(1, min(self.bs_max, queued_ahead + 1))
-        return now + queued_ahead / self.service.peak_rate(self.bs_max) + self.service.pipeline_time(bs)
+        return now + work * self.service.correction + self.service.pipeline_time(bs)
 
     def slo_refusal(self, finish: float, slo_deadline: float | None) -> str | None:
         """Why a query predicted to finish at `finish` is refused under its target, or None."""
@@ -240,22 +198,18 @@ class Admission:
             return None
         return f"overloaded: cannot meet {self.slo.slo_ms:g} ms"
 
-    def arrival_refusal(self, now: float, queued: int) -> str | None:
-        """Why a query arriving now, behind `queued` others, cannot meet its latency target, or None.
-        No target, no prediction: it walks every stage's profile."""
+    def arrival_refusal(self, now: float, queued: int, work: float) -> str | None:
+        """Why a query arriving now, behind `queued` rows of `work` profiled seconds, cannot meet its
+        latency target, or None. No target, no prediction: it walks every stage's profile."""
         deadline = self.slo_deadline(now)
-        return None if deadline is None else self.slo_refusal(self.predicted_finish(now, queued), deadline)
+        return None if deadline is None else self.slo_refusal(self.predicted_finish(now, queued, work), deadline)
 
-    def drop_error(self, q: Query, now: float, bs: int, queue_since: float | None = None) -> QueryError | None:
-        """Why a queued query (to run in a batch of `bs`) should not run any more, or None.
-        `queue_since`: since when the queue has held more than a batch (None: it holds no more)."""
+    def drop_error(self, q: Query, now: float, bs: int) -> QueryError | None:
+        """Why a queued query (to run in a batch of `bs`) should not run any more, or None."""
         if q.cancelled:
             return CancelledError(q.id)
         if self.timed_out(now, q.deadline):
             return TimeoutExpiredError(q.id)
-        if (self.refuses_standing and queue_since is not None and now - queue_since > STANDING_SECONDS
-                and now - q.arrival > STANDING_WAIT):
-            return StandingQueueError(q.id, now - queue_since, now - q.arrival)
         if q.slo_deadline is None:  # no target: skip the prediction, which walks every stage's profile
             return None
         why = self.slo_refusal(now + self.service.pipeline_time(bs), q.slo_deadline)

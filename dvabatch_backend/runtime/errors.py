@@ -33,19 +33,11 @@ class QueueFullError(RefusedError):
 
 
 class TimeoutExpiredError(RefusedError):
-    """The query's timeout passed before a stage took it (Triton's wording)."""
+    """The query's timeout passed before a stage took it, or would pass before one could (Triton's
+    wording, then why: refused at arrival)."""
 
-    def __init__(self, query_id: int) -> None:
-        super().__init__(query_id, "Request timeout expired")
-
-
-class StandingQueueError(TimeoutExpiredError):
-    """The queue stood (did not empty) so long it is overload, not a burst, and the query had waited
-    past what a standing queue may make it wait (admission.py): refused as Triton refuses a timeout."""
-
-    def __init__(self, query_id: int, stood: float, waited: float) -> None:
-        QueryError.__init__(self, query_id, f"Request timeout expired: overloaded, the queue has held more than a "
-                                            f"batch for {stood:.1f} s and the request waited {waited * 1000:.0f} ms")
+    def __init__(self, query_id: int, why: str = "") -> None:
+        super().__init__(query_id, "Request timeout expired" + (f": {why}" if why else ""))
 
 
 class OverloadedError(RefusedError):

@@ -40,7 +40,11 @@ class CallRoute(enum.Enum):
 
     HERE = "here"  # submitted; the caller runs the loop's steps that answer it, if the loop is idle
     LOOP = "loop"  # submitted; the caller returns at once and the loop answers it
-    REFUSED = "refused"  # refused whole, unread: the caller's queue is drained (`CallerQueue.refusing`)
+
+
+# full calls in a row that say the caller's own queue stands: one full call is a burst that one
+# call carries; a second behind it says more waited than a call holds
+STANDING_CALLS = 2
 
 
 class Pipeline:
@@ -55,6 +59,7 @@ class Pipeline:
             raise ValueError(f"{len(engines)} engines for {scheduler.num_stages} stages")
         self.scheduler = scheduler
         self._engines = list(engines)
+        self._full_calls = 0  # the caller's calls in a row that came full (`route_call`; its thread only)
         self._whole_model = whole_model if scheduler.settings.fast_path and type(scheduler.policy).allows_inline() else None
         if self._whole_model is not None:
             scheduler.serve_whole_model()
@@ -174,15 +179,18 @@ class Pipeline:
         return self.loop.serve_here(submit, answered, between)
 
     def route_call(self, requests: int, rows: int, full: bool, hand_off: bool = False) -> CallRoute:
-        """A caller's call of `requests` requests (`rows` rows), `full` or not (its caller had a batch
-        waiting: `CallerQueue.caller_backlog`): refused whole while the caller's queue is drained;
-        left to the loop while that queue stands, or, with `hand_off` (the engines run beside the
-        host), where `hands_over` says so; else served here."""
-        caller = self.scheduler.caller
-        if caller.caller_backlog(full):
+        """A caller's call of `requests` requests (`rows` rows), `full` or not (the caller had more
+        waiting than a call holds). While a caller runs the steps for its call, its own queue fills,
+        and the runtime sees neither that queue nor when its requests came: once `STANDING_CALLS`
+        calls in a row have come full, each is left to the loop and its caller returns at once, so
+        that the caller's queue drains into the runtime's, where the admission rule judges each
+        arrival, until a call comes that is not full. With `hand_off` (the engines run beside the
+        host), also where `hands_over` says so; else served here."""
+        self._full_calls = self._full_calls + 1 if full else 0
+        if self._full_calls >= STANDING_CALLS:
+            with self.scheduler.lock:
+                self.scheduler.stats.caller_handovers += 1
             return CallRoute.LOOP
-        if caller.refusing:
-            return CallRoute.REFUSED
         if hand_off and self.hands_over(requests, rows):
             return CallRoute.LOOP
         return CallRoute.HERE

@@ -75,6 +75,7 @@ class Query:
     # and its answer goes to a request nobody awaits)
     cancelled: bool = False
     request: int = -1  # the id of its request's first row: a request's rows are refused together
+    work: float = 0.0  # its share of a backlog batch's profiled seconds at its length, while queued (admission.py)
 
 
     def __post_init__(self) -> None:

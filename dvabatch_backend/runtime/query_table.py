@@ -4,7 +4,7 @@
 A query moves forward only: WAITING (admitted) -> BATCHED (a policy put it in a batch) -> RUNNING
 (stage 0 took it) -> ANSWERED; a refused one is answered without ever entering. The counters that
 follow from those moves live here too, so no other part adjusts them by hand: the queued gauge
-(`RuntimeStats.queued`: WAITING and BATCHED), the answers (ok, error, within the latency target)
+(`RuntimeStats.queued`: WAITING and BATCHED) and its work (`queued_work`), the answers (ok, error, within the latency target)
 and why a queued query was dropped (cancelled, timed out, the latency target).
 
 Every answer is made here (`answer`, `results`, `errors`, `drop`, `refuse`): a query leaves the
@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .admission import Admission
-from .errors import CancelledError, QueryError, QueueFullError, StageFailedError, TimeoutExpiredError
+from .errors import CancelledError, QueryError, StageFailedError, TimeoutExpiredError
 from .query import Answer, Query, QueryState, Reply
 from .stats import RuntimeStats
 
@@ -33,9 +33,8 @@ class QueryTable:
         self._queries: dict[int, Query] = {}  # in arrival order
         # the WAITING ones, in arrival order: a dispatch looks at these, not at every query in flight
         self._waiting: dict[int, Query] = {}
-        # since when more than a batch (bs_max rows) has been queued, None while no more is: how long
-        # the queue has stood (admission.py, the standing-queue rule)
-        self.queue_since: float | None = None
+        # the queued queries' `work` (admission.py: the wait ahead of an arrival, in profiled seconds)
+        self.queued_work = 0.0
 
     def __len__(self) -> int:
         return len(self._queries)
@@ -65,13 +64,11 @@ class QueryTable:
             self._queries[q.id] = q
             self._waiting[q.id] = q
             self._stats.queued += 1
-            if self.queue_since is None and self._stats.queued > self._admission.bs_max:
-                self.queue_since = q.arrival
+            self.queued_work += q.work
 
-    def _unqueue(self) -> None:
+    def _unqueue(self, q: Query) -> None:
         self._stats.queued -= 1
-        if self._stats.queued <= self._admission.bs_max:
-            self.queue_since = None
+        self.queued_work = self.queued_work - q.work if self._stats.queued else 0.0  # no drift kept
 
     def batch(self, queries: Iterable[Query]) -> None:
         for q in queries:
@@ -83,7 +80,7 @@ class QueryTable:
         for q in queries:
             if q.state.is_queued:
                 q.state = QueryState.RUNNING
-                self._unqueue()
+                self._unqueue(q)
 
     # -- answers ---------------------------------------------------------------------------
 
@@ -93,7 +90,7 @@ class QueryTable:
             return []
         self._waiting.pop(q.id, None)
         if q.state.is_queued:
-            self._unqueue()
+            self._unqueue(q)
         q.state = QueryState.ANSWERED
         if answer.error is None:
             self._stats.answered_ok += 1
@@ -117,14 +114,11 @@ class QueryTable:
         return [d for q in queries for d in self.answer(q, Answer(q.id, None, error(q.id)))]
 
     def drop(self, q: Query, error: QueryError) -> list[Delivery]:
-        """A queued query that will not run: cancelled, timed out (or a standing queue's wait), pushed
-        out of a full queue, or past its latency target."""
+        """A queued query that will not run: cancelled, timed out, or past its latency target."""
         if isinstance(error, CancelledError):
             self._stats.cancelled += 1
         elif isinstance(error, TimeoutExpiredError):
             self._stats.timed_out += 1
-        elif isinstance(error, QueueFullError):  # pushed out by newer ones
-            self._stats.queue_full += 1
         else:
             self._stats.slo_rejected += 1
         return self.answer(q, Answer(q.id, None, error))
@@ -132,9 +126,8 @@ class QueryTable:
     def drop_waiting(self, now: float) -> tuple[list[Query], list[Delivery]]:
         """The waiting queries still worth running (arrival order), and the answers of the others."""
         waiting, deliveries = [], []
-        since = self.queue_since  # as it stood before this pass drops anything
         for q in list(self._waiting.values()):
-            error = self._admission.drop_error(q, now, 1, since)
+            error = self._admission.drop_error(q, now, 1)
             if error is None:
                 waiting.append(q)
             else:

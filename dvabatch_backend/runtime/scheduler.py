@@ -12,8 +12,8 @@ error, shutting down).
 The parts it owns, one concern each: the `QueryTable` (each query's `QueryState`, its answer, the
 counters that follow), the `BatchTable`, the `StageBoard` (batch queues, buffer pairs, executor
 states, wake-ups), `Admission` (refusals and drops, and
-the predicted cost), the `SplitStep` (the policy's splits after a stage, early exits), the
-`CallerQueue` (what the caller's calls say of its own queue), the stats and the `Trace`. A policy's plans
+the predicted cost), the `SplitStep` (the policy's splits after a stage, early exits), the stats
+and the `Trace`. A policy's plans
 are checked (`plan_checks`) before anything is carried out.
 
 Lock discipline: one lock, `Scheduler.lock`, guards all of it. Every public method takes it;
@@ -31,14 +31,13 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .admission import STANDING_WAIT, Admission, ServiceModel
+from .admission import Admission, ServiceModel
 from .batch_table import BatchItem, BatchTable, TableSnapshot
 from .buffers import BufferPool, BufferState, PairUse, StageBuffer
 from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, Stretch
 from .errors import (BadInputError, BufferStateError, CancelledError, OverloadedError, PolicyError, QueryError,
-                     QueueFullError, ShuttingDownError)
+                     QueueFullError, ShuttingDownError, TimeoutExpiredError)
 from .fences import FenceFactory, host_fences
-from .caller_queue import CallerQueue
 from .manifest import Manifest
 from .plan_checks import arrival_refusal, by_length, check_plan, pad_unsafe_stretch
 from .query import Answer, Query, QueryState, Reply, read_query
@@ -84,7 +83,6 @@ class Scheduler:
         self._ids = itertools.count()
         self._policy = policy
         self._splits = SplitStep(policy, manifest, self._table, buffers, self.queries, self.stats, self.recorder)
-        self.caller = CallerQueue(self)  # what the caller's calls say of its own queue
         self._wake_at: float | None = None
         self._stopping = False
         self._stop_error: Callable[[int], QueryError] = ShuttingDownError
@@ -184,60 +182,55 @@ class Scheduler:
         _deliver(deliveries)
         return [[q.id if isinstance(q, Query) else q.query_id for q in queries] for queries in arrived]
 
-    def refuse_caller_backlog(self, requests: int) -> list[QueryError]:
-        """One refusal for each of `requests`, a call of the caller's oldest while its queue is
-        drained (`CallerQueue.refusing`)."""
-        with self.lock:
-            return self._refused_unread(requests, "Exceeds maximum queue size: overloaded, the calls have come "
-                                                  "full (a batch or more waiting before the model) too long")
-
     def refuse_at_door(self, requests: int) -> list[QueryError]:
-        """One refusal for each of `requests` arriving together where the door rule refuses them
-        (admission.py), each named by a query id of its own; none where they are to be submitted.
-        Asked before their rows are read: under overload most arrivals end here."""
-        if not self._door_may_refuse():
-            return []  # read without the lock: nobody is refused at the door
+        """One refusal for each of `requests` arriving together where the admission rule refuses
+        them (the wait ahead, admission.py), each named by a query id of its own; none where they
+        are to be submitted. Asked before their rows are read: under overload most arrivals end here."""
+        if not self.stats.queued:
+            return []  # read without the lock: nothing queued, nobody is refused
         with self.lock:
-            why = self._door_refusal(self.clock())
-            return [] if why is None else self._refused_unread(requests, why)
+            # their rows unread: refused where even one row of the least work would be
+            work = self.queries.queued_work + self.admission.least_row_work()
+            why = self.admission.queue_refusal(self.stats.queued + 1, work)
+            if why is not None:
+                self.stats.queue_full += requests
+                return self._refused_unread([QueueFullError(next(self._ids), why) for _ in range(requests)])
+            why = self.admission.timeout_refusal(work)  # the default timeout: theirs are unread too
+            if why is not None:
+                self.stats.timed_out += requests
+                return self._refused_unread([TimeoutExpiredError(next(self._ids), why) for _ in range(requests)])
+            return []
 
-    def _door_may_refuse(self) -> bool:
-        """Whether the door rule may refuse an arrival: a queue that stands, or a door already shut."""
-        return self.queries.queue_since is not None or self.admission.door_since is not None
-
-    def _door_refusal(self, now: float) -> str | None:
-        """The door rule's refusal of an arrival now (admission.py), or None. Under the lock."""
-        if not self._door_may_refuse():
-            return None  # nothing to ask: the pipeline's state is not read
-        return self.admission.door_refusal(now, self.stats.queued, self.queries.queue_since, self.holds_nothing())
-
-    def _refused_unread(self, requests: int, why: str) -> list[QueryError]:
-        """`requests` refused before they were read, counted as the queue bound's refusals, each
-        named by a query id of its own. Under the lock."""
-        self.stats.submitted += requests
-        self.stats.answered_error += requests
-        self.stats.queue_full += requests
-        return [QueueFullError(next(self._ids), why) for _ in range(requests)]
+    def _refused_unread(self, errors: list[QueryError]) -> list[QueryError]:
+        """Requests refused before they were read, each named by a query id of its own (counted by
+        their reason already). Under the lock."""
+        self.stats.submitted += len(errors)
+        self.stats.answered_error += len(errors)
+        return errors
 
     def _admit(self, queries: list[Query], now: float, timeout_us: int | None, starts: int = 0) -> list[Delivery]:
-        """Queue the queries, or refuse them all: stopping, the door, the queue bound, the latency
-        target. `starts`: the queued rows that start at once, which the bound does not count."""
+        """Queue the queries, or refuse them all: stopping, the bound or their deadline (the wait
+        ahead), the latency target (admission.py). `starts`: the queued rows that start at once,
+        which wait behind nobody."""
         admission, refuse = self.admission, self.queries.refuse
         if self._stopping:
             return [refuse(q, self._stop_error(q.id)) for q in queries]
-        why = self._door_refusal(now)
+        for q in queries:
+            q.work = admission.row_work(q.length if self.manifest.has_seq else None)
+        # the rows queued with these, less those that start at once (they wait behind nobody), and
+        # their work (the share of it those rows are)
+        rows = self.stats.queued + len(queries)
+        waiting = max(rows - starts, 0)
+        work = (self.queries.queued_work + sum(q.work for q in queries)) * waiting / rows
+        why = admission.queue_refusal(waiting, work)
         if why is not None:
             self.stats.queue_full += len(queries)
             return [refuse(q, QueueFullError(q.id, why)) for q in queries]
-        deliveries: list[Delivery] = []
-        rows = max(self.stats.queued + len(queries) - starts, 0) - self.stats.queued  # may be < 0: room
-        why = admission.queue_refusal(self.stats.queued, rows)
+        why = admission.timeout_refusal(work, timeout_us)
         if why is not None:
-            deliveries = self._push_out_oldest(self.stats.queued + rows - admission.max_queue_size, why)
-            if deliveries is None:
-                self.stats.queue_full += len(queries)
-                return [refuse(q, QueueFullError(q.id, why)) for q in queries]
-        why = admission.arrival_refusal(now, self.stats.queued)
+            self.stats.timed_out += len(queries)
+            return [refuse(q, TimeoutExpiredError(q.id, why)) for q in queries]
+        why = admission.arrival_refusal(now, self.stats.queued, self.queries.queued_work)
         if why is not None:
             self.stats.slo_rejected += len(queries)
             return [refuse(q, OverloadedError(q.id, why)) for q in queries]
@@ -245,29 +238,7 @@ class Scheduler:
         for q in queries:
             q.deadline, q.slo_deadline = deadline, slo_deadline
         self.queries.admit(queries)
-        return deliveries
-
-    def _push_out_oldest(self, rows: int, why: str) -> list[Delivery] | None:
-        """Make room for `rows` more queued rows by refusing the oldest requests whose rows no stage
-        has started, whole (admission.py says why the oldest); None, refusing nobody, when they
-        are too few. Requests still waiting go before batched ones queued less than STANDING_WAIT:
-        such a batch is about to run, and hollowing it runs the backlog in batches of a row or two;
-        batched rows queued longer wait behind other batches and go by age as the rest (admission.py)."""
-        unstarted = [q for row in self._table if not row.started for q in row.queries if q.state.is_queued]
-        by_request: dict[int, list[Query]] = {}
-        for q in sorted([*self.queries.waiting(), *unstarted], key=lambda q: q.id):
-            by_request.setdefault(q.request, []).append(q)
-        oldest: list[Query] = []
-        now = self.clock()
-        about_to_run = {q.id for q in unstarted if now - q.arrival < STANDING_WAIT}
-        for request in sorted(by_request.values(), key=lambda r: (any(q.id in about_to_run for q in r), r[0].id)):
-            if len(oldest) >= rows:
-                break
-            oldest += request
-        if len(oldest) < rows:
-            return None
-        why = f"{why}: pushed out by newer requests"
-        return [d for q in oldest for d in self.queries.drop(q, QueueFullError(q.id, why))]
+        return []
 
     def cancel(self, query_ids: Sequence[int]) -> None:
         """The client cancelled these queries: drop those not yet batched (answered "cancelled"); the
@@ -347,14 +318,8 @@ class Scheduler:
             return self.queries.fail(named, lambda qid: PolicyError(qid, f"policy {self._policy.name}: {why}"))
         queries = [q for q in map(self.queries.get, ids) if q is not None]
         self.queries.batch(queries)
-        # a backlog's batches stop at the efficient size (admission.py)
-        backlog = (self.queries.queue_since is not None or self.admission.door_since is not None
-                   or self.caller.handed_over)
-        cap = self.admission.backlog_batch if backlog else self.admission.call_batch
         if isinstance(decision, Stretch):
             why = self._table.stretch_refusal(decision.batch_id, [q.length for q in queries])
-            if why is None and self._table.get(decision.batch_id).bs + len(queries) > cap:
-                why = f"a backlog: batches of at most {cap}"
             if why is None and not pad_safe:
                 why = pad_unsafe_stretch(decision.batch_id, self._table.get(decision.batch_id).pad_length, queries)
                 self.stats.pad_unsafe_splits += why is not None
@@ -371,7 +336,6 @@ class Scheduler:
         if reshaped:
             self.stats.pad_unsafe_splits += 1
             log.debug("model not pad-safe: %s carried out as batches of lengths %s", decision, [g[0].length for g in groups])
-        groups = [g[i:i + cap] for g in groups for i in range(0, len(g), cap)]
         for group in groups:
             pad = group[0].length if not pad_safe else self.padded_length(
                 max(q.length for q in group) if decision.pad_length is None else decision.pad_length)
@@ -410,12 +374,11 @@ class Scheduler:
         """Drop the dead queries of the batches at the head of stage 0's queue that no stage has
         started (their rows are not in any buffer yet): the batch shrinks, or goes if none is left."""
         queue, deliveries = self.board.queues[0], []
-        since = self.queries.queue_since  # as it stood before this pass drops anything
         while (item := queue.head()) is not None:
             row = self._table.get(item.batch_id)
             if row.started:
                 break
-            dead = [(q, e) for q in row.queries if (e := self._queued_drop(q, now, row.bs, since)) is not False]
+            dead = [(q, e) for q in row.queries if (e := self._queued_drop(q, now, row.bs)) is not False]
             if not dead:
                 break
             gone = {q.id for q, _ in dead}
@@ -430,12 +393,12 @@ class Scheduler:
             self._table.drop(row.id)
         return deliveries
 
-    def _queued_drop(self, q: Query, now: float, bs: int, queue_since: float | None) -> QueryError | None | bool:
+    def _queued_drop(self, q: Query, now: float, bs: int) -> QueryError | None | bool:
         """Why a query batched for stage 0 leaves its batch: the error to drop it with, None where it
-        was answered already (pushed out of the queue), False where it stays."""
+        was answered already, False where it stays."""
         if self.queries.get(q.id) is None:
             return None
-        error = self.admission.drop_error(q, now, bs, queue_since)
+        error = self.admission.drop_error(q, now, bs)
         return False if error is None else error
 
     def _take_work(self, stage: int) -> Work | None:

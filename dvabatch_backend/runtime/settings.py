@@ -12,8 +12,8 @@ class QueuePolicy:
     """Triton's `default_queue_policy`, honoured by the runtime (a Python backend's own queue is
     its business): a bound on the queries waiting to run, and a per-query timeout.
 
-    `max_queue_size` None derives a bound from bs_max and the stage times (about
-    `admission.QUEUE_SECONDS` of work at the pipeline's peak); 0 is unbounded.
+    With neither a bound nor a timeout set, the runtime derives its bound, in seconds of the stages'
+    measured service (`admission.QUEUE_BATCHES`); `max_queue_size` 0 is unbounded.
     `default_timeout_us` 0 is no timeout; a request's own timeout replaces it only with
     `allow_timeout_override`. A query still waiting at its deadline is answered "Request timeout
     expired" (`timeout_action` "reject") or left to run ("delay").

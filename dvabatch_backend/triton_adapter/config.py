@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ..runtime.admission import QUEUE_BATCHES
 from ..runtime.engine import SPINNING
 from ..runtime.settings import (ENGINES, EVERY_CORE, SIMULATED, QueuePolicy, RuntimeSettings, SloPolicy,
                                 default_buffer_pairs, runs_on_device)
@@ -129,14 +130,17 @@ PARAMETERS: dict[str, Parameter] = {
         "longer than a hand-over costs (measured); a lone request at an idle loop runs on `execute`'s thread.",
         lambda s: s.hand_off_calls, _DEVICE),
     "max_queue_size": Parameter(
-        parameters.integer(0), "Triton's `default_queue_policy`, else derived: the pipeline's peak rate "
-        "(bs_max through the profiled stages) times one second, at least 2 × bs_max",
-        "The bound on queries admitted and not yet taken by stage 0; past it the oldest requests no stage "
-        "has started are refused, `UNAVAILABLE` (HTTP 503) \"Exceeds maximum queue size\". 0 is unbounded.",
+        parameters.integer(0), "Triton's `default_queue_policy`, else a bound in seconds derived from "
+        f"the model's measured service: the time {QUEUE_BATCHES} bs_max batches at the longest length take to enter the "
+        "pipeline (each request's rows reckoned at their length)",
+        "The bound on queries admitted and not yet taken by stage 0, in rows; a request that would take the "
+        "queue past it is refused at arrival, `UNAVAILABLE` (HTTP 503) \"Exceeds maximum queue size\", as "
+        "Triton refuses. 0 is unbounded.",
         _queue("max_queue_size"), _QUEUE),
     "default_timeout_microseconds": Parameter(
         parameters.integer(0), "Triton's `default_queue_policy`, else 0 (none)",
-        "A query still queued at its deadline is answered `UNAVAILABLE` \"Request timeout expired\" and never runs.",
+        "A query still queued at its deadline is answered `UNAVAILABLE` \"Request timeout expired\" and never "
+        "runs; one the queue ahead would keep past it is answered so at arrival.",
         _queue("default_timeout_us"), _QUEUE),
     "allow_timeout_override": Parameter(
         parameters.boolean, "Triton's `default_queue_policy`, else `true`",

@@ -13,10 +13,10 @@ is a round trip to the server process.
 Where the model runs on a device (a GPU, or its stand-in; parameter `hand_off_calls`), `execute`
 leaves the steps to the loop and returns at once where `Pipeline.hands_over` says so (work in
 flight, or requests that met each other, whose batch runs longer than a hand-over costs): the host
-reads the next call while the device runs. Calls that come full (Triton's batcher had
-max_batch_size rows waiting) say Triton's own queue, which the runtime's admission cannot see, is
-not draining (`CallerQueue.caller_backlog`): they are left to the loop, so overload meets the
-runtime's bound and is refused.
+reads the next call while the device runs. Calls that come full in a row (Triton's batcher had
+more than max_batch_size rows waiting) say Triton's own queue, which the runtime's admission cannot
+see, stands (`Pipeline.route_call`): they are left to the loop, so that queue drains into the
+runtime's, where overload meets the admission rule and is refused.
 
 Settings come from `config.pbtxt` parameters (`config.PARAMETERS`, checked at load with the bad value
 named). Only this module imports `triton_python_backend_utils`; the runtime does not.
@@ -34,6 +34,7 @@ from typing import Any, Mapping
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from ..runtime.admission import QUEUE_BATCHES
 from ..runtime.errors import BadInputError, CancelledError, QueryError, RefusedError, ShuttingDownError
 from ..runtime.manifest import Manifest
 from ..runtime.query import Answer, request_rows
@@ -200,20 +201,16 @@ def _describe(errors: list[QueryError]) -> str:
     return first if len(errors) == 1 else f"{first} (and {len(errors) - 1} more row(s) failed)"
 
 
-CANCEL_POLL_SECONDS = 0.05
-# Requests asked per round. Each `is_cancelled` is a round trip to the server on the stub's one
-# core, taken from the stages: a few a round, so that a deep backlog is asked about once in the
-# time it may wait (admission.py: STANDING_WAIT, the bound) without the asking costing a core.
-CANCEL_POLL_MAX = 8
-
-
 class _CancelWatch:
     """A thread that asks Triton whether queued requests were cancelled (a gRPC client's deadline
     or cancel), and has the scheduler drop their queries before a stage runs them. Only requests
-    with a query not yet taken by stage 0 are asked, at most `CANCEL_POLL_MAX` a round, round robin.
-    With none to ask it sleeps until one is added: a light load answered by `execute`'s own steps adds none,
-    and a thread that woke every `CANCEL_POLL_SECONDS` for nothing would take the GIL and a core
-    from the queries it serves."""
+    with a query not yet taken by stage 0 are asked, round robin, a round each time a bs_max batch
+    enters the pipeline (`Admission.batch_seconds`: no sooner can a dropped query make room), each
+    round 1/`QUEUE_BATCHES` of them: every request is asked about once within the time the bound
+    lets it wait, and each `is_cancelled`, a round trip to the server on the stub's cores, is
+    taken from the stages only as often as that. With none to ask it sleeps until one is added: a
+    light load answered by `execute`'s own steps adds none, and a thread that woke every round for
+    nothing would take the GIL and a core from the queries it serves."""
 
     def __init__(self, pipeline: Pipeline) -> None:
         self._pipeline = pipeline
@@ -239,7 +236,7 @@ class _CancelWatch:
                 self._added.wait()
                 self._added.clear()
                 continue
-            if self._stop.wait(CANCEL_POLL_SECONDS):
+            if self._stop.wait(self._pipeline.admission.batch_seconds()):
                 break
             try:
                 self._poll()
@@ -249,13 +246,13 @@ class _CancelWatch:
     def _poll(self) -> None:
         with self._lock:
             entries = list(self._open.items())
-        asked = 0
+        asked, most = 0, -(-len(entries) // QUEUE_BATCHES)
         for first, (request, answer, ids) in entries:
             if not self._pipeline.any_queued(ids):  # running or answered: too late to save work
                 with self._lock:
                     self._open.pop(first, None)
                 continue
-            if asked == CANCEL_POLL_MAX:
+            if asked == most:
                 break
             asked += 1
             cancelled = answer.is_cancelled(request)
@@ -331,9 +328,6 @@ class TritonPythonModel:
         device_bytes = None if held_before is None else _device_bytes(settings.runtime.device) - held_before
         self._output_names = [t.name for t in manifest.outputs]
         self._input_names = [t.name for t in manifest.inputs]
-        # where a call's batches take long, each request leaves as its batch is done (a send each),
-        # not with the call's last batch; else the call's responses are returned by execute
-        self._answers_early = self._scheduler.admission.long_passage
         self._call_capacity = _call_capacity(config)
         self._responder = _Responder()
         self._hand_off = settings.hand_off_calls
@@ -347,9 +341,12 @@ class TritonPythonModel:
         gc.freeze()
         admission = self._scheduler.admission
         budgets = ", ".join(f"{b * 1000:.1f}" for b in admission.stage_budgets())
+        wait_bound = admission.wait_bound()
+        bound = (f"a wait of at most {wait_bound * 1000:.0f} ms (the bound, as the stages run now)" if wait_bound
+                 else f"max_queue_size {admission.max_queue_size or 'unbounded'}")
         pb_utils.Logger.log_info(
             f"dvabatch: {manifest.name} with {manifest.num_stages} stages, policy {settings.policy}, "
-            f"{settings.runtime.num_buffer_pairs} buffer pairs, max_queue_size {admission.max_queue_size or 'unbounded'}, "
+            f"{settings.runtime.num_buffer_pairs} buffer pairs, {bound}, "
             f"fast path {self._scheduler.fast_path_engine}"
             + (f", slo {settings.runtime.slo.slo_ms:g} ms (stage budgets {budgets} ms)" if budgets else "")
             + f"; loaded in {load_seconds:.1f} s"
@@ -367,13 +364,13 @@ class TritonPythonModel:
         ready: list[dict[str, np.ndarray]] = tensors  # type: ignore[assignment]
         route = self._scheduler.route_call(len(requests), sum(request_rows(ready)), self._came_full(ready),
                                            self._hand_off)
-        if route is CallRoute.REFUSED:  # Triton's queue is drained: the call refused whole, unread
-            return [_error_response(e) for e in self._scheduler.scheduler.refuse_caller_backlog(len(requests))]
         if route is CallRoute.LOOP:
             self._watch(requests, self._submit(requests, ready))
             return None
         answers: list[_RequestAnswer | None] = []
 
+        # where a call's requests make several batches, each request leaves as its batch is done (a
+        # send each), not with the call's last batch; a call of one batch returns its responses
         def send_answered() -> None:  # a later batch is about to run: the answers so far leave now
             for answer in answers:
                 if answer is not None and answer.release():
@@ -381,7 +378,7 @@ class TritonPythonModel:
 
         self._scheduler.serve_here(lambda here: answers.extend(self._submit(requests, ready, held=True, borrow=here)),
                                    lambda: all(a is None or a.answered for a in answers),
-                                   send_answered if self._answers_early else None)
+                                   send_answered)
         return self._release(requests, answers)
 
     def _release(self, requests: list[Any], answers: list[_RequestAnswer | None]) -> list[Any] | None:
@@ -405,7 +402,7 @@ class TritonPythonModel:
 
     def _came_full(self, tensors: list[dict[str, np.ndarray]]) -> bool:
         """Whether Triton's batcher handed over a full batch: the next request of the largest size
-        here would not have fitted its max_batch_size (`CallerQueue.caller_backlog` says why it counts)."""
+        here would not have fitted its max_batch_size (`Pipeline.route_call` says why it counts)."""
         rows = request_rows(tensors)
         return bool(self._call_capacity) and sum(rows) + max(rows) > self._call_capacity
 

@@ -36,7 +36,7 @@ PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
                                  "TritonPythonModel._release", "_batched", "split_outputs", "_send", "_Responder._loop")),
     ("copies in and out of batches", ("gather_rows", "gather_inputs", "scatter_outputs", "cut_to", "pad_batch",
                                       "_rows_alone", "_split_rows")),
-    ("batching: policy and scheduler", ("on_arrival", "Scheduler.", "CallerQueue.", "QueryTable.", "BatchTable.",
+    ("batching: policy and scheduler", ("on_arrival", "Scheduler.", "QueryTable.", "BatchTable.",
                                         "StageBoard.", "SplitStep.", "Admission.", "check_plan", "arrival_refusal",
                                         "EngineLoop.", "Pipeline.")),
     ("reading requests", ("TritonPythonModel._inputs", "TritonPythonModel._rows", "_read", "parse_request",

@@ -1,5 +1,6 @@
-"""Admission, driven from the test's one thread with a hand clock: the queue bound, timeouts,
-cancellation and the latency target. Every query gets exactly one answer; a dropped one never runs."""
+"""Admission, driven from the test's one thread with a hand clock: the one rule (the wait ahead
+against the bound, the deadline and the latency target), timeouts, cancellation. Every query gets
+exactly one answer; a dropped one never runs."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -7,10 +8,9 @@ from typing import Sequence
 import pytest
 
 from dvabatch_backend import ArrivalPlan, RuntimeSettings, Scheduler, run_until_idle
-from dvabatch_backend.runtime.admission import STANDING_SECONDS, STANDING_WAIT, Admission, ServiceModel
-from dvabatch_backend.runtime.decisions import BatchTableView, New, Policy, QueryInfo
-from dvabatch_backend.runtime.errors import (CancelledError, OverloadedError, QueueFullError, StandingQueueError,
-                                             TimeoutExpiredError)
+from dvabatch_backend.runtime.admission import QUEUE_BATCHES, Admission, ServiceModel
+from dvabatch_backend.runtime.decisions import BatchTableView, Policy, QueryInfo
+from dvabatch_backend.runtime.errors import CancelledError, OverloadedError, QueueFullError, TimeoutExpiredError
 from dvabatch_backend.runtime.settings import QueuePolicy, SloPolicy
 from policies import create_policy
 
@@ -49,9 +49,10 @@ def _scheduler(model, clock, policy=None, **settings) -> Scheduler:
                      clock=clock)
 
 
-def _submit(scheduler, model, collector, n: int, seed: int = 0, timeout_us: int | None = None):
+def _submit(scheduler, model, collector, n: int, seed: int = 0, timeout_us: int | None = None,
+            length: int | None = None):
     rng = np.random.default_rng(seed)
-    queries = [model.query(rng) for _ in range(n)]
+    queries = [model.query(rng, length) for _ in range(n)]
     ids = [scheduler.submit_many([(q, collector)], timeout_us=timeout_us)[0] for q in queries]
     return ids, queries
 
@@ -63,7 +64,7 @@ def test_the_queue_bound_refuses_with_tritons_wording_and_loses_nothing(zoo) -> 
     ids, queries = _submit(scheduler, model, collector, 8)
 
     refused = [qid for qid in ids if qid in collector.answers]  # answered before anything ran
-    assert refused == ids[:3]  # the oldest, pushed out by the newer ones (admission.py says why)
+    assert refused == ids[5:]  # the arrivals past the bound, as Triton refuses
     assert all(isinstance(collector.one(q).error, QueueFullError) for q in refused)
     assert "Exceeds maximum queue size" in str(collector.one(refused[0]).error)
     assert scheduler.stats.queued == 5 and scheduler.stats.queue_full == 3
@@ -80,126 +81,69 @@ def test_the_queue_bound_refuses_with_tritons_wording_and_loses_nothing(zoo) -> 
     assert collector.one(more[0]).ok
 
 
-class FirstBatchPolicy(HoldPolicy):
-    """Batches the first two queries at once, then holds the rest until `release` is set."""
-
-    name = "first-batch"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.batched = False
-
-    def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
-        if not self.batched and len(waiting) >= 2:
-            self.batched = True
-            return ArrivalPlan((New(tuple(q.id for q in waiting[:2])),), wake_at=now + 1.0)
-        return super().on_arrival(waiting, table, now)
-
-
-def test_the_bound_pushes_out_waiting_requests_before_a_batch_the_policy_made(zoo) -> None:
-    """A batch made but not yet started, queued less than STANDING_WAIT, is about to run: pushing
-    out its rows would run the backlog in hollowed batches (a row or two), so the oldest *waiting*
-    requests go first (on a hand clock that never moves: every query is fresh)."""
-    model = zoo.stages("token", 2)
-    collector, policy = Collector(), FirstBatchPolicy()
-    scheduler = _scheduler(model, HandClock(), policy, queue=QueuePolicy(max_queue_size=5))
-    batched, _ = _submit(scheduler, model, collector, 2)
-    waiting, _ = _submit(scheduler, model, collector, 3, seed=1)
-    newer, _ = _submit(scheduler, model, collector, 2, seed=2)  # 7 > 5: two rows must go
-    assert [q for q in batched + waiting + newer if q in collector.answers] == waiting[:2]
-    assert all(isinstance(collector.one(q).error, QueueFullError) for q in waiting[:2])
-    policy.release = True
-    run_until_idle(scheduler, model.engines())
-    assert all(collector.one(q).ok for q in batched + waiting[2:] + newer)
-    assert scheduler.stats.queue_full == 2 and len(collector.answers) == 7
-
-
-def test_a_batch_queued_past_the_standing_wait_is_pushed_out_by_age(zoo) -> None:
-    """Batched rows that have queued longer than STANDING_WAIT wait behind other batches: they go by
-    age, as waiting ones do, so that a deep stage-0 queue cannot hold them whole for seconds."""
-    model = zoo.stages("token", 2)
-    clock, collector, policy = HandClock(), Collector(), FirstBatchPolicy()
-    scheduler = _scheduler(model, clock, policy, queue=QueuePolicy(max_queue_size=5))
-    batched, _ = _submit(scheduler, model, collector, 2)
-    clock.now += STANDING_WAIT * 1.5
-    waiting, _ = _submit(scheduler, model, collector, 3, seed=1)
-    newer, _ = _submit(scheduler, model, collector, 2, seed=2)
-    assert [q for q in batched + waiting + newer if q in collector.answers] == batched
-    policy.release = True
-    clock.now += 2.0  # past the wake-up the policy asked for: it is called again
-    scheduler.on_window()
-    run_until_idle(scheduler, model.engines())
-    assert all(collector.one(q).ok for q in waiting + newer) and len(collector.answers) == 7
-
-
 def test_a_multi_row_request_is_admitted_or_refused_whole(zoo) -> None:
     model = zoo.stages("token", 2)
     collector = Collector()
     scheduler = _scheduler(model, HandClock(), queue=QueuePolicy(max_queue_size=4))
     rng = np.random.default_rng(2)
     first = scheduler.submit_many([(model.query(rng), collector) for _ in range(3)])
-    second = scheduler.submit_many([(model.query(rng), collector) for _ in range(2)])  # 3 + 2 > 4
-    # room for the second takes one row, and the first is pushed out whole, not one row of it
-    assert all(isinstance(collector.one(q).error, QueueFullError) for q in first)
-    too_big = scheduler.submit_many([(model.query(rng), collector) for _ in range(5)])  # past the bound alone
-    assert all(isinstance(collector.one(q).error, QueueFullError) for q in too_big)
+    second = scheduler.submit_many([(model.query(rng), collector) for _ in range(2)])  # 3 + 2 > 4: refused whole
+    assert all(isinstance(collector.one(q).error, QueueFullError) for q in second)
+    one = scheduler.submit_many([(model.query(rng), collector)])  # 3 + 1 fits
     run_until_idle(scheduler, model.engines())
-    assert all(collector.one(q).ok for q in second)
-    assert scheduler.stats.queue_full == 8
+    assert all(collector.one(q).ok for q in first + one)
+    assert scheduler.stats.queue_full == 2
 
 
-def test_a_queue_that_stands_refuses_what_waited_and_a_burst_is_served_whole(zoo) -> None:
-    """The standing-queue rule (admission.py), on a hand clock, bs_max 4, the policy holding what
-    waits: a few queries (a batch or less) held past STANDING_SECONDS, and a burst over a batch held
-    past STANDING_WAIT but not STANDING_SECONDS, are all served; a queue over a batch for
-    STANDING_SECONDS has those queued past STANDING_WAIT refused "Request timeout expired", and the
-    fresh ones run. A configured bound is the user's: no such refusal."""
+def test_an_arrival_that_would_wait_past_the_bound_is_refused_and_a_burst_within_it_is_carried(zoo) -> None:
+    """The derived bound (admission.py), bs_max 4, the policy holding what waits: arrivals are
+    admitted while the work queued (each row's share of a batch at its length) stays within
+    QUEUE_BATCHES batches at the longest length, so at least that many rows; the next is refused
+    at arrival, "Exceeds maximum queue size", whatever the clock says (the wait is the work
+    queued, not how long it stood); what was admitted is answered. A configured bound is the
+    user's: none of that."""
     model = zoo.stages("token", 2)
-    clock, collector = HandClock(), Collector()
-    policy = HoldPolicy()
+    clock, collector, policy = HandClock(), Collector(), HoldPolicy()
     scheduler = _scheduler(model, clock, policy)
+    admission = scheduler.admission
+    bound_work = QUEUE_BATCHES * admission.bs_max * admission.row_work()
+    assert admission.wait_bound() == pytest.approx(bound_work * admission.service.correction)
+    admitted, inputs, refused = [], [], None
+    for seed in range(QUEUE_BATCHES * admission.bs_max * 20):
+        ids, queries = _submit(scheduler, model, collector, 1, seed=seed)
+        if ids[0] in collector.answers:
+            refused = ids[0]
+            break
+        admitted += ids
+        inputs += queries
+    assert refused is not None and len(admitted) >= QUEUE_BATCHES * admission.bs_max  # a burst of that many carried
+    assert scheduler.queries.queued_work <= bound_work + 1e-12
+    error = collector.one(refused).error
+    assert isinstance(error, QueueFullError) and "Exceeds maximum queue size" in str(error)
+    clock.now += 10.0  # time alone refuses nothing queued
+    late, _ = _submit(scheduler, model, collector, 1, seed=10 ** 6)
+    assert isinstance(collector.one(late[0]).error, QueueFullError)
+    assert scheduler.stats.queue_full == 2 and scheduler.stats.queued == len(admitted)
+    policy.release = True
+    clock.now = max(clock.now, scheduler.wake_at or clock.now)
+    scheduler.on_window()
+    run_until_idle(scheduler, model.engines())
+    for qid, query in zip(admitted, inputs):
+        assert_matches_reference(model, query, collector.one(qid))
+    assert scheduler.queries.queued_work == 0.0
 
-    def held_for(n: int, seconds: float, seed: int) -> list[int]:
-        policy.release = False
-        ids, _ = _submit(scheduler, model, collector, n, seed=seed)
-        clock.now += seconds
-        return ids
-
-    def release() -> None:
-        policy.release = True
-        clock.now = max(clock.now, scheduler.wake_at or clock.now)  # the policy's wake-up: it batches them
-        scheduler.on_window()
-        run_until_idle(scheduler, model.engines())
-
-    few = held_for(4, STANDING_SECONDS + 1.0, seed=0)
-    release()
-    burst = held_for(6, (STANDING_WAIT + STANDING_SECONDS) / 2, seed=1)
-    release()
-    assert all(collector.one(q).ok for q in few + burst)
-
-    old = held_for(6, STANDING_SECONDS + 0.1, seed=2)
-    fresh, _ = _submit(scheduler, model, collector, 2, seed=3)  # its dispatch drops the old ones
-    for q in old:
-        assert isinstance(collector.one(q).error, StandingQueueError), collector.one(q).error
-        assert "Request timeout expired" in str(collector.one(q).error)
-    assert scheduler.stats.timed_out == 6
-    release()
-    assert all(collector.one(q).ok for q in fresh)
-
-    configured, answers = _scheduler(model, clock, HoldPolicy(), queue=QueuePolicy(max_queue_size=100)), Collector()
-    kept, _ = _submit(configured, model, answers, 6, seed=4)
-    clock.now += STANDING_SECONDS + 0.1
-    _submit(configured, model, answers, 1, seed=5)
-    assert not answers.answers and configured.stats.queued == 7
+    configured, answers = _scheduler(model, clock, HoldPolicy(), queue=QueuePolicy(max_queue_size=1000)), Collector()
+    _submit(configured, model, answers, len(admitted) + 1, seed=4)
+    assert not answers.answers and configured.stats.queued == len(admitted) + 1
 
 
 def test_queries_past_their_timeout_are_dropped_before_any_stage_runs_them(zoo) -> None:
     model = zoo.stages("token", 2)
     clock, collector = HandClock(), Collector()
     scheduler = _scheduler(model, clock)
-    late, _ = _submit(scheduler, model, collector, 3, timeout_us=1000)
+    late, _ = _submit(scheduler, model, collector, 3, timeout_us=1_000_000)  # admitted: they would start in time
     fine, fine_inputs = _submit(scheduler, model, collector, 2, seed=3)  # no timeout
-    clock.now += 0.002
+    clock.now += 2.0  # ... but nothing ran meanwhile
 
     run_until_idle(scheduler, model.engines())
 
@@ -210,6 +154,23 @@ def test_queries_past_their_timeout_are_dropped_before_any_stage_runs_them(zoo) 
         assert_matches_reference(model, inputs, collector.one(qid))
     assert scheduler.stats.timed_out == 3
     assert scheduler.stats.stages[0].rows == 2  # the late ones never ran
+
+
+def test_a_request_that_would_wait_past_its_timeout_is_refused_at_arrival_as_a_timeout(zoo) -> None:
+    """The rule's deadline: behind a queue whose work would outlast a request's own timeout (the
+    stages as slow as the correction says), it is answered "Request timeout expired" at once,
+    counted as a timeout, and never queued; one whose timeout it would not outlast is queued."""
+    model = zoo.stages("token", 2)
+    clock, collector, policy = HandClock(), Collector(), HoldPolicy()
+    scheduler = _scheduler(model, clock, policy, queue=QueuePolicy(max_queue_size=0))
+    queued, _ = _submit(scheduler, model, collector, 6)
+    scheduler.admission.service.correction = 1e4  # each queued row now takes well over a second
+    doomed, _ = _submit(scheduler, model, collector, 1, seed=1, timeout_us=1_000_000)
+    error = collector.one(doomed[0]).error
+    assert isinstance(error, TimeoutExpiredError) and "past its timeout" in str(error)
+    assert scheduler.stats.timed_out == 1 and scheduler.stats.queued == 6
+    patient, _ = _submit(scheduler, model, collector, 1, seed=2, timeout_us=10 ** 12)
+    assert patient[0] not in collector.answers and scheduler.stats.queued == 7
 
 
 def test_the_default_timeout_applies_and_delay_runs_late_queries(zoo) -> None:
@@ -228,9 +189,9 @@ def test_waiting_queries_time_out_from_the_batch_window(zoo) -> None:
     model = zoo.stages("token", 2)
     clock, collector, policy = HandClock(), Collector(), HoldPolicy()
     scheduler = _scheduler(model, clock, policy=policy)
-    ids, _ = _submit(scheduler, model, collector, 2, timeout_us=1000)
-    assert scheduler.wake_at is not None and scheduler.wake_at <= clock.now + 0.001 + 1e-9  # the deadline wakes it
-    clock.now += 0.002
+    ids, _ = _submit(scheduler, model, collector, 2, timeout_us=1_000_000)
+    assert scheduler.wake_at is not None and scheduler.wake_at <= clock.now + 1.0 + 1e-9  # the deadline wakes it
+    clock.now += 2.0
     scheduler.on_window()
     assert all(isinstance(collector.one(q).error, TimeoutExpiredError) for q in ids)
     assert scheduler.pending_count == 0 and scheduler.stats.stages[0].batches == 0
@@ -290,117 +251,81 @@ def test_the_service_model_interpolates_the_profile_and_learns_a_correction() ->
     service = ServiceModel([{1: 0.001, 4: 0.004}, {1: 0.002, 4: 0.002}], 2)
     assert service.stage_time(0, 2) == pytest.approx(0.002)
     assert service.stage_time(1, 8) == pytest.approx(0.004)  # beyond the profile: per row of the largest
-    assert service.peak_rate(4) == pytest.approx(1000.0)
     for _ in range(200):
         service.observe(0, 4, 0.008)  # twice the profile
     assert service.correction == pytest.approx(2.0, rel=0.01)
 
 
-def test_a_backlogs_batches_stop_at_the_efficient_size_with_one_pair_and_a_long_passage() -> None:
-    # per row: 100, 80, 75, 72.5 ms: 4 rows are within 5 % of the least
-    service = ServiceModel([{1: 0.100, 2: 0.160, 4: 0.300, 8: 0.580}], 1)
-    assert service.efficient_batch(8, 0.05) == 4 and service.efficient_batch(2, 0.05) == 2
-    assert Admission(QueuePolicy(), SloPolicy(), service, 8, overlapping=False).backlog_batch == 4
-    assert Admission(QueuePolicy(), SloPolicy(), service, 8, overlapping=True).backlog_batch == 8  # stages overlap
-    quick = ServiceModel([{1: 0.0010, 2: 0.0016, 4: 0.0030, 8: 0.0058}], 1)  # a bs_max batch passes in 6 ms
-    assert Admission(QueuePolicy(), SloPolicy(), quick, 8, overlapping=False).backlog_batch == 8
-
-
-def test_a_full_calls_batches_stop_where_no_length_gains_from_a_larger_one() -> None:
-    """`call_batch` and a backlog's `backlog_batch`: the largest of the efficient sizes over the
-    profiled lengths (a long length's rows are at their least at 2, a short one's gain up to 8),
-    where the batch-size profile alone says 2. A quick bs_max batch: not capped."""
-    long_rows = {1: 0.100, 2: 0.160, 4: 0.320, 8: 0.640}  # at 2 rows, 80 ms each from then on
-    short_rows = {1: 0.010, 2: 0.016, 4: 0.024, 8: 0.040}  # 10, 8, 6, 5 ms a row
-    service = ServiceModel([long_rows], 1, by_length={64: [long_rows], 8: [short_rows]})
-    assert service.efficient_batch(8, 0.05) == 2 and service.efficient_batch(8, 0.05, every_length=True) == 8
-    admission = Admission(QueuePolicy(), SloPolicy(), service, 8, overlapping=False)
-    assert admission.call_batch == 8 and admission.backlog_batch == 8
-    quick = ServiceModel([{1: 0.0010, 2: 0.0016, 4: 0.0030, 8: 0.0058}], 1)
-    assert Admission(QueuePolicy(), SloPolicy(), quick, 8, overlapping=False).call_batch == 8
-    capped = ServiceModel([long_rows], 1)
-    assert Admission(QueuePolicy(), SloPolicy(), capped, 8, overlapping=False).call_batch == 2
-
-
-def test_a_backlog_is_carried_out_in_batches_of_the_efficient_size(zoo) -> None:
-    """With more than a batch queued, a policy's `New` of bs_max is carried out as batches of
-    `backlog_batch` (set by hand here: the test model's profile is too quick for one), every answer
-    the model's; with a batch or less queued, as one batch."""
-    model = zoo.stages("token", 2)
-    clock, collector = HandClock(), Collector()
-    policy = HoldPolicy()
-    scheduler = _scheduler(model, clock, policy)  # bs_max 4, one buffer pair
-    scheduler.admission.backlog_batch = 2
-    ids, queries = _submit(scheduler, model, collector, 6)  # 6 queued > bs_max: a backlog
-    policy.release = True
-    clock.now += 1.0  # the policy's wake-up
-    scheduler.on_window()  # the pipelined policy: a New of 4; then 2 are left, a batch or less
-    assert scheduler.stats.new == 3  # 4 as 2 + 2, then the 2 left as one
-    run_until_idle(scheduler, model.engines())
-    for qid, inputs in zip(ids, queries):
-        assert_matches_reference(model, inputs, collector.one(qid))
-    assert scheduler.stats.stages[0].batches == 3
-
-
-def test_the_door_opens_on_a_standing_queue_by_the_wait_it_makes_and_closes_when_idle() -> None:
-    """The door rule (admission.py): refuses nothing until the queue has stood STANDING_SECONDS;
-    then refuses an arrival that would wait past STANDING_WAIT at the backlog's rate (which follows
-    the measured correction), admits one that would not, and stays shut, the queue short or not,
-    until an arrival finds the pipeline idle. A configured bound is the user's: no door."""
+def test_the_rule_reckons_the_wait_at_the_stages_rate_and_a_deadline_too() -> None:
+    """`queue_refusal`: the work queued (each row's share of a bs_max batch: through both stages in
+    a row with one pair, through the slowest where stages overlap) against the bound, QUEUE_BATCHES
+    batches at the longest length, and against a request's timeout as the stages run now; a row's
+    work follows its length."""
     service = ServiceModel([{1: 0.050, 4: 0.200}, {1: 0.050, 4: 0.200}], 2)
     admission = Admission(QueuePolicy(), SloPolicy(), service, 4, overlapping=False)
-    assert admission.backlog_rate() == pytest.approx(10.0)  # one pair: 4 rows through both stages in 0.4 s
-    deep = 6  # 0.6 s of work
-    stood = 10.0 - STANDING_SECONDS - 0.1
-    assert admission.door_refusal(10.0, deep, None, idle=False) is None  # no more than a batch queued
-    assert admission.door_refusal(10.0, deep, 10.0 - STANDING_SECONDS / 2, idle=False) is None  # a burst
-    why = admission.door_refusal(10.0, deep, stood, idle=False)
-    assert why is not None and why.startswith("Exceeds maximum queue size") and admission.door_since == 10.0
-    assert admission.door_refusal(10.1, 4, stood, idle=False) is None  # 0.4 s: within the wait
-    service.correction = 2.0  # the stages take twice their profile now
-    assert admission.door_refusal(10.2, 4, None, idle=False) is not None  # 0.8 s; shut though the queue is short
-    assert admission.door_refusal(10.3, 0, None, idle=True) is None and admission.door_since is None
-    assert admission.door_refusal(10.4, deep * 2, None, idle=False) is None  # open again
-    configured = Admission(QueuePolicy(max_queue_size=100), SloPolicy(), service, 4, overlapping=False)
-    assert configured.door_refusal(10.0, 99, stood, idle=False) is None
+    assert admission.row_work() == pytest.approx(0.1) and admission.drain_rate() == pytest.approx(10.0)
+    assert admission.wait_bound() == pytest.approx(QUEUE_BATCHES * 0.4)
+    rows = QUEUE_BATCHES * 4
+    assert admission.queue_refusal(rows, rows * 0.1) is None
+    why = admission.queue_refusal(rows + 1, (rows + 1) * 0.1)
+    assert why is not None and why.startswith("Exceeds maximum queue size")
+    service.correction = 2.0  # the stages take twice their profile now: the bound in seconds doubles
+    assert admission.wait_bound() == pytest.approx(QUEUE_BATCHES * 0.8)
+    overlapping = Admission(QueuePolicy(), SloPolicy(), ServiceModel([{4: 0.200}, {4: 0.100}], 2), 4)
+    assert overlapping.drain_rate() == pytest.approx(20.0)  # through the slowest stage alone
+    slow = ServiceModel([{4: 0.400}], 1)
+    timed = Admission(QueuePolicy(default_timeout_us=300_000), SloPolicy(), slow, 4)
+    assert timed.wait_bound() is None  # a configured timeout is the user's policy
+    assert timed.queue_refusal(10 ** 6, 10.0 ** 6) is None  # no bound, only the timeout
+    assert timed.timeout_refusal(0.3) is None  # 0.3 s: within the timeout
+    assert "past its timeout" in (timed.timeout_refusal(0.4) or "")
+    assert timed.timeout_refusal(0.4, timeout_us=10_000_000) is None  # a request's own, longer
+    slow.correction = 2.0
+    assert timed.timeout_refusal(0.2) is not None  # 0.4 s as the stages run now
+    unbounded = Admission(QueuePolicy(max_queue_size=0), SloPolicy(), service, 4)
+    assert unbounded.queue_refusal(10 ** 6, 10.0 ** 6) is None and unbounded.wait_bound() is None
+    assert unbounded.timeout_refusal(10.0 ** 6) is None
+    lengths = ServiceModel([{4: 0.400}], 1, by_length={16: [{4: 0.100}], 128: [{4: 0.400}]})
+    by_length = Admission(QueuePolicy(), SloPolicy(), lengths, 4)
+    assert by_length.row_work(16) == pytest.approx(0.025) and by_length.row_work() == pytest.approx(0.1)
+    assert by_length.least_row_work() == pytest.approx(0.025)
 
 
-def test_the_door_refuses_unread_arrivals_and_submitted_ones_once_a_queue_stood(zoo) -> None:
-    """`Scheduler.refuse_at_door` (the Triton adapter asks it before reading a call's requests) and
-    `submit_many` apply the door alike: a refusal each, named by a query id of its own, counted as
-    the queue bound's; the queries queued meanwhile are the standing rule's; once the pipeline
-    holds nothing the door opens and a query is served."""
+def test_the_door_refuses_unread_arrivals_by_the_same_rule(zoo) -> None:
+    """`Scheduler.refuse_at_door` (the Triton adapter asks it before reading a call's requests)
+    applies the rule to what is queued, as if each request were one row of the least work: nothing
+    short of the bound; at it (filled by queries of the shortest length, the least work: nothing
+    below the profile is cheaper), a refusal each, named by a query id of its own, counted as the
+    bound's; once the queue drains a query is served."""
     model = zoo.stages("token", 2)
     clock, collector = HandClock(), Collector()
     policy = HoldPolicy()
     scheduler = _scheduler(model, clock, policy)  # bs_max 4
-    scheduler.admission.service.correction = 1e4  # stages this slow make a few queued rows a long wait
-    held, _ = _submit(scheduler, model, collector, 6)  # more than a batch, held by the policy
-    assert scheduler.refuse_at_door(2) == []  # not standing yet: a burst
-    clock.now += STANDING_SECONDS + 0.1
+    held, _ = _submit(scheduler, model, collector, scheduler.bs_max, length=1)
+    assert scheduler.refuse_at_door(1) == []  # short of the bound
+    for seed in range(1, QUEUE_BATCHES * scheduler.bs_max * 20):
+        ids, _ = _submit(scheduler, model, collector, 1, seed=seed, length=1)
+        if ids[0] in collector.answers:  # the bound: this one's work did not fit
+            break
+        held += ids
+    assert len(held) >= QUEUE_BATCHES * scheduler.bs_max
     refused = scheduler.refuse_at_door(2)
     assert [type(e) for e in refused] == [QueueFullError] * 2 and len({e.query_id for e in refused}) == 2
     assert all("Exceeds maximum queue size" in str(e) for e in refused)
-    late, _ = _submit(scheduler, model, collector, 1, seed=1)  # submitted all the same: refused alike
-    assert isinstance(collector.one(late[0]).error, QueueFullError)
-    assert scheduler.stats.queue_full == 3 and scheduler.stats.submitted == 6 + 2 + 1
-    assert all(isinstance(collector.one(q).error, StandingQueueError) for q in held)  # waited past STANDING_WAIT
-    assert scheduler.refuse_at_door(1) == [] and scheduler.admission.door_since is None  # idle: open
-    scheduler.admission.service.correction = 1.0
+    assert scheduler.stats.submitted == len(held) + 1 + 2 and scheduler.stats.queue_full == 3
     policy.release = True
-    fresh, queries = _submit(scheduler, model, collector, 1, seed=2)
+    clock.now = max(clock.now, scheduler.wake_at or clock.now)
+    scheduler.on_window()
+    run_until_idle(scheduler, model.engines())
+    assert all(collector.one(q).ok for q in held)
+    fresh, queries = _submit(scheduler, model, collector, 1, seed=10 ** 6)
+    assert scheduler.refuse_at_door(1) == []
     run_until_idle(scheduler, model.engines())
     assert_matches_reference(model, queries[0], collector.one(fresh[0]))
 
 
-def test_the_default_queue_bound_is_about_a_second_at_the_pipelines_peak() -> None:
-    service = ServiceModel([{8: 0.010}, {8: 0.020}], 2)  # slowest stage: 8 rows per 20 ms -> 400/s
-    assert Admission(QueuePolicy(), SloPolicy(), service, 8).max_queue_size == 400
-    assert Admission(QueuePolicy(max_queue_size=0), SloPolicy(), service, 8).queue_refusal(10**6, 1) is None
-    # one buffer pair: one batch at a time through both stages, 8 rows per 30 ms
-    assert Admission(QueuePolicy(), SloPolicy(), service, 8, overlapping=False).max_queue_size == 267
-    slow = ServiceModel([{8: 4.0}], 1)
-    assert Admission(QueuePolicy(), SloPolicy(), slow, 8).max_queue_size == 16  # never below two batches
+def test_the_latency_targets_budgets_follow_the_profile() -> None:
+    service = ServiceModel([{8: 0.010}, {8: 0.020}], 2)
     budgets = Admission(QueuePolicy(), SloPolicy(slo_ms=90), service, 8).stage_budgets()
     assert budgets == pytest.approx([0.030, 0.060])
 
@@ -408,9 +333,9 @@ def test_the_default_queue_bound_is_about_a_second_at_the_pipelines_peak() -> No
 def test_the_correction_compares_with_the_profile_at_the_batchs_length() -> None:
     service = ServiceModel([{8: 0.008}], 1, by_length={16: [{8: 0.002}], 128: [{8: 0.008}]})
     admission = Admission(QueuePolicy(), SloPolicy(), service, 8)
-    assert admission.max_queue_size == 1000  # 8 rows per 8 ms at the longest length, for a second
+    assert admission.batch_seconds() == pytest.approx(0.008)  # at the longest length
     for _ in range(300):
         service.observe(0, 8, 0.004, length=10)  # short batches: twice their length's profile (shared cores)
     assert service.correction == pytest.approx(2.0, rel=0.01)
     assert service.pipeline_time(8) == pytest.approx(0.016, rel=0.01)  # the target's predictions use it
-    assert admission.max_queue_size == 1000  # the bound stays the profile's
+    assert admission.batch_seconds() == pytest.approx(0.016, rel=0.01)  # and so does the bound

@@ -14,13 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dvabatch_backend.runtime.admission import STANDING_SECONDS, STANDING_WAIT
 from dvabatch_backend.runtime.decisions import ArrivalPlan, BatchTableView, New, Policy
 from dvabatch_backend.runtime.engine import OrtStageEngine
-from dvabatch_backend.runtime.errors import QueueFullError, StageFailedError
-from dvabatch_backend.runtime.pipeline import CallRoute, Pipeline
+from dvabatch_backend.runtime.errors import StageFailedError
+from dvabatch_backend.runtime.pipeline import STANDING_CALLS, CallRoute, Pipeline
 from dvabatch_backend.runtime.query import QueryInfo
-from dvabatch_backend.runtime.settings import QueuePolicy, RuntimeSettings
+from dvabatch_backend.runtime.settings import RuntimeSettings
 from policies import RandomLegalPolicy, create_policy
 from policies.examples.early_exit import EarlyExitPolicy
 
@@ -335,28 +334,24 @@ def test_random_schedules_of_callers_and_the_loop_answer_every_query_once_from_t
     assert ledger.violations == []
 
 
-# -- the caller's own queue (runtime/caller_queue.py) -------------------------------------------
+# -- the caller's own queue (`Pipeline.route_call`) -----------------------------------------------
 
 
 class _Calls:
     """A caller's calls of two one-row requests, each told whether it came full, as `execute` makes
-    them: "served" (routed here, each answer the model's), "refused" (both, "Exceeds maximum queue
-    size") or "handed over" (left to the loop)."""
+    them: "served" (routed here, each answer the model's) or "handed over" (left to the loop)."""
 
     def __init__(self, model: SlicedModel) -> None:
         rng = np.random.default_rng(0)
         self.model = model
         self.queries = [model.query(rng) for _ in range(2)]
+        self.handed: list[tuple[list[int], Collector]] = []
 
     def __call__(self, pipeline: Pipeline, full: bool) -> str:
         route = pipeline.route_call(2, 2, full)
-        if route is CallRoute.REFUSED:
-            errors = pipeline.scheduler.refuse_caller_backlog(2)
-            assert all(isinstance(e, QueueFullError) and "Exceeds maximum queue size" in str(e) for e in errors)
-            return "refused"
         collector = Collector()
         if route is CallRoute.LOOP:
-            pipeline.submit_many([(q, collector) for q in self.queries])
+            self.handed.append((pipeline.submit_many([(q, collector) for q in self.queries]), collector))
             return "handed over"
         ids, _ = call(pipeline, self.queries, collector)
         assert collector.wait_for(ids)
@@ -365,79 +360,23 @@ class _Calls:
         return "served"
 
 
-def _drains_until_forgotten(call: _Calls, pipeline: Pipeline, now: list[float], then: str) -> None:
-    """From a full call due to drain: two calls refused whole, until one is not full; with overload
-    known, STANDING_WAIT of full calls drains again; no full call for STANDING_SECONDS forgets it,
-    and STANDING_WAIT of full calls then gives `then` (where the first phase leads)."""
-    assert [call(pipeline, True) for _ in range(2)] == ["refused", "refused"]  # drained ...
-    assert call(pipeline, False) == "served"  # ... until a call is not full
-    assert call(pipeline, True) == "served"
-    now[0] += STANDING_WAIT + 0.01
-    assert call(pipeline, True) == "refused"  # the overload is known: half a second of full calls
-    assert call(pipeline, False) == "served"
-    now[0] += STANDING_SECONDS + 0.1  # no full call for that long: over
-    assert call(pipeline, True) == "served"
-    now[0] += STANDING_WAIT + 0.01
-    assert call(pipeline, True) == then
-
-
-def test_quick_batches_drain_the_callers_queue_once_its_calls_came_full_for_long(zoo) -> None:
-    """Where a bs_max batch passes quickly (not `Admission.long_passage`), calls that came full for
-    STANDING_SECONDS are refused whole, "Exceeds maximum queue size", until one comes that is not
-    full; after a drain, STANDING_WAIT of full calls drains again, until no call came full for
-    STANDING_SECONDS; nothing is handed over."""
+def test_calls_that_come_full_in_a_row_are_left_to_the_loop_until_one_is_not_full(zoo) -> None:
+    """A full call is a burst its caller serves; STANDING_CALLS in a row say the caller's own queue
+    stands: each is left to the loop (the caller returns at once, and its queue drains into the
+    runtime's, where the admission rule judges each arrival), until a call comes that is not full.
+    No clock is read: a count of calls, not a time. What was handed over is answered."""
     model = zoo.stages("token", 2)
-    now = [0.0]
     call = _Calls(model)
-    with make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1) as pipeline:
-        assert not pipeline.scheduler.admission.long_passage  # the test model's batches are quick
-        assert call(pipeline, True) == "served"
-        now[0] += STANDING_SECONDS - 0.1
-        assert call(pipeline, True) == "served"  # full, but not for long enough: a burst
-        now[0] += 0.2
-        _drains_until_forgotten(call, pipeline, now, then="served")
-        assert pipeline.stats.queue_full == 6 and pipeline.stats.caller_drains == 2
-        assert pipeline.stats.inline_handovers == 0
-
-
-def test_long_batches_hand_the_callers_queue_over_then_drain_it_once_overload_is_known(zoo) -> None:
-    """Where a bs_max batch's passage is long (`Admission.long_passage`), calls that came full
-    STANDING_CALLS times and for STANDING_WAIT are left to the loop (its admission sees each
-    arrival; a burst is carried, not refused), until a call is not full. Once the pipeline's door
-    has shut (overload known), STANDING_WAIT of full calls drains, until one comes that is not full;
-    the next drain comes after STANDING_WAIT again, until no call came full for STANDING_SECONDS,
-    when full calls are handed over again. A configured bound drains nothing: its full calls are
-    handed over, where that bound applies."""
-    model = zoo.stages("token", 2)
-    now = [0.0]
-    call = _Calls(model)
-    with make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1) as pipeline:
-        admission = pipeline.scheduler.admission
-        admission.long_passage = True  # as if a bs_max batch took long
-        assert call(pipeline, True) == "served"
-        now[0] += STANDING_WAIT - 0.1
-        assert call(pipeline, True) == "served"  # full, but not for long enough
-        now[0] += 0.2
-        assert [call(pipeline, True) for _ in range(2)] == ["handed over", "handed over"]  # the loop's ...
-        assert call(pipeline, False) == "served"  # ... until a call is not full
-        assert pipeline.stats.caller_drains == 0 and pipeline.stats.queue_full == 0
-        # the pipeline's queue stood STANDING_SECONDS and a request would wait past STANDING_WAIT: its door shuts
-        assert admission.door_refusal(now[0], 10 ** 6, now[0] - STANDING_SECONDS - 0.1, idle=False) is not None
-        assert admission.door_refusal(now[0], 0, None, idle=True) is None  # the pipeline emptied: open again
-        assert call(pipeline, True) == "served"  # overload known: full calls stay here ...
-        now[0] += STANDING_WAIT + 0.01
-        _drains_until_forgotten(call, pipeline, now, then="handed over")
-        assert pipeline.stats.queue_full == 6 and pipeline.stats.caller_drains == 2
-
-    with make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1,
-                        queue=QueuePolicy(max_queue_size=100)) as configured:
-        assert not configured.scheduler.admission.long_passage  # quick batches too
-        assert call(configured, True) == "served"
-        now[0] += STANDING_SECONDS + 0.1
-        assert call(configured, True) == "handed over"  # the user's bound applies in the pipeline
-        assert configured.stats.inline_handovers == 1 and configured.scheduler.caller.handed_over
-        assert call(configured, False) == "served" and not configured.scheduler.caller.handed_over
-        assert configured.stats.queue_full == 0 and configured.stats.caller_drains == 0
+    with make_scheduler(model, create_policy("load"), num_buffer_pairs=1) as pipeline:
+        assert [call(pipeline, True) for _ in range(STANDING_CALLS - 1)] == ["served"] * (STANDING_CALLS - 1)
+        assert [call(pipeline, True) for _ in range(2)] == ["handed over"] * 2
+        assert call(pipeline, False) == "served"
+        assert call(pipeline, True) == "served"  # a burst again
+        assert pipeline.stats.caller_handovers == 2 and pipeline.stats.queue_full == 0
+        for ids, collector in call.handed:
+            assert collector.wait_for(ids)
+            for qid, query in zip(ids, call.queries):
+                assert_matches_reference(model, query, collector.one(qid))
 
 
 def test_a_callers_borrowed_inputs_are_copied_for_the_rows_still_queued_when_it_lets_go(zoo) -> None:

@@ -37,7 +37,8 @@ def served(tmp_path_factory):
     base = slice_zoo_model(repo / ".sliced", "bert")
     shutil.copy(GATE_POLICY, base.version_dir / GATE_POLICY.name)
     models = {
-        "cancel": add_variant(repo, base, "adm_cancel", policy=GATED,
+        # unbounded: 200 requests held by the gate, past the derived bound (this is about timeouts)
+        "cancel": add_variant(repo, base, "adm_cancel", policy=GATED, extra={"max_queue_size": 0},
                               policy_params={"gate": gates / "cancel", "inner": "pipelined"}),
         "bound": add_variant(repo, base, "adm_bound", policy=GATED, extra={"max_queue_size": BOUND},
                              policy_params={"gate": gates / "bound", "inner": "pipelined"}),

@@ -13,11 +13,9 @@ a burst until every request has reached the model, and the counters are read onc
 That confident queries are also faster is a speed claim, for a benchmark, not asserted here."""
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import threading
-import time
 import urllib.request
 from pathlib import Path
 from typing import Callable
@@ -32,8 +30,8 @@ from slicer import toy
 from slicer.profiler import int_bounds
 from slicer.slice_model import SliceOptions, slice_model
 
-from dvabatch_backend.runtime.admission import STANDING_SECONDS, STANDING_WAIT
-from dvabatch_backend.runtime.caller_queue import STANDING_CALLS
+from dvabatch_backend.runtime.admission import QUEUE_BATCHES
+from dvabatch_backend.runtime.pipeline import STANDING_CALLS
 
 from ..triton_support import Clients, ServedModel, add_variant, admitted_requests, settle
 
@@ -89,24 +87,22 @@ def server(tmp_path_factory):
     models["bounded"] = add_variant(repo, bounded, "dense_bounded", policy="load", queue_size=2,
                                     extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_first"})
     # the runtime's queue holds 2 rows (a configured bound), Triton's is unbounded: once calls come
-    # full, Triton's backlog is handed to the pipeline and refused past the runtime's bound
+    # full in a row, Triton's backlog is handed to the pipeline and refused past the runtime's bound
     standing_dir = sliced / "dense_standing"
     shutil.copytree(report.out_dir, standing_dir)  # its own gate files
-    _profile_a_long_passage(standing_dir / "1" / "manifest.json")
     standing = ServedModel("dense", standing_dir / "1", report.manifest, {}, 0)
     models["standing"] = add_variant(repo, standing, "dense_standing", policy="load",
                                      extra={"max_queue_size": 2, "engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
-    # Triton's queue unbounded and no queue policy configured (the slicer's config): calls that came
-    # full for STANDING_SECONDS are refused whole until one is not full
-    draining_dir = sliced / "dense_draining"
-    shutil.copytree(report.out_dir, draining_dir)  # its own gate files, its quick profile
-    draining = ServedModel("dense", draining_dir / "1", report.manifest, {}, 0)
-    models["draining"] = add_variant(repo, draining, "dense_draining", policy="load",
-                                     extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
-    # the pipeline forced, the derived bound: once the runtime's queue has stood, the door refuses unread
+    # Triton's queue unbounded and no queue policy configured (the slicer's config): once calls come
+    # full in a row, Triton's backlog is handed to the pipeline and refused past the derived bound
+    derived_dir = sliced / "dense_derived"
+    shutil.copytree(report.out_dir, derived_dir)  # its own gate files
+    derived = ServedModel("dense", derived_dir / "1", report.manifest, {}, 0)
+    models["derived"] = add_variant(repo, derived, "dense_derived", policy="load",
+                                    extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
+    # the pipeline forced, the derived bound: once the runtime's queue is at it, the door refuses unread
     door_dir = sliced / "dense_door"
     shutil.copytree(report.out_dir, door_dir)
-    _profile_a_long_passage(door_dir / "1" / "manifest.json")
     door = ServedModel("dense", door_dir / "1", report.manifest, {}, 0)
     models["door"] = add_variant(repo, door, "dense_door", policy="load",
                                  extra={"fast_path": "false", "engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
@@ -114,17 +110,6 @@ def server(tmp_path_factory):
         for model in models.values():
             triton.wait_model_ready(model.name, timeout=120)
         yield triton, models, gates
-
-
-def _profile_a_long_passage(manifest: Path, seconds: float = 0.2) -> None:
-    """Scale the manifest's stage times so that a bs_max batch passes the stages in `seconds`
-    (`Admission.long_passage`; the door reckons a wait at the profile's rate), where the test
-    model's take microseconds. Only what the runtime predicts changes, not what runs."""
-    data = json.loads(manifest.read_text())
-    times = data["stage_times"]
-    passage = sum(max(t.items(), key=lambda kv: int(kv[0]))[1] for t in times)
-    data["stage_times"] = [{bs: t * seconds / passage for bs, t in stage.items()} for stage in times]
-    manifest.write_text(json.dumps(data))
 
 
 def _metrics_text(server: TritonServer) -> str:
@@ -373,16 +358,16 @@ def test_requests_past_the_queue_bound_behind_an_inline_run_are_refused_at_once(
     assert _settle(lambda: _served(triton, model.name)[1], lambda v: v >= 3) == 3  # the refused never ran
 
 
-def test_when_tritons_queue_stands_behind_the_fast_path_its_backlog_is_handed_over_and_refused(server) -> None:
-    """Overload is refused on the fast path with Triton's queue unbounded and the runtime's bound
-    configured (a user's queue policy: nothing is drained, the bound applies in the pipeline). Each run of the model's stage is held until the test opens it (gate_engine.py:hold_each). A lone
-    request runs inline; the 8 * STANDING_CALLS + 4 sent meanwhile wait in Triton's queue (its
-    pending count says so), so the next calls come full (8 rows, max_batch_size): the first
-    STANDING_CALLS - 1 run inline (the last of them held at least STANDING_WAIT, so that the full
-    calls have lasted that long), then Triton's queue stands and the calls go to the pipeline,
-    whose first batch is held while the rest meet its bound (2 rows): at least 2 are refused
-    UNAVAILABLE "Exceeds maximum queue size" while that batch is still held. Once every gate opens,
-    each request has exactly one answer, a result equal to the unsliced model's or a refusal."""
+def test_when_tritons_queue_stands_its_backlog_is_handed_over_and_refused_past_a_configured_bound(server) -> None:
+    """Overload is refused with Triton's queue unbounded and the runtime's bound configured (a
+    user's queue policy: the bound applies in the pipeline). Each run of the model's stage is held
+    until the test opens it (gate_engine.py:hold_each). A lone request runs on its caller's thread;
+    the bs * STANDING_CALLS + 4 sent meanwhile wait in Triton's queue (its pending count says so),
+    so the next calls come full (bs rows, max_batch_size): the first STANDING_CALLS - 1 run on
+    their caller's thread, then Triton's queue stands and the calls go to the pipeline, whose
+    first batch is held while the rest meet its bound (2 rows): at least 2 are refused UNAVAILABLE
+    "Exceeds maximum queue size" while that batch is still held. Once every gate opens, each
+    request has exactly one answer, a result equal to the unsliced model's or a refusal."""
     triton, models, _ = server
     model = models["standing"]
     gates = model.version_dir
@@ -392,22 +377,21 @@ def test_when_tritons_queue_stands_behind_the_fast_path_its_backlog_is_handed_ov
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     queries = [model.query(rng) for _ in range(n)]
     answers = _Answers()
-    inline = 1 + bs * (STANDING_CALLS - 1)  # answered on the fast path
+    here = 1 + bs * (STANDING_CALLS - 1)  # answered by their callers' own steps
     try:
         _backlog_behind_a_held_run(triton, model, client, queries, answers, n)
-        for k in range(1, STANDING_CALLS + 1):  # inline runs 1..STANDING_CALLS; run k + 1 comes of a full call
-            if k == STANDING_CALLS:
-                time.sleep(STANDING_WAIT)  # the full calls have come for at least this long (a lower bound only)
+        for k in range(1, STANDING_CALLS + 1):  # runs 1..STANDING_CALLS on the caller's thread; run k + 1 of a full call
             (gates / f"open-{k}").touch()
             assert _settle((gates / f"held-{k + 1}").exists, bool), f"run {k + 1} never came"
+
         def counts() -> tuple[int, int]:  # (results, refusals) so far
             got = [answers.got[i] for i in list(answers.order)]
             return sum(e is None for _, e in got), sum(e is not None for _, e in got)
 
-        # the inline runs' answers, and 2 refusals while the pipeline's batch is held (which requests
-        # made which call is Triton's order of arrival, not the order they were sent in)
-        results, refusals = _settle(counts, lambda c: c[0] >= inline and c[1] >= 2)
-        assert refusals >= 2 and results == inline, (results, refusals, inline)  # nothing else ran
+        # the callers' own runs' answers, and 2 refusals while the pipeline's batch is held (which
+        # requests made which call is Triton's order of arrival, not the order they were sent in)
+        results, refusals = _settle(counts, lambda c: c[0] >= here and c[1] >= 2)
+        assert refusals >= 2 and results == here, (results, refusals, here)  # nothing else ran
     finally:
         (gates / "open").touch()
     answers.wait(n)  # every answer
@@ -418,52 +402,59 @@ def test_when_tritons_queue_stands_behind_the_fast_path_its_backlog_is_handed_ov
     assert handovers >= 1
 
 
-def test_full_calls_are_refused_once_tritons_queue_stood(server) -> None:
-    """Overload on the fast path, as the slicer configures it, is refused in Triton's queue. Each run
-    of the stage is held until the test opens it (gate_engine.py:hold_each). A lone request runs
-    inline; the 3 * bs + 4 sent meanwhile wait in Triton's queue, so the next call comes full and its
-    run is held at least STANDING_SECONDS (a lower bound only); then the calls come full that long, and the next
-    two full calls are refused whole, UNAVAILABLE "Exceeds maximum queue size", without running,
-    until the last 4 come in a call that is not full, which runs inline. Each request has exactly
-    one answer: a result equal to the unsliced model's, or that refusal."""
+def test_overload_on_the_slicers_config_drains_tritons_queue_into_the_runtimes_and_is_refused_past_the_bound(
+        server) -> None:
+    """The slicer's config (no queue policy: the derived bound, QUEUE_BATCHES batches of work). Each
+    run is held until the test opens it (gate_engine.py:hold_each). A lone request runs on its
+    caller's thread; a backlog of more than the bound waits in Triton's queue; the next full call
+    runs on its caller's thread too, and the one after it (STANDING_CALLS in a row) goes to the
+    pipeline, as does the rest of Triton's queue: while that batch is held, the rows past the
+    bound are refused UNAVAILABLE "Exceeds maximum queue size: overloaded". Nothing waits in
+    Triton's queue; once every gate opens each request has exactly one answer, a result equal to
+    the unsliced model's or that refusal, and what was admitted is at most the bound."""
     triton, models, _ = server
-    model = models["draining"]
+    model = models["derived"]
     gates = model.version_dir
     bs = model.manifest.max_batch_size
-    n = 1 + 3 * bs + 4
+    n = 1 + bs * (STANDING_CALLS + QUEUE_BATCHES) + 2 * bs
     rng = np.random.default_rng(11)
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     queries = [model.query(rng) for _ in range(n)]
     answers = _Answers()
     try:
         _backlog_behind_a_held_run(triton, model, client, queries, answers, n)
-        (gates / "open-1").touch()
-        assert _settle((gates / "held-2").exists, bool), "the full call never ran"
-        time.sleep(STANDING_SECONDS)  # the full calls have come for at least this long
-        (gates / "open-2").touch()
-        assert _settle((gates / "held-3").exists, bool), "the call that was not full never ran"
-        assert int((gates / "held-3").read_text()) == 4  # the two full calls between never ran
+        for k in range(1, STANDING_CALLS + 1):
+            (gates / f"open-{k}").touch()
+            assert _settle((gates / f"held-{k + 1}").exists, bool), f"run {k + 1} never came"
+        # run STANDING_CALLS + 1 is the pipeline's, held: the rest of Triton's queue is the runtime's
+        assert _settle(lambda: _pending(triton, model.name), lambda v: v == 0) == 0
+        refused_while_held = _settle(lambda: sum(e is not None for _, e in (answers.got[i] for i in list(answers.order))),
+                                     lambda v: v >= bs)
+        assert refused_while_held >= bs
+        assert not (gates / f"open-{STANDING_CALLS + 1}").exists()
     finally:
         (gates / "open").touch()
     answers.wait(n)
     client.close()
-    refused = _results_or_refusals(model, queries, answers)
-    assert len(refused) == 2 * bs, refused
+    refused = _results_or_refusals(model, queries, answers, ("Exceeds maximum queue size: overloaded",))
+    answered = n - len(refused)
+    # the callers' own runs, the held batch, and what the bound admitted behind it
+    assert answered <= 1 + bs * STANDING_CALLS + bs * QUEUE_BATCHES, (answered, len(refused))
 
 
-def test_once_the_runtimes_queue_stood_the_door_refuses_requests_unread(server) -> None:
+def test_at_the_bound_the_door_refuses_requests_unread(server) -> None:
     """The door (admission.py) through the real server, the pipeline forced. A lone request's
-    batch is held at stage 0 (gate_engine.py:hold_each); 30 sent meanwhile wait in the runtime's
-    queue (Triton's pending count falls to 0), which stands (more than a batch) and, at the
-    profile's rate (a bs_max batch in 0.2 s), would take longer than STANDING_WAIT. After
-    STANDING_SECONDS (a lower bound only), requests sent are refused UNAVAILABLE "Exceeds maximum
-    queue size: overloaded, ... wait" while that batch is still held: unread, by `execute`. Once
-    every gate opens, each request has exactly one answer, a result equal to the unsliced model's
-    or a refusal."""
+    batch is held at stage 0 (gate_engine.py:hold_each); the backlog sent meanwhile waits in the
+    runtime's queue (Triton's pending count falls to 0) up to the derived bound, QUEUE_BATCHES
+    batches of work, and what comes past it is refused. Requests sent then are refused UNAVAILABLE
+    "Exceeds maximum queue size: overloaded, ... wait" while that batch is still held: unread, by
+    `execute`. Once every gate opens, each request has exactly one answer, a result equal to the
+    unsliced model's or a refusal."""
     triton, models, _ = server
     model = models["door"]
     gates = model.version_dir
-    backlog = 1 + 30  # 30 queued behind the held batch: 0.75 s of work at its profile
+    bs = model.manifest.max_batch_size
+    backlog = 1 + bs * QUEUE_BATCHES + 2  # 2 past the bound
     late = 3
     n = backlog + late
     rng = np.random.default_rng(13)
@@ -476,7 +467,7 @@ def test_once_the_runtimes_queue_stood_the_door_refuses_requests_unread(server) 
         for i in range(1, backlog):
             _send(client, model, queries, answers, i)
         assert _settle(lambda: _pending(triton, model.name), lambda v: v == 0) == 0  # all in the runtime's queue
-        time.sleep(STANDING_SECONDS)  # the runtime's queue has stood at least this long
+        assert _settle(lambda: len(answers.got), lambda v: v >= 2) >= 2  # the 2 past the bound
         for i in range(backlog, n):
             _send(client, model, queries, answers, i)
         assert _settle(lambda: all(i in answers.got for i in range(backlog, n)), bool), "the late ones were not answered"
@@ -489,8 +480,8 @@ def test_once_the_runtimes_queue_stood_the_door_refuses_requests_unread(server) 
         (gates / "open").touch()
     answers.wait(n)
     client.close()
-    # the backlog's queued ones may also be the standing-queue rule's once the gates open
-    _results_or_refusals(model, queries, answers, ("Exceeds maximum queue size", "Request timeout expired"))
+    refused = _results_or_refusals(model, queries, answers)
+    assert len(refused) == 2 + late, refused
 
 
 def _send(client: grpcclient.InferenceServerClient, model: ServedModel, queries: list, answers: "_Answers",
