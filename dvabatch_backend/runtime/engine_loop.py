@@ -131,28 +131,32 @@ class EngineLoop(WorkListener):
     def serve_here(self, submit: Callable[[bool], None], answered: Callable[[], bool],
                    between: Callable[[], None] | None = None) -> bool:
         """Call `submit(claimed)` (the caller's arrivals; `claimed`: it may lend its memory, see
-        `Scheduler.submit_call`) and, while the loop is idle, run its steps on this
+        `Scheduler.submit_call`) and, while the loop runs no step, run its steps on this
         thread until `answered()` or a step launches nothing (the policy holds queries back for its
-        window, or they wait for a pair); whether `answered()`. The loop is claimed before `submit`,
-        so that the arrivals do not wake it. Not claimed (`submit` alone) while the loop steps, has
-        work in flight, or another caller runs its steps. Every launch here runs on this thread, in
-        stage order; so with two or more buffer pairs, where the loop's workers overlap batches in
-        different stages, only a call whose queries make one batch is run here. `between()`: before
-        each step after the first (where answers given so far should leave, not wait for the rest)."""
-        with self._signal:
-            claimed = self._idle and not (self._driven or self._completed or self._in_flight)
-            self._driven = self._driven or claimed
-        if not claimed:
+        window, or they wait for a pair); whether `answered()`. The step is claimed before `submit`,
+        so that the arrivals do not wake the loop. Not claimed (`submit` alone) while the loop
+        steps, has work in flight or completed, or another caller runs its steps. The loop need not
+        be asleep: awake between steps (a window's time came), it waits for the step while the
+        caller holds it; were it required asleep, calls that follow each other closely would find it
+        awake and go to it one after another, each answered through a response sender. Every launch
+        here runs on this thread, in stage order; so with two or more buffer pairs, where the loop's
+        workers overlap batches in different stages, only a call whose queries make one batch is
+        run here. `between()`: before each step after the first (where answers given so far should
+        leave, not wait for the rest)."""
+        with self._signal:  # the step is taken without waiting: never held while this waits
+            step = None if (self._driven or self._completed or self._in_flight) else self.step.try_acquire()
+            self._driven = self._driven or step is not None
+        if step is None:
             submit(False)
             return answered()
         try:
-            with self.step as step:  # the loop is idle: it holds no step
-                try:
-                    submit(True)
-                    self._steps_until(step, answered, between)
-                finally:
-                    self._scheduler.own_borrowed()  # before any launch of the loop's can gather them
+            try:
+                submit(True)
+                self._steps_until(step, answered, between)
+            finally:
+                self._scheduler.own_borrowed()  # before any launch of the loop's can gather them
         finally:
+            self.step.release()
             with self._signal:
                 self._driven = False  # from here on a wake-up reaches the loop
                 woken = self._woken

@@ -162,6 +162,14 @@ class Step:
         self.count += 1
         return self.count
 
+    def try_acquire(self) -> int | None:
+        """The step, if no thread holds it now; else None at once."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        self.holder = threading.get_ident()
+        self.count += 1
+        return self.count
+
     def release(self) -> None:
         self.holder = None
         self._lock.release()

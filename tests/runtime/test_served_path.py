@@ -90,6 +90,27 @@ def test_a_calls_queries_are_rows_of_the_table_run_on_the_callers_thread(zoo) ->
         assert len(pipeline.snapshot().rows) == 0
 
 
+def test_a_caller_runs_the_steps_whenever_no_step_runs_though_the_loops_thread_is_not_asleep(zoo) -> None:
+    """A caller claims the step whenever no step runs, whether or not the loop's thread is asleep
+    waiting for work (awake between steps, it would wait for the step): here the loop's thread was
+    never started, and calls one after another are each answered on the caller's thread. Were the
+    loop's sleep required, each would be left to a thread that never runs."""
+    model = zoo.stages("token", 2)
+    rng = np.random.default_rng(1)
+    pipeline = make_scheduler(model, create_policy("input"))  # not started: the loop's thread never waits
+    try:
+        for _ in range(3):
+            collector = Collector()
+            queries = [model.query(rng, length=5) for _ in range(2)]
+            ids, answered = call(pipeline, queries, collector)
+            assert answered
+            for qid, query in zip(ids, queries):
+                assert_matches_reference(model, query, collector.one(qid))
+        assert pipeline.stats.table_answered == 6
+    finally:
+        pipeline.stop()
+
+
 @pytest.mark.parametrize("pairs", [1, 2])
 def test_a_batch_that_no_other_could_overlap_runs_the_unsliced_model(zoo, pairs: int) -> None:
     """The one-stage route: a batch runs the unsliced model (a row like any other, marked
