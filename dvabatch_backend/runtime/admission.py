@@ -3,23 +3,23 @@
 One rule, at arrival: a request is refused when the work queued ahead of it, in seconds of the
 stages' own service, would keep it past the model's bound, its deadline or its latency target.
 The wait is predicted as the work of the rows queued ahead of it and of its own: each row's share
-of a full batch (bs_max rows at its length) through the slowest stage where stages
-overlap, through every stage in a row where they cannot (one buffer pair), at the profiled times
+of a full batch (bs_max rows at its length) through the slowest stage where stages overlap,
+through every stage in a row where they cannot (one buffer pair), at the profiled times
 (`row_work`), times the correction learnt from the times the stages take (`ServiceModel`), so a
 queue of short queries holds more rows than one of long ones. Each refusal answers with Triton's
 code and wording:
 
   - the bound: by default a request may wait no longer than `QUEUE_BATCHES` bs_max batches at the
     longest length take to enter the pipeline (`wait_bound`: a number of batches, so seconds of
-    this device's own service, on a CPU or a GPU alike), refused "Exceeds maximum queue size". A burst within it is
-    carried whole; under overload what is answered waits at most about the bound, the rest is
+    this device's own service, on a CPU or a GPU alike), refused "Exceeds maximum queue size". A
+    burst within it is carried whole; under overload what is answered waits at most about the bound, the rest is
     refused at once. A configured `max_queue_size` (Triton's, in rows: refused past it, as Triton
     refuses) or timeout is the user's queue policy and replaces the derived bound; `max_queue_size`
     0 with no timeout is unbounded;
   - the deadline (Triton's `default_timeout_microseconds`, a request's own `timeout` where
-    `allow_timeout_override`): a request predicted to start past it is refused at arrival; one
-    still queued at it is answered "Request timeout expired" and never runs (with `timeout_action`
-    "delay" it runs anyway);
+    `allow_timeout_override`): a request predicted to start past it is answered "Request timeout
+    expired" at arrival; one still queued at it is answered so and never runs (with
+    `timeout_action` "delay" it runs anyway);
   - the latency target (`slo_ms`, NeuStream's admission): a query predicted to finish past it is
     answered "overloaded: cannot meet N ms" at once -- at arrival, and again when stage 0 is about
     to take it -- rather than served late (`action` "serve_late" keeps it).
