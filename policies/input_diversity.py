@@ -30,11 +30,13 @@ Here:
   cluster fits, the shortest go first (batch queues are FIFO: a batch never overtakes one
   ahead of it, so this is what lets short queries exit first). Otherwise clusters go
   oldest-first (by their oldest query), and one that does not fit whole gives its oldest
-  queries up to the room left; the rest wait and are offered again when queries leave.
+  queries up to the room left; the rest wait and are offered again when queries leave. In a
+  backlog (more than bs_max waiting) the largest clusters go first, except those whose oldest
+  query has waited half the admission's bound: they go before, oldest first.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .api import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, QueryInfo
 
@@ -89,6 +91,19 @@ class InputDiversityPolicy(Policy):
         """Waiting queries clustered by length, each sorted by length; oldest cluster first."""
         return length_clusters(waiting, self.context.bs_max, self.pad_tolerance, self.cost, self.context.pad_safe)
 
+    def _backlog_order(self, now: float) -> Callable[[list[QueryInfo]], tuple[int, float]]:
+        """A backlog's clusters in order: the largest first (more rows a run), the oldest among
+        equals (the sort is stable); but a cluster whose oldest query has waited half the
+        admission's bound (`PolicyContext.wait_bound`) goes before them, the oldest first, so that
+        a query admitted within the bound does not starve behind larger clusters."""
+        bound = self.context.wait_bound
+        due_at = None if bound is None else now - bound / 2
+
+        def order(cluster: list[QueryInfo]) -> tuple[int, float]:
+            oldest = min(q.arrival for q in cluster)
+            return (0, oldest) if due_at is not None and oldest <= due_at else (1, -len(cluster))
+        return order
+
     def on_arrival(self, waiting: Sequence[QueryInfo], table: BatchTableView, now: float) -> ArrivalPlan:
         bs_max = self.context.bs_max
         room = bs_max - table.queries_in_flight()
@@ -102,8 +117,7 @@ class InputDiversityPolicy(Policy):
             # are FIFO, a later batch never overtakes); when room is short, oldest first (fair)
             ready = sorted(ready, key=lambda c: max(q.length for q in c))
         elif len(waiting) > bs_max:
-            # a backlog: the largest clusters first, the oldest among equals (the sort is stable)
-            ready = sorted(ready, key=len, reverse=True)
+            ready = sorted(ready, key=self._backlog_order(now))
         decisions: list[New] = []
         taken: set[int] = set()
         for cluster in ready:

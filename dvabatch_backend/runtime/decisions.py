@@ -85,13 +85,19 @@ class PolicyContext:
     # zero-padding a query to a longer length leaves its answer unchanged (the manifest's pad_safe);
     # when False the runtime carries out only same-length batches, whatever the policy decides
     pad_safe: bool = True
+    # the longest an admitted query is expected to wait for stage 0 (s, the profile's: admission.py's
+    # bound); None where a queue policy is configured instead. A policy that reorders a backlog
+    # keeps each query's wait near it, or queries admitted within it starve
+    wait_bound: float | None = None
 
     @classmethod
-    def for_model(cls, manifest: Manifest, bs_max: int, num_buffer_pairs: int) -> PolicyContext:
+    def for_model(cls, manifest: Manifest, bs_max: int, num_buffer_pairs: int,
+                  wait_bound: float | None = None) -> PolicyContext:
         return cls(num_stages=manifest.num_stages, bs_max=bs_max, max_length=manifest.max_length,
                    num_buffer_pairs=num_buffer_pairs, stage_times=manifest.stage_times(),
                    stage_times_by_length=manifest.stage_times_by_length(),
-                   output_names=tuple(t.name for t in manifest.outputs), pad_safe=manifest.pad_safe)
+                   output_names=tuple(t.name for t in manifest.outputs), pad_safe=manifest.pad_safe,
+                   wait_bound=wait_bound)
 
 
 class BatchTableView:

@@ -91,7 +91,8 @@ class Scheduler:
         self._pads_to_graphs = replays_graphs(settings) and manifest.pad_safe and manifest.has_seq
         self._whole_outputs: StageBuffer | None = None  # the one-stage route's outputs (`runs_whole`)
         self._borrowed: list[Query] = []  # queries whose inputs are a caller's memory (`submit_call`)
-        policy.bind(context or PolicyContext.for_model(manifest, bs_max, settings.num_buffer_pairs))
+        policy.bind(context or PolicyContext.for_model(manifest, bs_max, settings.num_buffer_pairs,
+                                                       self.admission.wait_bound()))
 
     def serve_whole_model(self) -> None:
         """Before any query: a batch may take the one-stage route, the unsliced model at stage 0

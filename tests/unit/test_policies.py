@@ -5,6 +5,8 @@ and no engines (the end-to-end runs are in tests/runtime/test_policies_e2e.py).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import random
 import re
@@ -159,6 +161,20 @@ def test_input_clusters_go_largest_first_in_a_backlog() -> None:
     plan = policy.on_arrival(waiting, Table(bs_max=3).view, now=1.0)
     # oldest first would have been [1] then [2, 3]; a cluster that does not fit gives its oldest
     assert [sorted(d.query_ids) for d in news(plan)] == [[2, 3], [4]]
+
+
+def test_input_clusters_due_by_the_admissions_bound_go_before_larger_ones_in_a_backlog() -> None:
+    """In a backlog, a cluster whose oldest query has waited half the admission's bound
+    (`PolicyContext.wait_bound`) goes before larger ones, oldest first: a query admitted within
+    the bound does not starve behind larger clusters. Younger than that, the largest go first."""
+    policy = InputDiversityPolicy()
+    policy.bind(dataclasses.replace(context(bs_max=3), wait_bound=1.0))
+    waiting = [QueryInfo(1, 2, 0.1), QueryInfo(2, 10, 0.2), QueryInfo(3, 10, 0.3), QueryInfo(4, 40, 0.4),
+               QueryInfo(5, 40, 0.5)]
+    young = policy.on_arrival(waiting, Table(bs_max=3).view, now=0.55)  # query 1 waited 0.45 s: not due
+    assert [sorted(d.query_ids) for d in news(young)] == [[2, 3], [4]]
+    due = policy.on_arrival(waiting, Table(bs_max=3).view, now=0.65)  # query 1 waited 0.55 s: due
+    assert [sorted(d.query_ids) for d in news(due)] == [[1], [2, 3]]
 
 
 def test_input_window_is_stage0_time_at_bs_max_from_the_oldest_arrival() -> None:
