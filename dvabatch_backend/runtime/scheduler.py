@@ -183,6 +183,16 @@ class Scheduler:
         _deliver(deliveries)
         return [[q.id if isinstance(q, Query) else q.query_id for q in queries] for queries in arrived]
 
+    def refuse_caller_backlog(self, requests: int) -> list[QueryError]:
+        """One refusal for each of `requests`, a call of the caller's oldest while its queue stands
+        past the bound (`Pipeline.route_call`)."""
+        with self.lock:
+            self.stats.queue_full += requests
+            self.stats.caller_drains += requests
+            why = ("Exceeds maximum queue size: overloaded, the calls have come full (more waiting before the "
+                   f"model than a call holds) for longer than the bound, {self.admission.wait_bound() * 1000:.0f} ms")
+            return self._refused_unread([QueueFullError(next(self._ids), why) for _ in range(requests)])
+
     def refuse_at_door(self, requests: int) -> list[QueryError]:
         """One refusal for each of `requests` arriving together where the admission rule refuses
         them (the wait ahead, admission.py), each named by a query id of its own; none where they
@@ -447,17 +457,19 @@ class Scheduler:
         """A run's counts: its stage's, and the service model's measure of the stage; a run of the
         unsliced model (the one-stage route) is counted apart, as no stage's. Under the lock."""
         seconds, rows = now - work.started, work.item.num
+        row = self._table.get(work.item.batch_id) if work.item.batch_id in self._table else None
+        length = row.pad_length if row else None
         if work.whole:
             self.stats.whole_runs += 1
             self.stats.whole_rows += rows
             self.stats.whole_seconds += seconds
+            self.admission.service.observe_passage(rows, seconds, length)  # what a batch takes now
             return
         stats = self.stats.stages[work.stage]
         stats.batches += 1
         stats.rows += rows
         stats.busy_seconds += seconds
-        row = self._table.get(work.item.batch_id) if work.item.batch_id in self._table else None
-        self.admission.service.observe(work.stage, rows, seconds, row.pad_length if row else None)
+        self.admission.service.observe(work.stage, rows, seconds, length)
 
     def fail_work(self, work: Work, error: BaseException) -> None:
         """`finish_work` raised (a runtime bug, or a subclass that breaks it): answer the queries of

@@ -62,6 +62,10 @@ class StageMetrics:
         handovers = pb_utils.MetricFamily(name="dvabatch_caller_handovers_total", kind=counter,
                                           description="execute calls left to the engine loop, returning at once, because Triton's queue stood (calls came full in a row)")
         self._handovers = handovers.Metric(labels={"model": model})
+        drains = pb_utils.MetricFamily(name="dvabatch_caller_drains_total", kind=counter,
+                                       description="Requests refused unread because Triton's queue stood past the bound "
+                                                   "(calls came full for longer than it)")
+        self._drains = drains.Metric(labels={"model": model})
         steps = pb_utils.MetricFamily(name="dvabatch_loop_steps_total", kind=counter,
                                       description="Steps of the engine loop (completions read, the batch window, launches)")
         step_seconds = pb_utils.MetricFamily(name="dvabatch_loop_step_seconds_total", kind=counter,
@@ -77,7 +81,7 @@ class StageMetrics:
         self._refused = {reason: refused.Metric(labels={"model": model, "reason": reason}) for reason in _REFUSALS}
         self._goodput = goodput.Metric(labels={"model": model})
         self._families = [*families.values(), queue, ops, queued, refused, goodput, whole, whole_batches, whole_device,
-                          handovers, steps, step_seconds, tabled]  # alive while reporting
+                          handovers, drains, steps, step_seconds, tabled]  # alive while reporting
         if device_calls:
             calls = pb_utils.MetricFamily(name="dvabatch_device_calls_total", kind=counter,
                                           description="execute calls where the model runs on a device: handed to the engine "
@@ -127,6 +131,7 @@ class StageMetrics:
         self._increment(self._whole_batches, "whole_runs", stats.whole_runs)
         self._increment(self._whole_device, "whole_device_seconds", stats.whole_device_seconds)
         self._increment(self._handovers, "caller_handovers", stats.caller_handovers)
+        self._increment(self._drains, "caller_drains", stats.caller_drains)
         self._increment(self._steps, "loop_steps", stats.loop_steps)
         self._increment(self._tabled, "table_answered", stats.table_answered)
         self._increment(self._step_seconds, "loop_step_seconds", stats.loop_step_seconds)

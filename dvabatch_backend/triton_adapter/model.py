@@ -364,6 +364,8 @@ class TritonPythonModel:
         ready: list[dict[str, np.ndarray]] = tensors  # type: ignore[assignment]
         route = self._scheduler.route_call(len(requests), sum(request_rows(ready)), self._came_full(ready),
                                            self._hand_off)
+        if route is CallRoute.REFUSED:  # Triton's queue stood past the bound: its oldest, unread
+            return [_error_response(e) for e in self._scheduler.scheduler.refuse_caller_backlog(len(requests))]
         if route is CallRoute.LOOP:
             self._watch(requests, self._submit(requests, ready))
             return None

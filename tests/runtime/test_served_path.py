@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from dvabatch_backend.runtime.decisions import ArrivalPlan, BatchTableView, New, Policy
 from dvabatch_backend.runtime.engine import OrtStageEngine
-from dvabatch_backend.runtime.errors import StageFailedError
+from dvabatch_backend.runtime.errors import QueueFullError, StageFailedError
 from dvabatch_backend.runtime.pipeline import STANDING_CALLS, CallRoute, Pipeline
 from dvabatch_backend.runtime.query import QueryInfo
-from dvabatch_backend.runtime.settings import RuntimeSettings
+from dvabatch_backend.runtime.settings import QueuePolicy, RuntimeSettings
 from policies import RandomLegalPolicy, create_policy
 from policies.examples.early_exit import EarlyExitPolicy
 
@@ -360,7 +360,8 @@ def test_random_schedules_of_callers_and_the_loop_answer_every_query_once_from_t
 
 class _Calls:
     """A caller's calls of two one-row requests, each told whether it came full, as `execute` makes
-    them: "served" (routed here, each answer the model's) or "handed over" (left to the loop)."""
+    them: "served" (routed here, each answer the model's), "refused" (both, unread, "Exceeds
+    maximum queue size") or "handed over" (left to the loop)."""
 
     def __init__(self, model: SlicedModel) -> None:
         rng = np.random.default_rng(0)
@@ -370,6 +371,10 @@ class _Calls:
 
     def __call__(self, pipeline: Pipeline, full: bool) -> str:
         route = pipeline.route_call(2, 2, full)
+        if route is CallRoute.REFUSED:
+            errors = pipeline.scheduler.refuse_caller_backlog(2)
+            assert all(isinstance(e, QueueFullError) and "Exceeds maximum queue size" in str(e) for e in errors)
+            return "refused"
         collector = Collector()
         if route is CallRoute.LOOP:
             self.handed.append((pipeline.submit_many([(q, collector) for q in self.queries]), collector))
@@ -381,11 +386,35 @@ class _Calls:
         return "served"
 
 
+def test_with_the_derived_bound_calls_full_for_longer_than_it_are_refused_until_one_is_not_full(zoo) -> None:
+    """With the derived bound (no queue policy configured), full calls are served on the caller's
+    thread until they have come full in a row for longer than the bound; then each is refused
+    whole, unread, "Exceeds maximum queue size", until a call comes that is not full. Nothing is
+    handed to the loop. A hand clock: only the bound's own time is read."""
+    model = zoo.stages("token", 2)
+    now = [0.0]
+    call = _Calls(model)
+    with make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1,
+                        queue=QueuePolicy()) as pipeline:
+        bound = pipeline.admission.wait_bound()
+        assert bound is not None
+        assert call(pipeline, True) == "served"
+        now[0] += bound * 0.9
+        assert call(pipeline, True) == "served"  # full, within the bound: a burst
+        now[0] += bound * 0.2
+        assert [call(pipeline, True) for _ in range(2)] == ["refused", "refused"]
+        assert call(pipeline, False) == "served"  # the caller's queue fell below a call
+        assert call(pipeline, True) == "served"  # a new streak
+        stats = pipeline.stats
+        assert stats.queue_full == 4 and stats.caller_drains == 4 and stats.caller_handovers == 0
+
+
 def test_calls_that_come_full_in_a_row_are_left_to_the_loop_until_one_is_not_full(zoo) -> None:
-    """A full call is a burst its caller serves; STANDING_CALLS in a row say the caller's own queue
-    stands: each is left to the loop (the caller returns at once, and its queue drains into the
-    runtime's, where the admission rule judges each arrival), until a call comes that is not full.
-    No clock is read: a count of calls, not a time. What was handed over is answered."""
+    """With a queue policy configured (here: unbounded), a full call is a burst its caller serves;
+    STANDING_CALLS in a row say the caller's own queue stands: each is left to the loop (the caller
+    returns at once, and its queue drains into the runtime's, where that policy judges each
+    arrival), until a call comes that is not full. A count of calls, not a time. What was handed
+    over is answered."""
     model = zoo.stages("token", 2)
     call = _Calls(model)
     with make_scheduler(model, create_policy("load"), num_buffer_pairs=1) as pipeline:

@@ -13,6 +13,7 @@ a burst until every request has reached the model, and the counters are read onc
 That confident queries are also faster is a speed claim, for a benchmark, not asserted here."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import threading
@@ -93,10 +94,13 @@ def server(tmp_path_factory):
     standing = ServedModel("dense", standing_dir / "1", report.manifest, {}, 0)
     models["standing"] = add_variant(repo, standing, "dense_standing", policy="load",
                                      extra={"max_queue_size": 2, "engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
-    # Triton's queue unbounded and no queue policy configured (the slicer's config): once calls come
-    # full in a row, Triton's backlog is handed to the pipeline and refused past the derived bound
+    # Triton's queue unbounded and no queue policy configured (the slicer's config): calls that came
+    # full in a row for longer than the derived bound are refused whole until one is not full; the
+    # profile scaled down so far that the bound is a few nanoseconds: any two full calls are apart
+    # by more, without the test waiting on a clock
     derived_dir = sliced / "dense_derived"
     shutil.copytree(report.out_dir, derived_dir)  # its own gate files
+    _scale_profile(derived_dir / "1" / "manifest.json", 1e-9)
     derived = ServedModel("dense", derived_dir / "1", report.manifest, {}, 0)
     models["derived"] = add_variant(repo, derived, "dense_derived", policy="load",
                                     extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
@@ -110,6 +114,17 @@ def server(tmp_path_factory):
         for model in models.values():
             triton.wait_model_ready(model.name, timeout=120)
         yield triton, models, gates
+
+
+def _scale_profile(manifest: Path, seconds: float) -> None:
+    """Scale the manifest's stage times so that a bs_max batch passes the stages in `seconds`. Only
+    what the runtime predicts changes (the bound), not what runs."""
+    data = json.loads(manifest.read_text())
+    times = data["stage_times"]
+    passage = sum(max(t.items(), key=lambda kv: int(kv[0]))[1] for t in times)
+    data["stage_times"] = [{bs: t * seconds / passage for bs, t in stage.items()} for stage in times]
+    data.pop("stage_times_by_length", None)
+    manifest.write_text(json.dumps(data))
 
 
 def _metrics_text(server: TritonServer) -> str:
@@ -402,44 +417,40 @@ def test_when_tritons_queue_stands_its_backlog_is_handed_over_and_refused_past_a
     assert handovers >= 1
 
 
-def test_overload_on_the_slicers_config_drains_tritons_queue_into_the_runtimes_and_is_refused_past_the_bound(
-        server) -> None:
-    """The slicer's config (no queue policy: the derived bound, QUEUE_BATCHES batches of work). Each
-    run is held until the test opens it (gate_engine.py:hold_each). A lone request runs on its
-    caller's thread; a backlog of more than the bound waits in Triton's queue; the next full call
-    runs on its caller's thread too, and the one after it (STANDING_CALLS in a row) goes to the
-    pipeline, as does the rest of Triton's queue: while that batch is held, the rows past the
-    bound are refused UNAVAILABLE "Exceeds maximum queue size: overloaded". Nothing waits in
-    Triton's queue; once every gate opens each request has exactly one answer, a result equal to
-    the unsliced model's or that refusal, and what was admitted is at most the bound."""
+def test_full_calls_are_refused_once_tritons_queue_stood_past_the_bound(server) -> None:
+    """Overload as the slicer configures it (the derived bound) is refused in Triton's queue. Each
+    run of the stage is held until the test opens it (gate_engine.py:hold_each). A lone request
+    runs on its caller's thread; the 3 * bs + 4 sent meanwhile wait in Triton's queue, so the next
+    call comes full and runs on its caller's thread too; the calls then have come full for longer
+    than the bound (a few nanoseconds: the model's profile is scaled down), and the next two full
+    calls are refused whole, UNAVAILABLE "Exceeds maximum queue size", without running, until the
+    last 4 come in a call that is not full, which runs. Nothing is handed to the loop. Each request
+    has exactly one answer: a result equal to the unsliced model's, or that refusal."""
     triton, models, _ = server
     model = models["derived"]
     gates = model.version_dir
     bs = model.manifest.max_batch_size
-    n = 1 + bs * (STANDING_CALLS + QUEUE_BATCHES) + 2 * bs
+    n = 1 + 3 * bs + 4
     rng = np.random.default_rng(11)
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     queries = [model.query(rng) for _ in range(n)]
     answers = _Answers()
     try:
         _backlog_behind_a_held_run(triton, model, client, queries, answers, n)
-        for k in range(1, STANDING_CALLS + 1):
-            (gates / f"open-{k}").touch()
-            assert _settle((gates / f"held-{k + 1}").exists, bool), f"run {k + 1} never came"
-        # run STANDING_CALLS + 1 is the pipeline's, held: the rest of Triton's queue is the runtime's
-        assert _settle(lambda: _pending(triton, model.name), lambda v: v == 0) == 0
-        refused_while_held = _settle(lambda: sum(e is not None for _, e in (answers.got[i] for i in list(answers.order))),
-                                     lambda v: v >= bs)
-        assert refused_while_held >= bs
-        assert not (gates / f"open-{STANDING_CALLS + 1}").exists()
+        (gates / "open-1").touch()
+        assert _settle((gates / "held-2").exists, bool), "the full call never ran"
+        (gates / "open-2").touch()
+        assert _settle((gates / "held-3").exists, bool), "the call that was not full never ran"
+        assert int((gates / "held-3").read_text()) == 4  # the two full calls between never ran
     finally:
         (gates / "open").touch()
     answers.wait(n)
     client.close()
     refused = _results_or_refusals(model, queries, answers, ("Exceeds maximum queue size: overloaded",))
-    answered = n - len(refused)
-    # the callers' own runs, the held batch, and what the bound admitted behind it
-    assert answered <= 1 + bs * STANDING_CALLS + bs * QUEUE_BATCHES, (answered, len(refused))
+    assert len(refused) == 2 * bs, refused
+    drains = _settle(lambda: _sample("dvabatch_caller_drains_total", {"model": model.name},
+                                     _metrics_text(triton)) or 0.0, lambda v: v >= 2 * bs)
+    assert drains == 2 * bs
 
 
 def test_at_the_bound_the_door_refuses_requests_unread(server) -> None:
