@@ -79,13 +79,7 @@ class ServiceModel:
         return sum(self.stage_time(k, bs) for k in range(from_stage, self.num_stages))
 
     def observe(self, stage: int, bs: int, seconds: float, length: int | None = None) -> None:
-        self._learn(seconds, self.profiled(stage, bs, length))
-
-    def observe_passage(self, bs: int, seconds: float, length: int | None = None) -> None:
-        """A batch passed every stage in one run (the unsliced model): against the stages' sum."""
-        self._learn(seconds, sum(self.profiled(k, bs, length) for k in range(self.num_stages)))
-
-    def _learn(self, seconds: float, predicted: float) -> None:
+        predicted = self.profiled(stage, bs, length)
         if predicted > 0 and seconds > 0:
             self.correction += _EWMA * (seconds / predicted - self.correction)
 
