@@ -7,10 +7,11 @@ nothing, the item the scheduler has for it (`Scheduler.next_work`): the paper's 
 are the step's per-stage launches, not threads. Arrivals need no step: `submit` batches them under
 the scheduler's lock and wakes the loop.
 
-Who holds the step (`work.Step`): the loop's thread, or a caller's while the loop is idle
-(`serve_here`: a Triton `execute` call runs the steps that answer its own requests on its thread,
-saving the wake-up of the loop's; arrivals meanwhile only mark the loop woken, and it steps once
-the caller lets go). The steps are the same either way; so is the batch table they serve.
+Who holds the step (`work.Step`): the loop's thread, or a caller's while the loop is idle, that
+is, runs no step, its thread asleep or not (`serve_here`: a Triton `execute` call runs the steps
+that answer its own requests on its thread, saving the wake-up of the loop's; arrivals meanwhile
+only mark the loop woken, and it steps once the caller lets go). The steps are the same either
+way; so is the batch table they serve.
 
 Where a launch runs: on the thread that holds the step, where nothing could run beside it (one
 buffer pair: a stage waits for the stage after it to free the pair, so stages run one at a time,

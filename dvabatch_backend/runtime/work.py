@@ -158,14 +158,13 @@ class Step:
 
     def acquire(self) -> int:
         self._lock.acquire()
-        self.holder = threading.get_ident()
-        self.count += 1
-        return self.count
+        return self._taken()
 
     def try_acquire(self) -> int | None:
         """The step, if no thread holds it now; else None at once."""
-        if not self._lock.acquire(blocking=False):
-            return None
+        return self._taken() if self._lock.acquire(blocking=False) else None
+
+    def _taken(self) -> int:
         self.holder = threading.get_ident()
         self.count += 1
         return self.count
