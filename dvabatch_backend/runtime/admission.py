@@ -47,6 +47,9 @@ from .settings import MIN_WAKE_DELAY, QueuePolicy, SloPolicy
 QUEUE_BATCHES = 8
 UNPROFILED_STAGE_SECONDS = 1e-3  # per row, for a manifest without stage times, until the correction learns
 _EWMA = 0.05  # weight of one observation in the measured/profiled correction
+# an observation counts at most this factor from the correction: a run held or preempted (a
+# collection, a neighbour) is an outlier, while a real change of speed is still followed, at the weight `_EWMA` a run
+_OUTLIER = 2.0
 _ROUNDING = 1e-9  # relative: a sum of rows' work drifts from the bound's product by rounding alone
 
 
@@ -79,9 +82,16 @@ class ServiceModel:
         return sum(self.stage_time(k, bs) for k in range(from_stage, self.num_stages))
 
     def observe(self, stage: int, bs: int, seconds: float, length: int | None = None) -> None:
-        predicted = self.profiled(stage, bs, length)
+        self._learn(seconds, self.profiled(stage, bs, length))
+
+    def observe_passage(self, bs: int, seconds: float, length: int | None = None) -> None:
+        """A batch passed every stage in one run (the unsliced model): against the stages' sum."""
+        self._learn(seconds, sum(self.profiled(k, bs, length) for k in range(self.num_stages)))
+
+    def _learn(self, seconds: float, predicted: float) -> None:
         if predicted > 0 and seconds > 0:
-            self.correction += _EWMA * (seconds / predicted - self.correction)
+            c = self.correction
+            self.correction += _EWMA * (min(max(seconds / predicted, c / _OUTLIER), c * _OUTLIER) - c)
 
 
 class Admission:

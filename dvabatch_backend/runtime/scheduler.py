@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .admission import QUEUE_BATCHES, Admission, ServiceModel
+from .admission import Admission, ServiceModel
 from .batch_table import BatchItem, BatchTable, TableSnapshot
 from .buffers import BufferPool, BufferState, PairUse, StageBuffer
 from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, Stretch
@@ -190,7 +190,7 @@ class Scheduler:
             self.stats.queue_full += requests
             self.stats.caller_drains += requests
             why = ("Exceeds maximum queue size: overloaded, the calls have come full (more waiting before the "
-                   f"model than a call holds) more than {QUEUE_BATCHES} times in a row, the bound")
+                   f"model than a call holds) for longer than the bound, {self.admission.wait_bound() * 1000:.0f} ms")
             return self._refused_unread([QueueFullError(next(self._ids), why) for _ in range(requests)])
 
     def refuse_at_door(self, requests: int) -> list[QueryError]:
@@ -463,6 +463,7 @@ class Scheduler:
             self.stats.whole_runs += 1
             self.stats.whole_rows += rows
             self.stats.whole_seconds += seconds
+            self.admission.service.observe_passage(rows, seconds, length)  # what a batch takes now
             return
         stats = self.stats.stages[work.stage]
         stats.batches += 1

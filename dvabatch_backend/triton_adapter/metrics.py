@@ -64,7 +64,7 @@ class StageMetrics:
         self._handovers = handovers.Metric(labels={"model": model})
         drains = pb_utils.MetricFamily(name="dvabatch_caller_drains_total", kind=counter,
                                        description="Requests refused unread because Triton's queue stood past the bound "
-                                                   "(more than 8 calls in a row came full)")
+                                                   "(calls came full for longer than it)")
         self._drains = drains.Metric(labels={"model": model})
         steps = pb_utils.MetricFamily(name="dvabatch_loop_steps_total", kind=counter,
                                       description="Steps of the engine loop (completions read, the batch window, launches)")

@@ -256,6 +256,20 @@ def test_the_service_model_interpolates_the_profile_and_learns_a_correction() ->
     assert service.correction == pytest.approx(2.0, rel=0.01)
 
 
+def test_one_run_held_far_past_the_profile_moves_the_correction_by_a_step_only() -> None:
+    """A run held or preempted (a gate, a collection) is an outlier: one observation pulls the
+    correction at most a factor of 2 towards it, at the EWMA's weight; a steady change is still
+    followed."""
+    service = ServiceModel([{4: 0.004}], 1)
+    service.observe(0, 4, 40.0)  # 10,000 times the profile
+    assert 1.0 < service.correction <= 1.0 + 0.05 * 1.0 + 1e-12
+    service.observe(0, 4, 4e-9)  # and far below it
+    assert service.correction < 1.05
+    for _ in range(400):
+        service.observe(0, 4, 0.032)  # eight times the profile, every run
+    assert service.correction == pytest.approx(8.0, rel=0.01)
+
+
 def test_the_rule_reckons_the_wait_at_the_stages_rate_and_a_deadline_too() -> None:
     """`queue_refusal`: the work queued (each row's share of a bs_max batch: through both stages in
     a row with one pair, through the slowest where stages overlap) against the bound, QUEUE_BATCHES

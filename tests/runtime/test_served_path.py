@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from dvabatch_backend.runtime.decisions import ArrivalPlan, BatchTableView, New, Policy
 from dvabatch_backend.runtime.engine import OrtStageEngine
 from dvabatch_backend.runtime.errors import QueueFullError, StageFailedError
-from dvabatch_backend.runtime.admission import QUEUE_BATCHES
 from dvabatch_backend.runtime.pipeline import STANDING_CALLS, CallRoute, Pipeline
 from dvabatch_backend.runtime.query import QueryInfo
 from dvabatch_backend.runtime.settings import QueuePolicy, RuntimeSettings
@@ -387,15 +386,22 @@ class _Calls:
         return "served"
 
 
-def test_with_the_derived_bound_calls_full_more_than_its_batches_in_a_row_are_refused_until_one_is_not(zoo) -> None:
+def test_with_the_derived_bound_calls_full_for_longer_than_it_are_refused_until_one_is_not_full(zoo) -> None:
     """With the derived bound (no queue policy configured), full calls are served on the caller's
-    thread until more than QUEUE_BATCHES have come full in a row (the bound is that many batches);
-    then each is refused whole, unread, "Exceeds maximum queue size", until a call comes that is
-    not full. Nothing is handed to the loop. No clock: a count of calls."""
+    thread until they have come full in a row for longer than the bound; then each is refused
+    whole, unread, "Exceeds maximum queue size", until a call comes that is not full. Nothing is
+    handed to the loop. A hand clock: only the bound's own time is read."""
     model = zoo.stages("token", 2)
+    now = [0.0]
     call = _Calls(model)
-    with make_scheduler(model, create_policy("load"), num_buffer_pairs=1, queue=QueuePolicy()) as pipeline:
-        assert [call(pipeline, True) for _ in range(QUEUE_BATCHES)] == ["served"] * QUEUE_BATCHES  # a burst
+    with make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1,
+                        queue=QueuePolicy()) as pipeline:
+        bound = pipeline.admission.wait_bound()
+        assert bound is not None
+        assert call(pipeline, True) == "served"
+        now[0] += bound * 0.9
+        assert call(pipeline, True) == "served"  # full, within the bound: a burst
+        now[0] += bound * 0.2
         assert [call(pipeline, True) for _ in range(2)] == ["refused", "refused"]
         assert call(pipeline, False) == "served"  # the caller's queue fell below a call
         assert call(pipeline, True) == "served"  # a new streak

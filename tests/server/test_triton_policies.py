@@ -13,6 +13,7 @@ a burst until every request has reached the model, and the counters are read onc
 That confident queries are also faster is a speed claim, for a benchmark, not asserted here."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import threading
@@ -93,10 +94,13 @@ def server(tmp_path_factory):
     standing = ServedModel("dense", standing_dir / "1", report.manifest, {}, 0)
     models["standing"] = add_variant(repo, standing, "dense_standing", policy="load",
                                      extra={"max_queue_size": 2, "engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
-    # Triton's queue unbounded and no queue policy configured (the slicer's config): once more than
-    # QUEUE_BATCHES calls in a row came full, they are refused whole until one is not full
+    # Triton's queue unbounded and no queue policy configured (the slicer's config): calls that came
+    # full in a row for longer than the derived bound are refused whole until one is not full; the
+    # profile scaled down so far that the bound is a few nanoseconds: any two full calls are apart
+    # by more, without the test waiting on a clock
     derived_dir = sliced / "dense_derived"
     shutil.copytree(report.out_dir, derived_dir)  # its own gate files
+    _scale_profile(derived_dir / "1" / "manifest.json", 1e-9)
     derived = ServedModel("dense", derived_dir / "1", report.manifest, {}, 0)
     models["derived"] = add_variant(repo, derived, "dense_derived", policy="load",
                                     extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
@@ -110,6 +114,17 @@ def server(tmp_path_factory):
         for model in models.values():
             triton.wait_model_ready(model.name, timeout=120)
         yield triton, models, gates
+
+
+def _scale_profile(manifest: Path, seconds: float) -> None:
+    """Scale the manifest's stage times so that a bs_max batch passes the stages in `seconds`. Only
+    what the runtime predicts changes (the bound), not what runs."""
+    data = json.loads(manifest.read_text())
+    times = data["stage_times"]
+    passage = sum(max(t.items(), key=lambda kv: int(kv[0]))[1] for t in times)
+    data["stage_times"] = [{bs: t * seconds / passage for bs, t in stage.items()} for stage in times]
+    data.pop("stage_times_by_length", None)
+    manifest.write_text(json.dumps(data))
 
 
 def _metrics_text(server: TritonServer) -> str:
@@ -405,31 +420,28 @@ def test_when_tritons_queue_stands_its_backlog_is_handed_over_and_refused_past_a
 def test_full_calls_are_refused_once_tritons_queue_stood_past_the_bound(server) -> None:
     """Overload as the slicer configures it (the derived bound) is refused in Triton's queue. Each
     run of the stage is held until the test opens it (gate_engine.py:hold_each). A lone request
-    runs on its caller's thread; the (QUEUE_BATCHES + 2) * bs + 4 sent meanwhile wait in Triton's
-    queue, so the next QUEUE_BATCHES calls come full and run on their caller's thread, one at a
-    time; the two full calls after them are refused whole, UNAVAILABLE "Exceeds maximum queue
-    size", without running, until the last 4 come in a call that is not full, which runs. Nothing
-    is handed to the loop. Each request has exactly one answer: a result equal to the unsliced
-    model's, or that refusal."""
+    runs on its caller's thread; the 3 * bs + 4 sent meanwhile wait in Triton's queue, so the next
+    call comes full and runs on its caller's thread too; the calls then have come full for longer
+    than the bound (a few nanoseconds: the model's profile is scaled down), and the next two full
+    calls are refused whole, UNAVAILABLE "Exceeds maximum queue size", without running, until the
+    last 4 come in a call that is not full, which runs. Nothing is handed to the loop. Each request
+    has exactly one answer: a result equal to the unsliced model's, or that refusal."""
     triton, models, _ = server
     model = models["derived"]
     gates = model.version_dir
     bs = model.manifest.max_batch_size
-    n = 1 + (QUEUE_BATCHES + 2) * bs + 4
+    n = 1 + 3 * bs + 4
     rng = np.random.default_rng(11)
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     queries = [model.query(rng) for _ in range(n)]
     answers = _Answers()
     try:
         _backlog_behind_a_held_run(triton, model, client, queries, answers, n)
-        for k in range(1, QUEUE_BATCHES + 1):  # run k + 1 comes of the k-th full call
-            (gates / f"open-{k}").touch()
-            assert _settle((gates / f"held-{k + 1}").exists, bool), f"full call {k} never ran"
-            assert int((gates / f"held-{k + 1}").read_text()) == bs
-        last = QUEUE_BATCHES + 2
-        (gates / f"open-{last - 1}").touch()
-        assert _settle((gates / f"held-{last}").exists, bool), "the call that was not full never ran"
-        assert int((gates / f"held-{last}").read_text()) == 4  # the two full calls between never ran
+        (gates / "open-1").touch()
+        assert _settle((gates / "held-2").exists, bool), "the full call never ran"
+        (gates / "open-2").touch()
+        assert _settle((gates / "held-3").exists, bool), "the call that was not full never ran"
+        assert int((gates / "held-3").read_text()) == 4  # the two full calls between never ran
     finally:
         (gates / "open").touch()
     answers.wait(n)
