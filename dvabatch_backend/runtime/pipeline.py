@@ -184,12 +184,11 @@ class Pipeline:
         """A caller's call of `requests` requests (`rows` rows), `full` or not (the caller had more
         waiting than a call holds). While a caller runs the steps for its call, its own queue fills,
         and the runtime sees neither that queue nor when its requests came. With the derived bound,
-        once calls have come full in a row for longer than it (`Admission.wait_bound`), the
-        caller's queue has held more than a call for the time the bound lets a request wait: each
-        full call is then left to the loop where the pipeline holds nothing (the device keeps
-        serving the oldest), else refused whole, unread, until a call comes that is not full.
-        Below that the caller keeps serving on its own thread, which answers a call in one
-        message; handed to the loop, each answer is a send of its own. With a configured queue policy, once
+        calls that have come full in a row for longer than it (`Admission.wait_bound`) are refused
+        whole, unread, until one comes that is not full: the caller's queue has held more than a
+        call for the time the bound lets a request wait, and the call holds its oldest requests.
+        The caller keeps serving on its own thread, which answers a call in one message; handed to
+        the loop, each answer would be a send of its own. With a configured queue policy, once
         `STANDING_CALLS` calls in a row have come full each is left to the loop and its caller
         returns at once, so that the caller's queue drains into the runtime's, where that policy
         judges each arrival. With `hand_off` (the engines run beside the host), also where
@@ -202,7 +201,7 @@ class Pipeline:
         bound = self.scheduler.admission.wait_bound()
         if bound is not None:
             if full and now - self._full_since > bound:
-                return CallRoute.LOOP if self.scheduler.holds_nothing_now() else CallRoute.REFUSED
+                return CallRoute.REFUSED
         elif self._full_calls >= STANDING_CALLS:
             with self.scheduler.lock:
                 self.scheduler.stats.caller_handovers += 1

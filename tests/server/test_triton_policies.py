@@ -417,21 +417,20 @@ def test_when_tritons_queue_stands_its_backlog_is_handed_over_and_refused_past_a
     assert handovers >= 1
 
 
-def test_once_tritons_queue_stood_past_the_bound_full_calls_go_to_the_loop_or_are_refused(server) -> None:
+def test_full_calls_are_refused_once_tritons_queue_stood_past_the_bound(server) -> None:
     """Overload as the slicer configures it (the derived bound) is refused in Triton's queue. Each
     run of the stage is held until the test opens it (gate_engine.py:hold_each). A lone request
-    runs on its caller's thread; the 4 * bs + 4 sent meanwhile wait in Triton's queue, so the next
-    call comes full and runs on its caller's thread too. The calls have then come full for longer
-    than the bound (a few nanoseconds: the model's profile is scaled down): the next full call is
-    left to the loop, the pipeline holding nothing, and while its run is held the two full calls
-    after it are refused whole, UNAVAILABLE "Exceeds maximum queue size", without running; the
-    last 4 come in a call that is not full, which runs next. Each request has exactly one answer:
-    a result equal to the unsliced model's, or that refusal."""
+    runs on its caller's thread; the 3 * bs + 4 sent meanwhile wait in Triton's queue, so the next
+    call comes full and runs on its caller's thread too; the calls then have come full for longer
+    than the bound (a few nanoseconds: the model's profile is scaled down), and the next two full
+    calls are refused whole, UNAVAILABLE "Exceeds maximum queue size", without running, until the
+    last 4 come in a call that is not full, which runs. Nothing is handed to the loop. Each request
+    has exactly one answer: a result equal to the unsliced model's, or that refusal."""
     triton, models, _ = server
     model = models["derived"]
     gates = model.version_dir
     bs = model.manifest.max_batch_size
-    n = 1 + 4 * bs + 4
+    n = 1 + 3 * bs + 4
     rng = np.random.default_rng(11)
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     queries = [model.query(rng) for _ in range(n)]
@@ -439,20 +438,16 @@ def test_once_tritons_queue_stood_past_the_bound_full_calls_go_to_the_loop_or_ar
     try:
         _backlog_behind_a_held_run(triton, model, client, queries, answers, n)
         (gates / "open-1").touch()
-        assert _settle((gates / "held-2").exists, bool), "the first full call never ran"
+        assert _settle((gates / "held-2").exists, bool), "the full call never ran"
         (gates / "open-2").touch()
-        assert _settle((gates / "held-3").exists, bool), "the full call left to the loop never ran"
-        assert int((gates / "held-3").read_text()) == bs
-        assert _settle(lambda: _pending(triton, model.name), lambda v: v == 0) == 0  # the rest were read or refused
-        (gates / "open-3").touch()
-        assert _settle((gates / "held-4").exists, bool), "the call that was not full never ran"
-        assert int((gates / "held-4").read_text()) == 4  # the two full calls between never ran
+        assert _settle((gates / "held-3").exists, bool), "the call that was not full never ran"
+        assert int((gates / "held-3").read_text()) == 4  # the two full calls between never ran
     finally:
         (gates / "open").touch()
     answers.wait(n)
     client.close()
     refused = _results_or_refusals(model, queries, answers, ("Exceeds maximum queue size: overloaded",))
-    assert len(refused) == 2 * bs, refused  # the two calls after the one left to the loop
+    assert len(refused) == 2 * bs, refused
     drains = _settle(lambda: _sample("dvabatch_caller_drains_total", {"model": model.name},
                                      _metrics_text(triton)) or 0.0, lambda v: v >= 2 * bs)
     assert drains == 2 * bs
