@@ -357,13 +357,19 @@ class TritonPythonModel:
         refused = self._scheduler.refuse_at_door(len(requests))  # overload: refused unread (admission.py)
         if refused:  # returned by execute: one message to the server, not a send each
             return [_error_response(e) for e in refused]
-        tensors = [self._inputs(request) for request in requests]
-        if any(t is None for t in tensors):  # an input missing: each request read (and refused) alone
-            self._watch(requests, self._submit(requests))
-            return None
-        ready: list[dict[str, np.ndarray]] = tensors  # type: ignore[assignment]
-        route = self._scheduler.route_call(len(requests), sum(request_rows(ready)), self._came_full(ready),
-                                           self._hand_off)
+        # a call of as many requests as it holds rows is full before any is read (each has a row at
+        # least): it is routed unread, so that under overload it is refused without reading a tensor
+        full_unread = bool(self._call_capacity) and len(requests) >= self._call_capacity
+        route = self._scheduler.route_call(len(requests), len(requests), True, self._hand_off) if full_unread else None
+        if route is not CallRoute.REFUSED:
+            tensors = [self._inputs(request) for request in requests]
+            if any(t is None for t in tensors):  # an input missing: each request read (and refused) alone
+                self._watch(requests, self._submit(requests))
+                return None
+            ready: list[dict[str, np.ndarray]] = tensors  # type: ignore[assignment]
+            if route is None:
+                route = self._scheduler.route_call(len(requests), sum(request_rows(ready)), self._came_full(ready),
+                                                   self._hand_off)
         if route is CallRoute.REFUSED:  # Triton's queue stood past the bound: its oldest, unread
             return [_error_response(e) for e in self._scheduler.scheduler.refuse_caller_backlog(len(requests))]
         if route is CallRoute.LOOP:
