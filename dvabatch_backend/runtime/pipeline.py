@@ -61,7 +61,6 @@ class Pipeline:
         self.scheduler = scheduler
         self._engines = list(engines)
         self._full_calls = 0  # the caller's calls in a row that came full (`route_call`; its thread only)
-        self._full_since = 0.0  # ... since the first of them
         self._whole_model = whole_model if scheduler.settings.fast_path and type(scheduler.policy).allows_inline() else None
         if self._whole_model is not None:
             scheduler.serve_whole_model()
@@ -180,27 +179,25 @@ class Pipeline:
             return answered()
         return self.loop.serve_here(submit, answered, between)
 
-    def route_call(self, requests: int, rows: int, full: bool, hand_off: bool = False) -> CallRoute:
+    def route_call(self, requests: int, rows: int, full: bool, hand_off: bool = False,
+                   waited: float | None = None) -> CallRoute:
         """A caller's call of `requests` requests (`rows` rows), `full` or not (the caller had more
-        waiting than a call holds). While a caller runs the steps for its call, its own queue fills,
-        and the runtime sees neither that queue nor when its requests came. With the derived bound,
-        calls that have come full in a row for longer than it (`Admission.wait_bound`) are refused
-        whole, unread, until one comes that is not full: the caller's queue has held more than a
-        call for the time the bound lets a request wait, and the call holds its oldest requests.
-        The caller keeps serving on its own thread, which answers a call in one message; handed to
-        the loop, each answer would be a send of its own. With a configured queue policy, once
-        `STANDING_CALLS` calls in a row have come full each is left to the loop and its caller
-        returns at once, so that the caller's queue drains into the runtime's, where that policy
-        judges each arrival. With `hand_off` (the engines run beside the host), also where
-        `hands_over` says so; else served here."""
-        now = self.scheduler.clock()
+        waiting than a call holds), whose oldest request has `waited` seconds in the caller's own
+        queue (`caller_queue.CallerQueue`; None: not measured, the queue emptied since). While a
+        caller runs the steps for its call, its own queue fills. With the derived bound, a call
+        whose oldest request has waited longer than it (`Admission.wait_bound`) is refused whole,
+        unread: the caller's queue holds more than the stages serve within the bound, and the
+        call holds its oldest requests. The caller keeps serving on its own thread, which answers a
+        call in one message; handed to the loop, each answer would be a send of its own. With a
+        configured queue policy, once `STANDING_CALLS` calls in a row have come full each is left
+        to the loop and its caller returns at once, so that the caller's queue drains into the
+        runtime's, where that policy judges each arrival. With `hand_off` (the engines run beside
+        the host), also where `hands_over` says so; else served here."""
         full = full and self.scheduler.settings.fast_path  # else `execute` never holds that queue: a burst
-        if full and not self._full_calls:
-            self._full_since = now
         self._full_calls = self._full_calls + 1 if full else 0
         bound = self.scheduler.admission.wait_bound()
         if bound is not None:
-            if full and now - self._full_since > bound:
+            if waited is not None and waited > bound:
                 return CallRoute.REFUSED
         elif self._full_calls >= STANDING_CALLS:
             with self.scheduler.lock:

@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .admission import Admission, ServiceModel
+from .admission import QUEUE_BATCHES, Admission, ServiceModel
 from .batch_table import BatchItem, BatchTable, TableSnapshot
 from .buffers import BufferPool, BufferState, PairUse, StageBuffer
 from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, Stretch
@@ -183,14 +183,14 @@ class Scheduler:
         _deliver(deliveries)
         return [[q.id if isinstance(q, Query) else q.query_id for q in queries] for queries in arrived]
 
-    def refuse_caller_backlog(self, requests: int) -> list[QueryError]:
-        """One refusal for each of `requests`, a call of the caller's oldest while its queue stands
-        past the bound (`Pipeline.route_call`)."""
+    def refuse_caller_backlog(self, requests: int, waited: float) -> list[QueryError]:
+        """One refusal for each of `requests`, a call of the caller's oldest, the first of which
+        has `waited` seconds in the caller's queue, past the bound (`Pipeline.route_call`)."""
         with self.lock:
             self.stats.queue_full += requests
             self.stats.caller_drains += requests
-            why = ("Exceeds maximum queue size: overloaded, the calls have come full (more waiting before the "
-                   f"model than a call holds) for longer than the bound, {self.admission.wait_bound() * 1000:.0f} ms")
+            why = (f"Exceeds maximum queue size: overloaded, waited about {waited * 1000:.0f} ms before the model, "
+                   f"past the bound of {QUEUE_BATCHES} batches, {self.admission.wait_bound() * 1000:.0f} ms")
             return self._refused_unread([QueueFullError(next(self._ids), why) for _ in range(requests)])
 
     def refuse_at_door(self, requests: int) -> list[QueryError]:

@@ -35,6 +35,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..runtime.admission import QUEUE_BATCHES
+from ..runtime.caller_queue import CallerQueue
 from ..runtime.errors import BadInputError, CancelledError, QueryError, RefusedError, ShuttingDownError
 from ..runtime.manifest import Manifest
 from ..runtime.query import Answer, request_rows
@@ -43,6 +44,7 @@ from ..runtime.pipeline import CallRoute, Pipeline
 from . import parameters
 from .config import parse_parameters
 from .metrics import StageMetrics
+from .queue_marker import MARKERS_PER_BOUND, QueueMarker
 
 
 # The pytriton wheel's backend stub (python_backend 24.10) reads a numpy dtype's item size with a
@@ -332,6 +334,10 @@ class TritonPythonModel:
         self._responder = _Responder()
         self._hand_off = settings.hand_off_calls
         self._cancel_watch = _CancelWatch(self._scheduler)
+        self._caller_queue = CallerQueue()  # execute's thread only
+        admission = self._scheduler.admission
+        self._markers = (QueueMarker(args["model_name"], config, lambda: admission.wait_bound() / MARKERS_PER_BOUND)
+                         if admission.derived_bound and self._call_capacity else None)
         self._metrics = StageMetrics(self._scheduler, args["model_name"], device_calls=self._hand_off)
         self._metrics.loaded(load_seconds, device_bytes)
         # what loading left lives as long as the stub (which exits on unload): kept out of the
@@ -354,24 +360,50 @@ class TritonPythonModel:
         )
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
+        markers = self._markers.take(requests) if self._markers is not None else []
+        if not markers:
+            return self._serve_call(requests, len(requests), markers)
+        at = {position for position, _ in markers}  # answered at once, unrun (queue_marker.py)
+        responses = self._serve_call([r for k, r in enumerate(requests) if k not in at], len(requests), markers)
+        if responses is None:  # the others are answered by sends: so are the markers
+            for k in at:
+                requests[k].get_response_sender().send(QueueMarker.response(),
+                                                       flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return None
+        served = iter(responses)
+        return [QueueMarker.response() if k in at else next(served) for k in range(len(requests))]
+
+    def _serve_call(self, requests: list[Any], call_size: int, markers: list[tuple[int, float]]) -> list[Any] | None:
+        """`execute` for the call's requests other than markers (`call_size`: the call's, with them)."""
+        if not requests:
+            self._caller_queue.came(call_size, markers, False)
+            return []
+        waited = self._caller_wait()  # its oldest request's, before this call is counted
         refused = self._scheduler.refuse_at_door(len(requests))  # overload: refused unread (admission.py)
         if refused:  # returned by execute: one message to the server, not a send each
+            self._note_call(call_size, markers, True)
             return [_error_response(e) for e in refused]
         # a call of as many requests as it holds rows is full before any is read (each has a row at
         # least): it is routed unread, so that under overload it is refused without reading a tensor
-        full_unread = bool(self._call_capacity) and len(requests) >= self._call_capacity
-        route = self._scheduler.route_call(len(requests), len(requests), True, self._hand_off) if full_unread else None
+        full_unread = bool(self._call_capacity) and call_size >= self._call_capacity
+        route = None
+        if full_unread:
+            self._note_call(call_size, markers, True)
+            route = self._scheduler.route_call(len(requests), len(requests), True, self._hand_off, waited)
         if route is not CallRoute.REFUSED:
             tensors = [self._inputs(request) for request in requests]
             if any(t is None for t in tensors):  # an input missing: each request read (and refused) alone
+                if not full_unread:
+                    self._note_call(call_size, markers, False)
                 self._watch(requests, self._submit(requests))
                 return None
             ready: list[dict[str, np.ndarray]] = tensors  # type: ignore[assignment]
             if route is None:
-                route = self._scheduler.route_call(len(requests), sum(request_rows(ready)), self._came_full(ready),
-                                                   self._hand_off)
-        if route is CallRoute.REFUSED:  # Triton's queue stood past the bound: its oldest, unread
-            return [_error_response(e) for e in self._scheduler.scheduler.refuse_caller_backlog(len(requests))]
+                full = self._came_full(ready, call_size - len(requests))
+                self._note_call(call_size, markers, full, ready[0])
+                route = self._scheduler.route_call(len(requests), sum(request_rows(ready)), full, self._hand_off, waited)
+        if route is CallRoute.REFUSED:  # Triton's queue held it past the bound: its oldest, unread
+            return [_error_response(e) for e in self._scheduler.scheduler.refuse_caller_backlog(len(requests), waited or 0.0)]
         if route is CallRoute.LOOP:
             self._watch(requests, self._submit(requests, ready))
             return None
@@ -408,11 +440,25 @@ class TritonPythonModel:
             if answer is not None and not answer.answered:
                 self._cancel_watch.add(request, answer)
 
-    def _came_full(self, tensors: list[dict[str, np.ndarray]]) -> bool:
+    def _came_full(self, tensors: list[dict[str, np.ndarray]], markers: int = 0) -> bool:
         """Whether Triton's batcher handed over a full batch: the next request of the largest size
-        here would not have fitted its max_batch_size (`Pipeline.route_call` says why it counts)."""
+        here would not have fitted its max_batch_size (`Pipeline.route_call` says why it counts).
+        `markers`: the call's markers besides, a row each."""
         rows = request_rows(tensors)
-        return bool(self._call_capacity) and sum(rows) + max(rows) > self._call_capacity
+        return bool(self._call_capacity) and sum(rows) + markers + max(rows) > self._call_capacity
+
+    def _caller_wait(self) -> float | None:
+        """Seconds the next call's oldest request has waited in Triton's queue (`CallerQueue`), or None."""
+        arrival = self._caller_queue.oldest_arrival()
+        return None if arrival is None else time.monotonic() - arrival
+
+    def _note_call(self, call_size: int, markers: list[tuple[int, float]], full: bool,
+                   tensors: Mapping[str, np.ndarray] | None = None) -> None:
+        """Count the call in Triton's queue as measured (`CallerQueue`); a full call asks for a marker
+        (`tensors`: one of its requests read, shaping the markers)."""
+        self._caller_queue.came(call_size, markers, full)
+        if full and self._markers is not None:
+            self._markers.want(tensors)
 
     def _submit(self, requests: list[Any], tensors: list[dict[str, np.ndarray]] | None = None,
                 held: bool = False, borrow: bool = False) -> list[_RequestAnswer | None]:
@@ -465,6 +511,8 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         """Answer what is in flight ("shutting down") and join every thread the model started."""
+        if self._markers is not None:
+            self._markers.close()  # its thread ends: no marker is out once Triton unloads the model
         self._cancel_watch.close()
         self._scheduler.stop()  # its last answers go to the responder, which sends them before it ends
         self._responder.close()

@@ -369,10 +369,10 @@ class _Calls:
         self.queries = [model.query(rng) for _ in range(2)]
         self.handed: list[tuple[list[int], Collector]] = []
 
-    def __call__(self, pipeline: Pipeline, full: bool) -> str:
-        route = pipeline.route_call(2, 2, full)
+    def __call__(self, pipeline: Pipeline, full: bool, waited: float | None = None) -> str:
+        route = pipeline.route_call(2, 2, full, waited=waited)
         if route is CallRoute.REFUSED:
-            errors = pipeline.scheduler.refuse_caller_backlog(2)
+            errors = pipeline.scheduler.refuse_caller_backlog(2, waited or 0.0)
             assert all(isinstance(e, QueueFullError) and "Exceeds maximum queue size" in str(e) for e in errors)
             return "refused"
         collector = Collector()
@@ -386,25 +386,20 @@ class _Calls:
         return "served"
 
 
-def test_with_the_derived_bound_calls_full_for_longer_than_it_are_refused_until_one_is_not_full(zoo) -> None:
-    """With the derived bound (no queue policy configured), full calls are served on the caller's
-    thread until they have come full in a row for longer than the bound; then each is refused
-    whole, unread, "Exceeds maximum queue size", until a call comes that is not full. Nothing is
-    handed to the loop. A hand clock: only the bound's own time is read."""
+def test_with_the_derived_bound_a_call_whose_oldest_waited_past_it_is_refused_whole(zoo) -> None:
+    """With the derived bound (no queue policy configured), a call is served on the caller's thread
+    while its oldest request has waited in the caller's queue no longer than the bound (or that
+    wait is not measured); past it, refused whole, unread, "Exceeds maximum queue size", the wait
+    named. Nothing is handed to the loop."""
     model = zoo.stages("token", 2)
-    now = [0.0]
     call = _Calls(model)
-    with make_scheduler(model, create_policy("load"), clock=lambda: now[0], num_buffer_pairs=1,
-                        queue=QueuePolicy()) as pipeline:
+    with make_scheduler(model, create_policy("load"), num_buffer_pairs=1, queue=QueuePolicy()) as pipeline:
         bound = pipeline.admission.wait_bound()
         assert bound is not None
-        assert call(pipeline, True) == "served"
-        now[0] += bound * 0.9
-        assert call(pipeline, True) == "served"  # full, within the bound: a burst
-        now[0] += bound * 0.2
-        assert [call(pipeline, True) for _ in range(2)] == ["refused", "refused"]
-        assert call(pipeline, False) == "served"  # the caller's queue fell below a call
-        assert call(pipeline, True) == "served"  # a new streak
+        assert call(pipeline, True) == "served"  # not measured: a full call is a burst
+        assert call(pipeline, True, bound * 0.9) == "served"
+        assert [call(pipeline, True, bound * 1.1) for _ in range(2)] == ["refused", "refused"]
+        assert call(pipeline, False, bound * 0.5) == "served"
         stats = pipeline.stats
         assert stats.queue_full == 4 and stats.caller_drains == 4 and stats.caller_handovers == 0
 

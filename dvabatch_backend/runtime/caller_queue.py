@@ -1,0 +1,46 @@
+"""The caller's queue (Triton's, before `execute`), as markers measure it.
+
+While `execute` runs a call, requests wait in the caller's queue, which the runtime cannot see: a
+call says how many requests it holds, not when they came. A marker is a request the adapter sends
+to its own model (`triton_adapter.queue_marker`): it joins the back of that queue, and comes out in
+a call after everything that came before it. So every request that comes out between two markers
+arrived between their sends, which gives the arrival rate while the queue stands, and a request
+that comes out `c` requests after a marker sent at `s` arrived at about `s + c / rate`. The oldest
+request of each call is then known to have waited about `now - s - c / rate`, the wait the
+admission's bound is about (`Pipeline.route_call`).
+
+A call that is not full says the queue held no more than it: nothing older waits, and nothing is
+known about arrivals until the next marker comes out. Owned by the caller's thread (`execute`'s):
+no lock.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class CallerQueue:
+    def __init__(self) -> None:
+        self._sent: float | None = None  # when the last marker out was sent; None: none since the queue emptied
+        self._behind = 0  # requests out since that marker: they arrived after it was sent
+        self.rate: float | None = None  # requests a second, between the last two markers' sends
+
+    def oldest_arrival(self) -> float | None:
+        """When the next call's oldest request arrived, or None where no marker has measured the
+        queue since it last emptied (or no two markers its rate yet)."""
+        if self._sent is None or not self.rate:
+            return None
+        return self._sent + self._behind / self.rate
+
+    def came(self, requests: int, markers: Sequence[tuple[int, float]], full: bool) -> None:
+        """A call of `requests` requests came out, markers included; `markers`: the position in the
+        call and the send time of each marker in it, in order; `full`: whether the call was full
+        (the queue held more than it)."""
+        before = 0
+        for position, sent in markers:
+            self._behind += position - before
+            if self._sent is not None and sent > self._sent:
+                self.rate = self._behind / (sent - self._sent)
+            self._sent, self._behind, before = sent, 0, position + 1
+        self._behind += requests - before
+        if not full:
+            self._sent, self._behind = None, 0
