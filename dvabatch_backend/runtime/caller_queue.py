@@ -5,9 +5,10 @@ call says how many requests it holds, not when they came. A marker is a request 
 to its own model (`triton_adapter.queue_marker`): it joins the back of that queue, and comes out in
 a call after everything that came before it. So every request that comes out between two markers
 arrived between their sends, which gives the arrival rate while the queue stands, and a request
-that comes out `c` requests after a marker sent at `s` arrived at about `s + c / rate`. The oldest
-request of each call is then known to have waited about `now - s - c / rate`, the wait the
-admission's bound is about (`Pipeline.route_call`).
+that comes out `c` requests after a marker sent at `s` arrived at about `s + c / rate`, and, for
+certain, before every marker still out was sent. The oldest request of each call is then known to
+have waited about `now - s - c / rate`, and at least as long as since the earliest marker still out
+was sent: the wait the admission's bound is about (`Pipeline.route_call`).
 
 A call that is not full says the queue held no more than it: nothing older waits, and nothing is
 known about arrivals until the next marker comes out. Owned by the caller's thread (`execute`'s):
@@ -24,12 +25,14 @@ class CallerQueue:
         self._behind = 0  # requests out since that marker: they arrived after it was sent
         self.rate: float | None = None  # requests a second, between the last two markers' sends
 
-    def oldest_arrival(self) -> float | None:
-        """When the next call's oldest request arrived, or None where no marker has measured the
-        queue since it last emptied (or no two markers its rate yet)."""
-        if self._sent is None or not self.rate:
-            return None
-        return self._sent + self._behind / self.rate
+    def oldest_arrival(self, marker_out: float | None = None) -> float | None:
+        """When the next call's oldest request arrived, at the latest: None where no marker has
+        measured the queue since it last emptied (or no two markers its rate) and none is out.
+        `marker_out`: when the earliest marker still out was sent, if one is (it came before it)."""
+        arrival = self._sent + self._behind / self.rate if self._sent is not None and self.rate else None
+        if marker_out is not None:
+            arrival = marker_out if arrival is None else min(arrival, marker_out)
+        return arrival
 
     def came(self, requests: int, markers: Sequence[tuple[int, float]], full: bool) -> None:
         """A call of `requests` requests came out, markers included; `markers`: the position in the

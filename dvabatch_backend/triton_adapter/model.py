@@ -449,7 +449,8 @@ class TritonPythonModel:
 
     def _caller_wait(self) -> float | None:
         """Seconds the next call's oldest request has waited in Triton's queue (`CallerQueue`), or None."""
-        arrival = self._caller_queue.oldest_arrival()
+        out = self._markers.earliest_out() if self._markers is not None else None
+        arrival = self._caller_queue.oldest_arrival(out)
         return None if arrival is None else time.monotonic() - arrival
 
     def _note_call(self, call_size: int, markers: list[tuple[int, float]], full: bool,

@@ -7,15 +7,17 @@ that queue like any request, and `execute` answers it at once, unrun, with no ou
 between two markers, and when each marker was sent, tell `runtime.caller_queue.CallerQueue` how
 long each call's oldest request has waited.
 
-Sent only while calls come full (the queue holds more than a call), one at a time, and no sooner
-than `MARKERS_PER_BOUND` a bound apart: under overload a marker takes one row of a call about
-every half bound, and under a light load none is sent.
+Sent only while calls come full (the queue holds more than a call), and no sooner than
+`MARKERS_PER_BOUND` a bound apart: under overload a marker takes one row of a call about every
+half bound, and under a light load none is sent. Each is sent by a thread of its own that waits
+for its answer (the stub's `exec`), which leaves with the call it came in: several may be out.
 """
 from __future__ import annotations
 
 import itertools
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -41,7 +43,10 @@ class QueueMarker:
         self._wanted = threading.Event()  # set by `want`: calls come full, the queue is worth measuring
         self._stop = threading.Event()
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._loop, name="dvabatch-queue-marker", daemon=True)
+        # a marker's answer leaves with its call, so the next may be sent before it is back; the queue
+        # holds a request at most about the bound, so this many are out at most
+        self._senders = ThreadPoolExecutor(MARKERS_PER_BOUND + 1, thread_name_prefix="dvabatch-queue-marker")
+        self._thread = threading.Thread(target=self._loop, name="dvabatch-queue-markers", daemon=True)
         self._thread.start()
 
     def want(self, tensors: Mapping[str, np.ndarray] | None = None) -> None:
@@ -65,14 +70,23 @@ class QueueMarker:
                     found.append((position, sent))
         return found
 
+    def earliest_out(self) -> float | None:
+        """When the earliest marker still out was sent (every request that comes out before it
+        arrived before that), or None."""
+        with self._lock:
+            return min(self._sent.values(), default=None)
+
     @staticmethod
     def response() -> Any:
         """A marker's answer: no outputs (it asked for none), and no error in Triton's counts."""
         return pb_utils.InferenceResponse(output_tensors=[])
 
     def close(self) -> None:
+        """Send no more, and join the threads (a marker out is answered before Triton unloads the model)."""
         self._stop.set()
         self._wanted.set()
+        self._thread.join()
+        self._senders.shutdown(wait=True)
 
     def _loop(self) -> None:
         last = -float("inf")
@@ -82,7 +96,7 @@ class QueueMarker:
                 return
             self._wanted.clear()
             last = time.monotonic()
-            self._send()
+            self._senders.submit(self._send)
 
     def _send(self) -> None:
         marker_id = f"{MARKER_PREFIX}{next(self._ids)}"

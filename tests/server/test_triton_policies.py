@@ -417,40 +417,64 @@ def test_when_tritons_queue_stands_its_backlog_is_handed_over_and_refused_past_a
     assert handovers >= 1
 
 
-def test_full_calls_are_refused_once_tritons_queue_stood_past_the_bound(server) -> None:
-    """Overload as the slicer configures it (the derived bound) is refused in Triton's queue. Each
-    run of the stage is held until the test opens it (gate_engine.py:hold_each). A lone request
-    runs on its caller's thread; the 3 * bs + 4 sent meanwhile wait in Triton's queue, so the next
-    call comes full and runs on its caller's thread too; the calls then have come full for longer
-    than the bound (a few nanoseconds: the model's profile is scaled down), and the next two full
-    calls are refused whole, UNAVAILABLE "Exceeds maximum queue size", without running, until the
-    last 4 come in a call that is not full, which runs. Nothing is handed to the loop. Each request
-    has exactly one answer: a result equal to the unsliced model's, or that refusal."""
+def test_a_call_whose_oldest_waited_past_the_bound_in_tritons_queue_is_refused_unread(server) -> None:
+    """Overload as the slicer configures it (the derived bound) is refused in Triton's queue, which
+    markers measure (queue_marker.py: requests the model sends itself, answered unrun). Each run of
+    the stage is held until the test opens it (gate_engine.py:hold_each), and each wave of requests
+    is sent once Triton's pending count shows the marker before it queued, so the order in Triton's
+    queue is known. The bound is a few nanoseconds (the model's profile is scaled down):
+
+      run 1: the lone request; wave 1 (bs) waits
+      run 2: wave 1 (a full call: marker 1 is sent); wave 2 (bs) waits behind marker 1
+      run 3: marker 1 and bs - 1 of wave 2 (marker 2 is sent); wave 3 (2 bs) waits behind it
+      run 4: the last of wave 2, marker 2 and bs - 2 of wave 3: the two markers give the rate, but
+             this call's oldest was not measured yet, and it runs (marker 3 is sent)
+      then:  bs of wave 3, and the last 2 with marker 3, have waited past the bound: both calls are
+             refused whole, UNAVAILABLE "Exceeds maximum queue size", unrun
+
+    Each request has exactly one answer: a result equal to the unsliced model's, or that refusal;
+    the markers are no request's."""
     triton, models, _ = server
     model = models["derived"]
     gates = model.version_dir
     bs = model.manifest.max_batch_size
-    n = 1 + 3 * bs + 4
+    waves = [1, bs, bs, 2 * bs]
+    n = sum(waves)
     rng = np.random.default_rng(11)
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     queries = [model.query(rng) for _ in range(n)]
     answers = _Answers()
+    pending = lambda: _pending(triton, model.name)  # noqa: E731
     try:
-        _backlog_behind_a_held_run(triton, model, client, queries, answers, n)
-        (gates / "open-1").touch()
-        assert _settle((gates / "held-2").exists, bool), "the full call never ran"
-        (gates / "open-2").touch()
-        assert _settle((gates / "held-3").exists, bool), "the call that was not full never ran"
-        assert int((gates / "held-3").read_text()) == 4  # the two full calls between never ran
+        _backlog_behind_a_held_run(triton, model, client, queries, answers, 1 + bs)
+        sent = 1 + bs
+        for run, wave in ((1, waves[2]), (2, waves[3])):
+            (gates / f"open-{run}").touch()
+            assert _settle((gates / f"held-{run + 1}").exists, bool), f"run {run + 1} never came"
+            # behind run 2, marker 1 alone; behind run 3, the last of wave 2 and marker 2
+            queued = _settle(pending, lambda v, run=run: v == run)
+            assert queued == run, f"marker {run} never queued ({queued} pending)"
+            for i in range(sent, sent + wave):
+                _send(client, model, queries, answers, i)
+            sent += wave
+            assert _settle(pending, lambda v, total=queued + wave: v == total) == queued + wave
+        assert int((gates / "held-3").read_text()) == bs - 1  # marker 1 took a row of the call
+        (gates / "open-3").touch()
+        assert _settle((gates / "held-4").exists, bool), "the call with marker 2 never ran"
+        assert int((gates / "held-4").read_text()) == bs - 1
+        (gates / "open-4").touch()
+        assert _settle(lambda: len(answers.got), lambda v: v == n) == n
+        assert not (gates / "held-5").exists()  # the calls after never ran
     finally:
         (gates / "open").touch()
     answers.wait(n)
     client.close()
     refused = _results_or_refusals(model, queries, answers, ("Exceeds maximum queue size: overloaded",))
-    assert len(refused) == 2 * bs, refused
+    # bs + 2 of wave 3 (gRPC may reorder the requests of a wave on their way to Triton's queue)
+    assert len(refused) == bs + 2 and min(refused) >= n - waves[3], refused
     drains = _settle(lambda: _sample("dvabatch_caller_drains_total", {"model": model.name},
-                                     _metrics_text(triton)) or 0.0, lambda v: v >= 2 * bs)
-    assert drains == 2 * bs
+                                     _metrics_text(triton)) or 0.0, lambda v: v >= bs + 2)
+    assert drains == bs + 2
 
 
 def test_at_the_bound_the_door_refuses_requests_unread(server) -> None:

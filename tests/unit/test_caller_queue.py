@@ -36,3 +36,15 @@ def test_a_call_that_is_not_full_says_the_queue_emptied() -> None:
     queue.came(16, [(0, 3.0)], True)  # no rate from a span the queue emptied in: the last stands
     assert queue.rate == pytest.approx(15.0)
     assert queue.oldest_arrival() == pytest.approx(3.0 + 15 / 15.0)
+
+
+def test_a_request_out_before_a_marker_arrived_before_it_was_sent() -> None:
+    """Whatever the rate says, the oldest request arrived before the earliest marker still out was
+    sent (the queue is first in, first out): the wait known for certain."""
+    queue = CallerQueue()
+    assert queue.oldest_arrival(marker_out=4.0) == 4.0  # nothing measured yet
+    queue.came(16, [(0, 10.0)], True)
+    queue.came(16, [(0, 11.0)], True)  # a slow rate (15 a second)...
+    queue.came(16, [], True)
+    assert queue.oldest_arrival() == pytest.approx(11.0 + 31 / 15)
+    assert queue.oldest_arrival(marker_out=11.5) == 11.5  # ...while a marker sent at 11.5 s is still out
