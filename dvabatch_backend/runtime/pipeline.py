@@ -40,7 +40,7 @@ class CallRoute(enum.Enum):
 
     HERE = "here"  # submitted; the caller runs the loop's steps that answer it, if the loop is idle
     LOOP = "loop"  # submitted; the caller returns at once and the loop answers it
-    REFUSED = "refused"  # refused whole, unread: the caller's queue stood past the bound (`route_call`)
+    REFUSED = "refused"  # refused whole, unread: its oldest waited in the caller's queue past the bound
 
 
 # full calls in a row that say the caller's own queue stands: one full call is a burst that one
@@ -206,6 +206,11 @@ class Pipeline:
         if hand_off and self.hands_over(requests, rows):
             return CallRoute.LOOP
         return CallRoute.HERE
+
+    def observe_call(self, seconds: float) -> None:
+        """A call took `seconds` on its caller's thread (`Admission.observe_call`)."""
+        with self.scheduler.lock:
+            self.scheduler.admission.observe_call(seconds)
 
     def hands_over(self, requests: int, rows: int) -> bool:
         """Where the engines run beside the host: whether a call of `requests` requests (`rows` rows)

@@ -43,7 +43,7 @@ class RuntimeStats:
     within_slo: int = 0  # answers (results) within the latency target: goodput; every result without one
     queued: int = 0  # admitted, not yet taken by stage 0 (a gauge)
     # the caller's calls left to the loop because its own queue stood, and the requests refused
-    # unread because it stood past the bound (`Pipeline.route_call`)
+    # unread because they waited in it past the bound (`Pipeline.route_call`)
     caller_handovers: int = 0
     caller_drains: int = 0
     # the one-stage route (`Scheduler.serve_whole_model`): runs of the unsliced model, their rows,

@@ -63,8 +63,7 @@ class StageMetrics:
                                           description="execute calls left to the engine loop, returning at once, because Triton's queue stood (calls came full in a row)")
         self._handovers = handovers.Metric(labels={"model": model})
         drains = pb_utils.MetricFamily(name="dvabatch_caller_drains_total", kind=counter,
-                                       description="Requests refused unread because Triton's queue stood past the bound "
-                                                   "(calls came full for longer than it)")
+                                       description="Requests refused unread because they waited in Triton's queue past the bound")
         self._drains = drains.Metric(labels={"model": model})
         steps = pb_utils.MetricFamily(name="dvabatch_loop_steps_total", kind=counter,
                                       description="Steps of the engine loop (completions read, the batch window, launches)")

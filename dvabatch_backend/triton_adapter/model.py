@@ -13,10 +13,10 @@ is a round trip to the server process.
 Where the model runs on a device (a GPU, or its stand-in; parameter `hand_off_calls`), `execute`
 leaves the steps to the loop and returns at once where `Pipeline.hands_over` says so (work in
 flight, or requests that met each other, whose batch runs longer than a hand-over costs): the host
-reads the next call while the device runs. Calls that come full in a row (Triton's batcher had
-more than max_batch_size rows waiting) say Triton's own queue, which the runtime's admission cannot
-see, stands (`Pipeline.route_call`): they are left to the loop, so that queue drains into the
-runtime's, where overload meets the admission rule and is refused.
+reads the next call while the device runs. Triton's own queue, which the stub does not show, is
+measured by markers, requests the model sends itself while calls come full (queue_marker.py): a
+call whose oldest request has waited there past the bound is refused whole, unread
+(`Pipeline.route_call`). Markers are answered at once, unrun.
 
 Settings come from `config.pbtxt` parameters (`config.PARAMETERS`, checked at load with the bad value
 named). Only this module imports `triton_python_backend_utils`; the runtime does not.
@@ -336,8 +336,10 @@ class TritonPythonModel:
         self._cancel_watch = _CancelWatch(self._scheduler)
         self._caller_queue = CallerQueue()  # execute's thread only
         admission = self._scheduler.admission
+        # Triton's queue is measured where the derived bound applies and `execute` holds that queue
+        # while it serves (the fast path: else each call is submitted and `execute` returns at once)
         self._markers = (QueueMarker(args["model_name"], config, lambda: admission.wait_bound() / MARKERS_PER_BOUND)
-                         if admission.derived_bound and self._call_capacity else None)
+                         if admission.derived_bound and self._call_capacity and settings.runtime.fast_path else None)
         self._metrics = StageMetrics(self._scheduler, args["model_name"], device_calls=self._hand_off)
         self._metrics.loaded(load_seconds, device_bytes)
         # what loading left lives as long as the stub (which exits on unload): kept out of the
@@ -378,7 +380,7 @@ class TritonPythonModel:
         if not requests:
             self._caller_queue.came(call_size, markers, False)
             return []
-        waited = self._caller_wait()  # its oldest request's, before this call is counted
+        began, waited = time.monotonic(), self._caller_wait()  # its oldest request's, before this call is counted
         refused = self._scheduler.refuse_at_door(len(requests))  # overload: refused unread (admission.py)
         if refused:  # returned by execute: one message to the server, not a send each
             self._note_call(call_size, markers, True)
@@ -416,10 +418,13 @@ class TritonPythonModel:
                 if answer is not None and answer.release():
                     self._responder.submit(answer)
 
-        self._scheduler.serve_here(lambda here: answers.extend(self._submit(requests, ready, held=True, borrow=here)),
-                                   lambda: all(a is None or a.answered for a in answers),
-                                   send_answered)
-        return self._release(requests, answers)
+        answered = self._scheduler.serve_here(
+            lambda here: answers.extend(self._submit(requests, ready, held=True, borrow=here)),
+            lambda: all(a is None or a.answered for a in answers), send_answered)
+        responses = self._release(requests, answers)
+        if answered:  # served whole on this thread: the pace Triton's queue drains at (`Admission.observe_call`)
+            self._scheduler.observe_call(time.monotonic() - began)
+        return responses
 
     def _release(self, requests: list[Any], answers: list[_RequestAnswer | None]) -> list[Any] | None:
         """After `execute` ran the steps it could: where every request was answered, their responses
