@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -46,6 +47,15 @@ def is_refusal(error: str | None) -> bool:
     return bool(error) and ("UNAVAILABLE" in error or "503" in error)  # type: ignore[operator]
 
 
+# what each refusal says, in the order tried: the first phrase found names its cause
+REFUSAL_CAUSES = (("calls have come full", "Triton's queue"), ("Exceeds maximum queue size", "the bound"),
+                  ("Request timeout expired", "timeout"), ("cannot meet", "latency target"))
+
+
+def refusal_cause(error: str) -> str:
+    return next((cause for phrase, cause in REFUSAL_CAUSES if phrase in error), "other")
+
+
 def is_past_deadline(error: str | None) -> bool:
     return bool(error) and "DEADLINE_EXCEEDED" in error  # type: ignore[operator]
 
@@ -64,6 +74,7 @@ class LoadFigures:
     p99_ms: float
     mean_ms: float
     answered_qps: float  # answers given while the load lasted, per second of it
+    causes: dict[str, int]  # refusals by cause (`refusal_cause`)
 
     @classmethod
     def of(cls, label: str, rate: float, result: LoadResult, last_send: float) -> "LoadFigures":
@@ -73,14 +84,17 @@ class LoadFigures:
         refused = sum(1 for r in records if not r.ok and is_refusal(r.error))
         late = sum(1 for r in records if not r.ok and is_past_deadline(r.error))
         during = sum(1 for r in ok if r.answer is not None and r.answer <= last_send)
+        causes = Counter(refusal_cause(r.error or "") for r in records if not r.ok and is_refusal(r.error))
         return cls(label, rate, len(records), len(ok), refused, late, len(records) - len(ok) - refused - late,
                    float(np.percentile(latencies, 99)) if len(latencies) else float("nan"),
-                   float(latencies.mean()) if len(latencies) else float("nan"), during / max(last_send, 1e-9))
+                   float(latencies.mean()) if len(latencies) else float("nan"), during / max(last_send, 1e-9),
+                   dict(causes))
 
     def line(self) -> str:
         return (f"  {self.label:<16} {self.rate:7.1f} qps | sent {self.sent:5d} | ok {self.ok:5d} | refused {self.refused:5d} "
                 f"| past deadline {self.past_deadline:4d} | other errors {self.other:3d} | answered mean {self.mean_ms:8.1f} ms, "
-                f"p99 {self.p99_ms:8.1f} ms | answered {self.answered_qps:6.1f} qps while it lasted")
+                f"p99 {self.p99_ms:8.1f} ms | answered {self.answered_qps:6.1f} qps while it lasted"
+                + ("".join(f" | {cause}: {n}" for cause, n in sorted(self.causes.items()))))
 
 
 def lone_times(url: str, model: str, queries: Sequence[dict], n: int, timeout: float) -> list[float]:
