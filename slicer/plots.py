@@ -32,9 +32,8 @@ def write_stage_plot(version_dir: Path, manifest: Manifest, candidates: Sequence
     profile still gets a picture, with a note where the times would be.
     """
     try:
-        import matplotlib
-        matplotlib.use("Agg")  # no display: the slicer runs headless, in CI and in containers
-        import matplotlib.pyplot as plt
+        # a Figure of its own, not pyplot's: no backend chosen for the process, no figure kept open
+        from matplotlib.figure import Figure
     except ImportError:
         return None
 
@@ -43,19 +42,16 @@ def write_stage_plot(version_dir: Path, manifest: Manifest, candidates: Sequence
     batch_sizes = sorted({bs for stage in by_batch for bs in stage})
     bs_max = batch_sizes[-1] if batch_sizes else manifest.max_batch_size
     panels = 3 if by_length else 2
-    fig, axes = plt.subplots(1, panels, figsize=FIGURE_INCHES, dpi=FIGURE_DPI,
-                             gridspec_kw={"width_ratios": [1.2] * (panels - 1) + [1.0]})
-    try:
-        _batch_panel(axes[0], by_batch, batch_sizes, _reference_length(manifest, by_length))
-        if by_length:
-            _length_panel(axes[1], by_length, bs_max)
-        _candidates_panel(axes[-1], manifest, candidates)
-        fig.suptitle(f"{manifest.name}: {manifest.num_stages} stage(s), bs_max {bs_max}", fontsize=11)
-        fig.tight_layout()
-        path = Path(version_dir) / PLOT_FILE
-        fig.savefig(path, dpi=FIGURE_DPI)
-    finally:
-        plt.close(fig)  # a slicer run may draw many: pyplot keeps every open figure alive
+    fig = Figure(figsize=FIGURE_INCHES, dpi=FIGURE_DPI)
+    axes = fig.subplots(1, panels, gridspec_kw={"width_ratios": [1.2] * (panels - 1) + [1.0]})
+    _batch_panel(axes[0], by_batch, batch_sizes, _reference_length(manifest, by_length))
+    if by_length:
+        _length_panel(axes[1], by_length, bs_max)
+    _candidates_panel(axes[-1], manifest, candidates)
+    fig.suptitle(f"{manifest.name}: {manifest.num_stages} stage(s), bs_max {bs_max}", fontsize=11)
+    fig.tight_layout()
+    path = Path(version_dir) / PLOT_FILE
+    fig.savefig(path, dpi=FIGURE_DPI)
     return path
 
 

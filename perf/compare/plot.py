@@ -75,10 +75,8 @@ def plot_latency(curves: Sequence[Curve], path: Path, x_label: str = "offered lo
     query" (mean filled, p99 hollow; the systems side by side); writes the PNG to `path` (its folder made if needed) and
     returns it. None, drawing nothing, when matplotlib is not installed or nothing was measured."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display: a file is all that is wanted
-        import matplotlib.pyplot as plt
+        # a Figure of its own, not pyplot's: no backend chosen for the process, no figure kept open
+        from matplotlib.figure import Figure
         from matplotlib.lines import Line2D
     except ImportError:
         return None
@@ -87,63 +85,61 @@ def plot_latency(curves: Sequence[Curve], path: Path, x_label: str = "offered lo
                            if _finite(v)]
     if not values:
         return None
-    figure, axes = plt.subplots(figsize=(9.0, 5.6), dpi=120)
-    try:
-        taken: set[str] = set()
-        handles: list[Line2D] = []
-        ticks: dict[float, str] = {}
-        right = max((p.load for c in curves for p in c.points), default=1.0) or 1.0
-        for i, curve in enumerate(curves):
-            colour = colour_of(curve.label, taken)
-            taken.add(colour)
-            points = sorted(curve.points, key=lambda p: p.load)
-            for stat, style in (("mean_ms", "-"), ("p99_ms", "--")):
-                xy: list[tuple[float, float]] = [(p.load, v) for p in points if _finite(v := getattr(p, stat))]
-                if xy:
-                    axes.plot([x for x, _ in xy], [y for _, y in xy], linestyle=style, marker="o", markersize=4, color=colour, linewidth=1.8)
-            for p in points:
-                ticks.setdefault(p.load, f"{p.load:.4g}" + (f"\n({p.fraction:g}x)" if p.fraction is not None else ""))
-            # the systems' lone queries side by side around x = 0: their figures are often within a
-            # marker's height of each other, and one would hide the next
-            lone_x = (i - (len(curves) - 1) / 2) * LONE_DODGE * right
-            if _finite(curve.lone_mean_ms):
-                axes.plot([lone_x], [curve.lone_mean_ms], marker="D", markersize=7, color=colour, linestyle="none")
-            if _finite(curve.lone_p99_ms):
-                axes.plot([lone_x], [curve.lone_p99_ms], marker="D", markersize=7, markerfacecolor="white",
-                          markeredgecolor=colour, linestyle="none")
-            handles.append(Line2D([], [], color=colour, linewidth=3, label=curve.label))
-        handles += [Line2D([], [], color="black", linestyle="-", label="mean"),
-                    Line2D([], [], color="black", linestyle="--", label="p99"),
-                    Line2D([], [], color="black", marker="D", linestyle="none",
-                           label="lone query (concurrency 1), mean"),
-                    Line2D([], [], color="black", marker="D", markerfacecolor="white", linestyle="none",
-                           label="lone query (concurrency 1), p99")]
-        if any(_finite(c.lone_mean_ms) or _finite(c.lone_p99_ms) for c in curves):
-            ticks[0.0] = "lone\nquery"
-        axes.set_xticks(sorted(ticks), [ticks[x] for x in sorted(ticks)])
-        axes.set_xlim(-0.08 * right, 1.08 * right)
-        logarithmic = max(values) / min(values) > LOG_SCALE_SPAN
-        if logarithmic:
-            from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+    figure = Figure(figsize=(9.0, 5.6), dpi=120)
+    axes = figure.subplots()
+    taken: set[str] = set()
+    handles: list[Line2D] = []
+    ticks: dict[float, str] = {}
+    right = max((p.load for c in curves for p in c.points), default=1.0) or 1.0
+    for i, curve in enumerate(curves):
+        colour = colour_of(curve.label, taken)
+        taken.add(colour)
+        points = sorted(curve.points, key=lambda p: p.load)
+        for stat, style in (("mean_ms", "-"), ("p99_ms", "--")):
+            xy: list[tuple[float, float]] = [(p.load, v) for p in points if _finite(v := getattr(p, stat))]
+            if xy:
+                axes.plot([x for x, _ in xy], [y for _, y in xy], linestyle=style, marker="o", markersize=4, color=colour, linewidth=1.8)
+        for p in points:
+            ticks.setdefault(p.load, f"{p.load:.4g}" + (f"\n({p.fraction:g}x)" if p.fraction is not None else ""))
+        # the systems' lone queries side by side around x = 0: their figures are often within a
+        # marker's height of each other, and one would hide the next
+        lone_x = (i - (len(curves) - 1) / 2) * LONE_DODGE * right
+        if _finite(curve.lone_mean_ms):
+            axes.plot([lone_x], [curve.lone_mean_ms], marker="D", markersize=7, color=colour, linestyle="none")
+        if _finite(curve.lone_p99_ms):
+            axes.plot([lone_x], [curve.lone_p99_ms], marker="D", markersize=7, markerfacecolor="white",
+                      markeredgecolor=colour, linestyle="none")
+        handles.append(Line2D([], [], color=colour, linewidth=3, label=curve.label))
+    handles += [Line2D([], [], color="black", linestyle="-", label="mean"),
+                Line2D([], [], color="black", linestyle="--", label="p99"),
+                Line2D([], [], color="black", marker="D", linestyle="none",
+                       label="lone query (concurrency 1), mean"),
+                Line2D([], [], color="black", marker="D", markerfacecolor="white", linestyle="none",
+                       label="lone query (concurrency 1), p99")]
+    if any(_finite(c.lone_mean_ms) or _finite(c.lone_p99_ms) for c in curves):
+        ticks[0.0] = "lone\nquery"
+    axes.set_xticks(sorted(ticks), [ticks[x] for x in sorted(ticks)])
+    axes.set_xlim(-0.08 * right, 1.08 * right)
+    logarithmic = max(values) / min(values) > LOG_SCALE_SPAN
+    if logarithmic:
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
-            axes.set_yscale("log")
-            # plain milliseconds at 1, 2 and 5 of each decade: powers of ten alone are too few to read by
-            axes.yaxis.set_major_locator(LogLocator(base=10.0, subs=(1.0, 2.0, 5.0)))
-            axes.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-            axes.yaxis.set_minor_locator(NullLocator())
-        else:
-            axes.set_ylim(bottom=0.0)  # heights read as latencies, not as differences
-        axes.set_ylabel("latency (ms" + (", log scale)" if logarithmic else ")"))
-        axes.set_xlabel("\n".join(textwrap.wrap(x_label, WRAP)))
-        axes.grid(True, which="major", alpha=0.3)
-        if title:
-            axes.set_title("\n".join(textwrap.wrap(title, WRAP)), fontsize=11)
-        # beside the axes, not on them: no line or point of any system is hidden under it
-        axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(path, format="png", bbox_inches="tight")
-    finally:
-        plt.close(figure)
+        axes.set_yscale("log")
+        # plain milliseconds at 1, 2 and 5 of each decade: powers of ten alone are too few to read by
+        axes.yaxis.set_major_locator(LogLocator(base=10.0, subs=(1.0, 2.0, 5.0)))
+        axes.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axes.yaxis.set_minor_locator(NullLocator())
+    else:
+        axes.set_ylim(bottom=0.0)  # heights read as latencies, not as differences
+    axes.set_ylabel("latency (ms" + (", log scale)" if logarithmic else ")"))
+    axes.set_xlabel("\n".join(textwrap.wrap(x_label, WRAP)))
+    axes.grid(True, which="major", alpha=0.3)
+    if title:
+        axes.set_title("\n".join(textwrap.wrap(title, WRAP)), fontsize=11)
+    # beside the axes, not on them: no line or point of any system is hidden under it
+    axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png", bbox_inches="tight")
     return path
 
 
