@@ -18,7 +18,7 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 FILE_NAME = "latency.png"
 # a system keeps its colour whichever others are drawn beside it (matplotlib's default cycle)
@@ -70,25 +70,46 @@ def _finite(value: float | None) -> TypeGuard[float]:
 
 def plot_latency(curves: Sequence[Curve], path: Path, x_label: str = "offered load (queries/s)",
                  title: str | None = None) -> Path | None:
-    """Draws mean (solid) and p99 (dashed) latency in ms against the offered load, one colour per
-    system in `curves`, each system's lone query (concurrency 1) as points at x = 0 labelled "lone
-    query" (mean filled, p99 hollow; the systems side by side); writes the PNG to `path` (its folder made if needed) and
-    returns it. None, drawing nothing, when matplotlib is not installed or nothing was measured."""
+    """`draw_latency` on a figure of its own, the legend beside the axes, written as a PNG to `path`
+    (its folder made if needed); returns it. None, drawing nothing, when matplotlib is not installed
+    or nothing was measured."""
     try:
         # a Figure of its own, not pyplot's: no backend chosen for the process, no figure kept open
         from matplotlib.figure import Figure
-        from matplotlib.lines import Line2D
     except ImportError:
         return None
-    values: list[float] = [v for c in curves for v in (c.lone_mean_ms, c.lone_p99_ms,
-                                                       *(x for p in c.points for x in (p.mean_ms, p.p99_ms)))
-                           if _finite(v)]
-    if not values:
+    if not _measured(curves):
         return None
     figure = Figure(figsize=(9.0, 5.6), dpi=120)
     axes = figure.subplots()
+    handles = draw_latency(axes, curves, x_label)
+    if title:
+        axes.set_title("\n".join(textwrap.wrap(title, WRAP)), fontsize=11)
+    # beside the axes, not on them: no line or point of any system is hidden under it
+    axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png", bbox_inches="tight")
+    return path
+
+
+def _measured(curves: Sequence[Curve]) -> list[float]:
+    """Every figure of `curves` that can be drawn."""
+    return [v for c in curves for v in (c.lone_mean_ms, c.lone_p99_ms, *(x for p in c.points for x in (p.mean_ms, p.p99_ms)))
+            if _finite(v)]
+
+
+def draw_latency(axes: Any, curves: Sequence[Curve], x_label: str = "offered load (queries/s)") -> list[Any]:
+    """On `axes` (matplotlib's): mean (solid) and p99 (dashed) latency in ms against the offered
+    load, one colour per system in `curves`, each system's lone query (concurrency 1) as points at
+    x = 0 labelled "lone query" (mean filled, p99 hollow; the systems side by side). Returns the
+    legend's handles, for the caller to place; draws nothing where nothing was measured."""
+    from matplotlib.lines import Line2D
+
+    values = _measured(curves)
+    if not values:
+        return []
     taken: set[str] = set()
-    handles: list[Line2D] = []
+    handles: list[Any] = []
     ticks: dict[float, str] = {}
     right = max((p.load for c in curves for p in c.points), default=1.0) or 1.0
     for i, curve in enumerate(curves):
@@ -111,15 +132,15 @@ def plot_latency(curves: Sequence[Curve], path: Path, x_label: str = "offered lo
                       markeredgecolor=colour, linestyle="none")
         handles.append(Line2D([], [], color=colour, linewidth=3, label=curve.label))
     handles += [Line2D([], [], color="black", linestyle="-", label="mean"),
-                Line2D([], [], color="black", linestyle="--", label="p99"),
-                Line2D([], [], color="black", marker="D", linestyle="none",
-                       label="lone query (concurrency 1), mean"),
-                Line2D([], [], color="black", marker="D", markerfacecolor="white", linestyle="none",
-                       label="lone query (concurrency 1), p99")]
-    if any(_finite(c.lone_mean_ms) or _finite(c.lone_p99_ms) for c in curves):
+                Line2D([], [], color="black", linestyle="--", label="p99")]
+    lone = any(_finite(c.lone_mean_ms) or _finite(c.lone_p99_ms) for c in curves)
+    if lone:
         ticks[0.0] = "lone\nquery"
+        handles += [Line2D([], [], color="black", marker="D", linestyle="none", label="lone query (concurrency 1), mean"),
+                    Line2D([], [], color="black", marker="D", markerfacecolor="white", linestyle="none",
+                           label="lone query (concurrency 1), p99")]
     axes.set_xticks(sorted(ticks), [ticks[x] for x in sorted(ticks)])
-    axes.set_xlim(-0.08 * right, 1.08 * right)
+    axes.set_xlim(-0.08 * right if lone else 0.0, 1.08 * right)
     logarithmic = max(values) / min(values) > LOG_SCALE_SPAN
     if logarithmic:
         from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
@@ -134,13 +155,7 @@ def plot_latency(curves: Sequence[Curve], path: Path, x_label: str = "offered lo
     axes.set_ylabel("latency (ms" + (", log scale)" if logarithmic else ")"))
     axes.set_xlabel("\n".join(textwrap.wrap(x_label, WRAP)))
     axes.grid(True, which="major", alpha=0.3)
-    if title:
-        axes.set_title("\n".join(textwrap.wrap(title, WRAP)), fontsize=11)
-    # beside the axes, not on them: no line or point of any system is hidden under it
-    axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, format="png", bbox_inches="tight")
-    return path
+    return handles
 
 
 def written_line(written: Path | None, wanted: Path) -> str:
