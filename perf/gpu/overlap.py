@@ -68,12 +68,10 @@ def check(by_pairs: dict[int, list[Interval]]) -> list[str]:
 
 
 def plot(by_pairs: dict[int, list[Interval]], path: Path) -> None:
-    import matplotlib
+    from matplotlib.figure import Figure  # a Figure of its own: no backend chosen, no pyplot figure kept open
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(by_pairs), 1, figsize=(9, 2.2 * len(by_pairs)), squeeze=False)
+    fig = Figure(figsize=(9, 2.2 * len(by_pairs)))
+    axes = fig.subplots(len(by_pairs), 1, squeeze=False)
     for ax, (pairs, intervals) in zip(axes[:, 0], sorted(by_pairs.items())):
         for i in intervals:
             ax.broken_barh([(i.start_ms, i.end_ms - i.start_ms)], (i.stage - 0.4, 0.8), color=f"C{i.stage}")
@@ -82,7 +80,6 @@ def plot(by_pairs: dict[int, list[Interval]], path: Path) -> None:
         ax.set_xlabel("GPU time (ms, CUDA events)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -459,25 +459,15 @@ def _gpu_name(device: str, engine: Any = None) -> str | None:
 
 
 def plot(result: Mapping[str, Any], path: Path) -> None:
-    import matplotlib
+    """Each system's mean and p99 against the offered load (`perf.compare.plot`)."""
+    from perf.compare.plot import Curve, LoadPoint, plot_latency
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    names = list(result["loads"][0]["systems"]) if result["loads"] else []
-    for name in sorted(names):
-        xs = [load["rate_qps"] for load in result["loads"]]
-        for key, style in (("mean", "-"), ("p99", "--")):
-            ys = [load["systems"][name].get(key, float("nan")) for load in result["loads"]]
-            ax.plot(xs, ys, style, marker="o", label=f"{name} {key}")
-    ax.set_xlabel("offered load (queries/s)")
-    ax.set_ylabel("latency (ms)")
-    ax.set_title(f"{result['setup']['model']}: DVABatch vs Triton's batcher, torch on {result['device']}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    loads = result["loads"]
+    curves = [Curve(name, [LoadPoint(load["rate_qps"], load["systems"][name].get("mean"), load["systems"][name].get("p99"))
+                           for load in loads])
+              for name in sorted(loads[0]["systems"] if loads else [])]
+    plot_latency(curves, path, x_label="offered load (queries/s)",
+                 title=f"{result['setup']['model']}: DVABatch vs Triton's batcher, torch on {result['device']}")
 
 
 def _batches_cell(batches: Mapping[str, Any] | None) -> str:

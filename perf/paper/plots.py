@@ -14,15 +14,15 @@ from typing import Any
 
 import numpy as np
 
+from perf.compare.plot import Curve, LoadPoint, draw_latency
+
 __all__ = ["plot"]
 
 
 def plot(results: Mapping[str, Any], path: Path) -> Path | None:
     """Write the experiment's figure to `path`; None when there is nothing to draw."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # a Figure of its own, not pyplot's: no backend chosen for the process, no figure kept open
+    from matplotlib.figure import Figure
 
     models = list(results.get("models", {}))
     draw = _DRAWERS.get(str(results.get("experiment")))
@@ -30,7 +30,8 @@ def plot(results: Mapping[str, Any], path: Path) -> Path | None:
         return None
     cols = min(len(models), 3)
     rows = -(-len(models) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    fig = Figure(figsize=(5 * cols, 4 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax, model in zip(axes.flat, models):
         draw(ax, results["models"][model])
         ax.set_title(f"{model} ({results['experiment']})")
@@ -38,23 +39,17 @@ def plot(results: Mapping[str, Any], path: Path) -> Path | None:
         ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return Path(path)
 
 
 def _latency_vs_load(ax: Any, entry: Mapping[str, Any]) -> None:
+    """Each system's mean and p99 against the offered load (`perf.compare.plot.draw_latency`)."""
     loads = entry.get("loads", [])
-    rates = [level["rate_qps"] for level in loads]
-    for i, label in enumerate(loads[0]["systems"] if loads else []):
-        color = f"C{i}"
-        for stat, style in (("mean", "-"), ("p99", "--")):
-            values = [level["systems"][label].get(f"latency_{stat}_ms") for level in loads]
-            ax.plot(rates, [np.nan if v is None else v for v in values], style, color=color, marker="o",
-                    label=f"{label} {stat}")
-    ax.set_xlabel("offered load (qps)")
-    ax.set_ylabel("latency (ms)")
-    ax.set_yscale("log")
-    ax.legend(fontsize=7)
+    curves = [Curve(label, [LoadPoint(level["rate_qps"], level["systems"][label].get("latency_mean_ms"),
+                                      level["systems"][label].get("latency_p99_ms"), level.get("fraction"))
+                            for level in loads])
+              for label in (loads[0]["systems"] if loads else [])]
+    ax.legend(handles=draw_latency(ax, curves, "offered load (qps)"), fontsize=7)
 
 
 def _stepping(ax: Any, entry: Mapping[str, Any]) -> None:

@@ -20,7 +20,10 @@ def test_a_row_per_system_and_every_request_succeeded(zoo_out: Path, capsys: pyt
     code = sbs.main(["--size", "test", "--quick", "--measurement-interval", "250", "--out", str(zoo_out), "--overhead",
                      "--no-closed-loop-sweep", "--rate-step", "0.35"])  # rates at 0.5x, 0.85x, 1.2x the peak
     out = capsys.readouterr().out
-    results = json.loads((zoo_out / "perf_analyzer_side_by_side" / "bert" / "test" / "results.json").read_text())
+    results_path = zoo_out / "perf_analyzer_side_by_side" / "bert" / "test" / "results.json"
+    results = json.loads(results_path.read_text())
+    # the fixed loads' figures, drawn beside the results
+    assert results_path.with_name("latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     systems = {s["label"]: s for s in results["systems"]}
     overhead = ("ZeroBatch-sender", "ZeroBatch-thread", "Echo", "DVABatch-pipeline")
     assert set(systems) == {"DVABatch", "ZeroBatch", "DelayBatch", *overhead}, out

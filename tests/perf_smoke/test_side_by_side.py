@@ -29,7 +29,7 @@ def demo_dir(tmp_path_factory):
 
 @pytest.mark.server
 @pytest.mark.parametrize("how", ["demo", "model-dir"])
-def test_every_query_is_answered_and_ratios_are_finite(demo_dir, how, monkeypatch, capsys) -> None:
+def test_every_query_is_answered_and_ratios_are_finite(demo_dir, how, monkeypatch, capsys, tmp_path) -> None:
     before = sorted(p.name for p in demo_dir.iterdir())
     seen: list = []
     table = side_by_side.table
@@ -40,7 +40,7 @@ def test_every_query_is_answered_and_ratios_are_finite(demo_dir, how, monkeypatc
 
     monkeypatch.setattr(side_by_side, "table", recording_table)
     where = ["--demo", str(demo_dir)] if how == "demo" else ["--model-dir", str(demo_dir / DVA_NAME), "--driver", "own"]
-    code = compare([*where, "--seconds", "6"])
+    code = compare([*where, "--seconds", "6", "--out", str(tmp_path / "compare")])
     out = capsys.readouterr().out
     assert code == 0, out
     assert [row.fraction for row in seen] == list(side_by_side.LOADS)
@@ -56,6 +56,8 @@ def test_every_query_is_answered_and_ratios_are_finite(demo_dir, how, monkeypatc
     lone = [line for line in out.splitlines() if line.startswith("concurrency 1")]
     assert len(lone) == 1 and "mean DVABatch" in lone[0] and "ZeroBatch" in lone[0], out
     assert sorted(p.name for p in demo_dir.iterdir()) == before  # ZeroBatch went to a scratch repository
+    plot = tmp_path / "compare" / "latency.png"  # the same figures, drawn
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {plot}" in out, out
 
 
 def test_queries_per_run_fits_the_budget_within_bounds() -> None:

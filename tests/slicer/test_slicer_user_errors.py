@@ -13,7 +13,8 @@ from onnx import TensorProto, helper
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from dvabatch_backend.runtime.manifest import Manifest
-from dvabatch_backend.tools.cli import SliceProgress, main
+from dvabatch_backend.tools.cli import main
+from dvabatch_backend.tools.progress import StepProgress
 from slicer import preflight, toy
 from slicer.preflight import newest_ort_opset
 from slicer.slice_model import SliceError, SliceOptions, slice_model
@@ -201,6 +202,10 @@ def test_progress_off_a_terminal_is_one_line_per_step(tmp_path, capsys) -> None:
     steps = captured.err.splitlines()
     assert len(steps) >= 5 and all(line.startswith("slicing: step ") for line in steps), captured.err
     assert [int(line.split()[2]) for line in steps] == list(range(1, len(steps) + 1))
+    # once the stage-count candidates are cut the slicer says how many steps are left: a total and
+    # the time left from then on
+    totals = [line for line in steps if " of " in line.split(":")[1]]
+    assert totals and "s left" in totals[-1], captured.err
     assert "pad-safe: yes" in captured.out
 
 
@@ -210,7 +215,7 @@ def test_progress_on_a_terminal_is_a_bar() -> None:
             return True
 
     stream = Terminal()
-    progress = SliceProgress(stream)
+    progress = StepProgress("slicing", stream)
     for message in ("finding legal cut points", "profiling nodes", "cutting"):
         progress(message)
     progress.close()
