@@ -24,9 +24,9 @@ code and wording:
     answered "overloaded: cannot meet N ms" at once -- at arrival, and again when stage 0 is about
     to take it -- rather than served late (`action` "serve_late" keeps it).
 
-The same rule runs at the door, before a call is read (`Scheduler.refuse_at_door`): under
-overload most arrivals end there, at almost no cost. Under overload the policy's batches are full,
-and the answered rate is the rate the stages sustain.
+In Triton's queue, before `execute`, the bound is applied to each call's oldest request's wait
+(`Pipeline.route_call`). Under overload the policy's batches are full, and the answered rate is
+the rate the stages sustain.
 
 `ServiceModel` is the prediction; `Admission` applies the rule. Both are owned by the scheduler
 and used under its lock. docs/queues-and-overload.md has the whole picture.
@@ -110,12 +110,6 @@ class Admission:
         self._call_seconds = 0.0  # a call's time on its caller's thread (`observe_call`); 0: none yet
         self._calls = 0
         self._row_work: dict[int, float] = {}  # by length: `row_work`, worked out once each
-        self._least_row_work: float | None = None
-
-    @property
-    def max_queue_size(self) -> int:
-        """A configured bound in rows (0: none; the derived bound is in seconds: `wait_bound`)."""
-        return self.queue.max_queue_size or 0
 
     def row_work(self, length: int | None = None) -> float:
         """A row's profiled seconds in a backlog at `length` (None: the longest profiled): its share
@@ -128,13 +122,6 @@ class Admission:
             times = [service.profiled(k, b, length) for k in range(service.num_stages)]
             work = self._row_work[key] = (max(times) if self.overlapping else sum(times)) / b
         return work
-
-    def least_row_work(self) -> float:
-        """The least `row_work` at any profiled length: what a request whose rows are unread adds at
-        the least (the door refuses one that even this would take past the bound)."""
-        if self._least_row_work is None:
-            self._least_row_work = min([self.row_work(n) for n in self.service.cost.lengths] or [self.row_work()])
-        return self._least_row_work
 
     def drain_rate(self) -> float:
         """Rows a second, at the longest length, the stages carry through a backlog now."""
@@ -159,6 +146,15 @@ class Admission:
     def wait_bound(self) -> float | None:
         """The derived bound (s): `QUEUE_BATCHES` batch times; None where the config sets a queue policy."""
         return QUEUE_BATCHES * self.batch_seconds() if self.derived_bound else None
+
+    def caller_bound(self) -> float | None:
+        """Seconds a request may wait before `execute` (`Pipeline.route_call`): the derived bound,
+        else a configured timeout, else the time a configured `max_queue_size` of rows takes the
+        stages; None where the queue is unbounded."""
+        if self.derived_bound or self._timeout_s(None):
+            return self.wait_bound() or self._timeout_s(None)
+        size = self.queue.max_queue_size
+        return size * self.row_work() * self.service.correction if size else None
 
     def stage_budgets(self) -> list[float]:
         """The latency target split over the stages in proportion to their profiled times at bs_max (s)."""

@@ -1,18 +1,12 @@
 """The caller's queue (Triton's, before `execute`), as markers measure it.
 
-While `execute` runs a call, requests wait in the caller's queue, which the runtime cannot see: a
-call says how many requests it holds, not when they came. A marker is a request the adapter sends
-to its own model (`triton_adapter.queue_marker`): it joins the back of that queue, and comes out in
-a call after everything that came before it. So every request that comes out between two markers
-arrived between their sends, which gives the arrival rate while the queue stands, and a request
-that comes out `c` requests after a marker sent at `s` arrived at about `s + c / rate`, and, for
-certain, before every marker still out was sent. The oldest request of each call is then known to
-have waited about `now - s - c / rate`, and at least as long as since the earliest marker still out
-was sent: the wait the admission's bound is about (`Pipeline.route_call`).
-
-A call that is not full says the queue held no more than it: nothing older waits, and nothing is
-known about arrivals until the next marker comes out. Owned by the caller's thread (`execute`'s):
-no lock.
+A call says how many requests it holds, not when they came. A marker, a request the adapter sends
+its own model (`triton_adapter.queue_marker`), joins the back of the queue and comes out after
+everything before it. So the requests out between two markers arrived between their sends (the
+arrival rate), and one out `c` requests after a marker sent at `s` arrived at about
+`s + c / rate`, and for certain before every marker still out was sent: each call's oldest
+request's wait, which the bound is about (`Pipeline.route_call`). A call that is not full says
+nothing older waits. Owned by the caller's thread (`execute`'s): no lock.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from .admission import Admission
 from .batch_table import TableSnapshot
 from .buffers import BufferState, MemoryFactory
 from .fences import FenceFactory
-from .errors import BufferStateError, EngineLoopDiedError, QueryError
+from .errors import BufferStateError, EngineLoopDiedError
 from .query import QueryState
 from .scheduler import Clock, Scheduler
 from .settings import RuntimeSettings
@@ -40,12 +40,7 @@ class CallRoute(enum.Enum):
 
     HERE = "here"  # submitted; the caller runs the loop's steps that answer it, if the loop is idle
     LOOP = "loop"  # submitted; the caller returns at once and the loop answers it
-    REFUSED = "refused"  # refused whole, unread: its oldest waited in the caller's queue past the bound
-
-
-# full calls in a row that say the caller's own queue stands: one full call is a burst that one
-# call carries; a second behind it says more waited than a call holds
-STANDING_CALLS = 2
+    REFUSED = "refused"  # refused whole: its oldest waited in the caller's queue past the bound
 
 
 class Pipeline:
@@ -60,7 +55,6 @@ class Pipeline:
             raise ValueError(f"{len(engines)} engines for {scheduler.num_stages} stages")
         self.scheduler = scheduler
         self._engines = list(engines)
-        self._full_calls = 0  # the caller's calls in a row that came full (`route_call`; its thread only)
         self._whole_model = whole_model if scheduler.settings.fast_path and type(scheduler.policy).allows_inline() else None
         if self._whole_model is not None:
             scheduler.serve_whole_model()
@@ -164,9 +158,6 @@ class Pipeline:
                     timeouts_us: Sequence[int | None] | None = None, borrowed: bool = False) -> list[list[int]]:
         return self.scheduler.submit_call(requests, timeouts_us, borrowed)
 
-    def refuse_at_door(self, requests: int) -> list[QueryError]:
-        return self.scheduler.refuse_at_door(requests)
-
     def serve_here(self, submit: Callable[[bool], None], answered: Callable[[], bool],
                    between: Callable[[], None] | None = None) -> bool:
         """`submit(claimed)` (the caller submits its queries, lending its memory where `claimed`:
@@ -179,30 +170,15 @@ class Pipeline:
             return answered()
         return self.loop.serve_here(submit, answered, between)
 
-    def route_call(self, requests: int, rows: int, full: bool, hand_off: bool = False,
-                   waited: float | None = None) -> CallRoute:
-        """A caller's call of `requests` requests (`rows` rows), `full` or not (the caller had more
-        waiting than a call holds), whose oldest request has `waited` seconds in the caller's own
-        queue (`caller_queue.CallerQueue`; None: not measured, the queue emptied since). While a
-        caller runs the steps for its call, its own queue fills. With the derived bound, a call
-        whose oldest request has waited longer than it (`Admission.wait_bound`) is refused whole,
-        unread: the caller's queue holds more than the stages serve within the bound, and the
-        call holds its oldest requests. The caller keeps serving on its own thread, which answers a
-        call in one message; handed to the loop, each answer would be a send of its own. With a
-        configured queue policy, once `STANDING_CALLS` calls in a row have come full each is left
-        to the loop and its caller returns at once, so that the caller's queue drains into the
-        runtime's, where that policy judges each arrival. With `hand_off` (the engines run beside
-        the host), also where `hands_over` says so; else served here."""
-        full = full and self.scheduler.settings.fast_path  # else `execute` never holds that queue: a burst
-        self._full_calls = self._full_calls + 1 if full else 0
-        bound = self.scheduler.admission.wait_bound()
-        if bound is not None:
-            if waited is not None and waited > bound:
-                return CallRoute.REFUSED
-        elif self._full_calls >= STANDING_CALLS:
-            with self.scheduler.lock:
-                self.scheduler.stats.caller_handovers += 1
-            return CallRoute.LOOP
+    def route_call(self, requests: int, rows: int, hand_off: bool = False, waited: float | None = None) -> CallRoute:
+        """A caller's call of `requests` requests (`rows` rows), whose oldest request has `waited`
+        seconds in the caller's own queue (`caller_queue.CallerQueue`; None: not measured): refused
+        whole where that is longer than the caller's bound (`Admission.caller_bound`), the call
+        holding the caller's oldest; with `hand_off` (the engines run beside the host), left to
+        the loop where `hands_over` says so; else served here."""
+        bound = self.scheduler.admission.caller_bound()
+        if bound is not None and waited is not None and waited > bound:
+            return CallRoute.REFUSED
         if hand_off and self.hands_over(requests, rows):
             return CallRoute.LOOP
         return CallRoute.HERE

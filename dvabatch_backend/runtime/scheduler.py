@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .admission import QUEUE_BATCHES, Admission, ServiceModel
+from .admission import Admission, ServiceModel
 from .batch_table import BatchItem, BatchTable, TableSnapshot
 from .buffers import BufferPool, BufferState, PairUse, StageBuffer
 from .decisions import ArrivalPlan, BatchTableView, New, Policy, PolicyContext, Stretch
@@ -190,34 +190,11 @@ class Scheduler:
             self.stats.queue_full += requests
             self.stats.caller_drains += requests
             why = (f"Exceeds maximum queue size: overloaded, waited about {waited * 1000:.0f} ms before the model, "
-                   f"past the bound of {QUEUE_BATCHES} batches, {self.admission.wait_bound() * 1000:.0f} ms")
-            return self._refused_unread([QueueFullError(next(self._ids), why) for _ in range(requests)])
+                   f"past the bound of {self.admission.caller_bound() * 1000:.0f} ms")
+            self.stats.submitted += requests
+            self.stats.answered_error += requests
+            return [QueueFullError(next(self._ids), why) for _ in range(requests)]
 
-    def refuse_at_door(self, requests: int) -> list[QueryError]:
-        """One refusal for each of `requests` arriving together where the admission rule refuses
-        them (the wait ahead, admission.py), each named by a query id of its own; none where they
-        are to be submitted. Asked before their rows are read: under overload most arrivals end here."""
-        if not self.stats.queued:
-            return []  # read without the lock: nothing queued, nobody is refused
-        with self.lock:
-            # their rows unread: refused where even one row of the least work would be
-            work = self.queries.queued_work + self.admission.least_row_work()
-            why = self.admission.queue_refusal(self.stats.queued + 1, work)
-            if why is not None:
-                self.stats.queue_full += requests
-                return self._refused_unread([QueueFullError(next(self._ids), why) for _ in range(requests)])
-            why = self.admission.timeout_refusal(work)  # the default timeout: theirs are unread too
-            if why is not None:
-                self.stats.timed_out += requests
-                return self._refused_unread([TimeoutExpiredError(next(self._ids), why) for _ in range(requests)])
-            return []
-
-    def _refused_unread(self, errors: list[QueryError]) -> list[QueryError]:
-        """Requests refused before they were read, each named by a query id of its own (counted by
-        their reason already). Under the lock."""
-        self.stats.submitted += len(errors)
-        self.stats.answered_error += len(errors)
-        return errors
 
     def _admit(self, queries: list[Query], now: float, timeout_us: int | None, starts: int = 0) -> list[Delivery]:
         """Queue the queries, or refuse them all: stopping, the bound or their deadline (the wait

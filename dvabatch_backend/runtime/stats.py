@@ -42,10 +42,7 @@ class RuntimeStats:
     cancelled_in_flight: int = 0  # cancelled after stage 0 took it: it finishes, the answer is discarded
     within_slo: int = 0  # answers (results) within the latency target: goodput; every result without one
     queued: int = 0  # admitted, not yet taken by stage 0 (a gauge)
-    # the caller's calls left to the loop because its own queue stood, and the requests refused
-    # unread because they waited in it past the bound (`Pipeline.route_call`)
-    caller_handovers: int = 0
-    caller_drains: int = 0
+    caller_drains: int = 0  # requests refused because they waited in the caller's queue past its bound
     # the one-stage route (`Scheduler.serve_whole_model`): runs of the unsliced model, their rows,
     # the host seconds they took, and the model's time on its device (its events; 0 on the CPU)
     whole_runs: int = 0

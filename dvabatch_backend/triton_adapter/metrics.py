@@ -59,9 +59,6 @@ class StageMetrics:
         whole_device = pb_utils.MetricFamily(name="dvabatch_whole_model_device_seconds_total", kind=counter,
                                             description="Seconds the unsliced model took on its device (events around each run; 0 on the CPU)")
         self._whole_device = whole_device.Metric(labels={"model": model})
-        handovers = pb_utils.MetricFamily(name="dvabatch_caller_handovers_total", kind=counter,
-                                          description="execute calls left to the engine loop, returning at once, because Triton's queue stood (calls came full in a row)")
-        self._handovers = handovers.Metric(labels={"model": model})
         drains = pb_utils.MetricFamily(name="dvabatch_caller_drains_total", kind=counter,
                                        description="Requests refused unread because they waited in Triton's queue past the bound")
         self._drains = drains.Metric(labels={"model": model})
@@ -80,7 +77,7 @@ class StageMetrics:
         self._refused = {reason: refused.Metric(labels={"model": model, "reason": reason}) for reason in _REFUSALS}
         self._goodput = goodput.Metric(labels={"model": model})
         self._families = [*families.values(), queue, ops, queued, refused, goodput, whole, whole_batches, whole_device,
-                          handovers, drains, steps, step_seconds, tabled]  # alive while reporting
+                          drains, steps, step_seconds, tabled]  # alive while reporting
         if device_calls:
             calls = pb_utils.MetricFamily(name="dvabatch_device_calls_total", kind=counter,
                                           description="execute calls where the model runs on a device: handed to the engine "
@@ -129,7 +126,6 @@ class StageMetrics:
         self._increment(self._whole, "whole_rows", stats.whole_rows)
         self._increment(self._whole_batches, "whole_runs", stats.whole_runs)
         self._increment(self._whole_device, "whole_device_seconds", stats.whole_device_seconds)
-        self._increment(self._handovers, "caller_handovers", stats.caller_handovers)
         self._increment(self._drains, "caller_drains", stats.caller_drains)
         self._increment(self._steps, "loop_steps", stats.loop_steps)
         self._increment(self._tabled, "table_answered", stats.table_answered)

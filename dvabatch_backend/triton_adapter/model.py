@@ -13,10 +13,8 @@ is a round trip to the server process.
 Where the model runs on a device (a GPU, or its stand-in; parameter `hand_off_calls`), `execute`
 leaves the steps to the loop and returns at once where `Pipeline.hands_over` says so (work in
 flight, or requests that met each other, whose batch runs longer than a hand-over costs): the host
-reads the next call while the device runs. Triton's own queue, which the stub does not show, is
-measured by markers, requests the model sends itself while calls come full (queue_marker.py): a
-call whose oldest request has waited there past the bound is refused whole, unread
-(`Pipeline.route_call`). Markers are answered at once, unrun.
+reads the next call while the device runs. Markers (queue_marker.py), answered at once, unrun,
+measure Triton's own queue: a call whose oldest request waited there past the bound is refused.
 
 Settings come from `config.pbtxt` parameters (`config.PARAMETERS`, checked at load with the bad value
 named). Only this module imports `triton_python_backend_utils`; the runtime does not.
@@ -35,7 +33,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..runtime.admission import QUEUE_BATCHES
-from ..runtime.caller_queue import CallerQueue
 from ..runtime.errors import BadInputError, CancelledError, QueryError, RefusedError, ShuttingDownError
 from ..runtime.manifest import Manifest
 from ..runtime.query import Answer, request_rows
@@ -205,14 +202,11 @@ def _describe(errors: list[QueryError]) -> str:
 
 class _CancelWatch:
     """A thread that asks Triton whether queued requests were cancelled (a gRPC client's deadline
-    or cancel), and has the scheduler drop their queries before a stage runs them. Only requests
-    with a query not yet taken by stage 0 are asked, round robin, a round each time a bs_max batch
-    enters the pipeline (`Admission.batch_seconds`: no sooner can a dropped query make room), each
-    round 1/`QUEUE_BATCHES` of them: every request is asked about once within the time the bound
-    lets it wait, and each `is_cancelled`, a round trip to the server on the stub's cores, is
-    taken from the stages only as often as that. With none to ask it sleeps until one is added: a
-    light load answered by `execute`'s own steps adds none, and a thread that woke every round for
-    nothing would take the GIL and a core from the queries it serves."""
+    or cancel), and has the scheduler drop their queries before a stage runs them. Requests with a
+    query not yet taken by stage 0 are asked, round robin, 1/`QUEUE_BATCHES` of them a round, a
+    round a batch time (`Admission.batch_seconds`: no sooner can a dropped query make room): each
+    is asked once within the bound, and the round trips to the server take the stub's cores no
+    more often. With none to ask it sleeps until one is added (a light load adds none)."""
 
     def __init__(self, pipeline: Pipeline) -> None:
         self._pipeline = pipeline
@@ -334,12 +328,13 @@ class TritonPythonModel:
         self._responder = _Responder()
         self._hand_off = settings.hand_off_calls
         self._cancel_watch = _CancelWatch(self._scheduler)
-        self._caller_queue = CallerQueue()  # execute's thread only
         admission = self._scheduler.admission
-        # Triton's queue is measured where the derived bound applies and `execute` holds that queue
-        # while it serves (the fast path: else each call is submitted and `execute` returns at once)
-        self._markers = (QueueMarker(args["model_name"], config, lambda: admission.wait_bound() / MARKERS_PER_BOUND)
-                         if admission.derived_bound and self._call_capacity and settings.runtime.fast_path else None)
+        # Triton's queue is measured where the runtime bounds it (Triton's own policy is not set) and
+        # `execute` holds it while serving (the fast path: else `execute` submits and returns)
+        own_policy = (config.get("dynamic_batching") or {}).get("default_queue_policy")
+        self._markers = (QueueMarker(args["model_name"], config, lambda: admission.caller_bound() / MARKERS_PER_BOUND)
+                         if admission.caller_bound() and self._call_capacity and settings.runtime.fast_path
+                         and not own_policy else None)
         self._metrics = StageMetrics(self._scheduler, args["model_name"], device_calls=self._hand_off)
         self._metrics.loaded(load_seconds, device_bytes)
         # what loading left lives as long as the stub (which exits on unload): kept out of the
@@ -349,9 +344,7 @@ class TritonPythonModel:
         gc.freeze()
         admission = self._scheduler.admission
         budgets = ", ".join(f"{b * 1000:.1f}" for b in admission.stage_budgets())
-        wait_bound = admission.wait_bound()
-        bound = (f"a wait of at most {wait_bound * 1000:.0f} ms (the bound, as the stages run now)" if wait_bound
-                 else f"max_queue_size {admission.max_queue_size or 'unbounded'}")
+        bound = f"a bound of {admission.wait_bound() * 1000:.0f} ms" if admission.derived_bound else "a queue policy"
         pb_utils.Logger.log_info(
             f"dvabatch: {manifest.name} with {manifest.num_stages} stages, policy {settings.policy}, "
             f"{settings.runtime.num_buffer_pairs} buffer pairs, {bound}, "
@@ -363,10 +356,10 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
         markers = self._markers.take(requests) if self._markers is not None else []
-        if not markers:
-            return self._serve_call(requests, len(requests), markers)
         at = {position for position, _ in markers}  # answered at once, unrun (queue_marker.py)
         responses = self._serve_call([r for k, r in enumerate(requests) if k not in at], len(requests), markers)
+        if not at:
+            return responses
         if responses is None:  # the others are answered by sends: so are the markers
             for k in at:
                 requests[k].get_response_sender().send(QueueMarker.response(),
@@ -377,34 +370,18 @@ class TritonPythonModel:
 
     def _serve_call(self, requests: list[Any], call_size: int, markers: list[tuple[int, float]]) -> list[Any] | None:
         """`execute` for the call's requests other than markers (`call_size`: the call's, with them)."""
-        if not requests:
-            self._caller_queue.came(call_size, markers, False)
-            return []
-        began, waited = time.monotonic(), self._caller_wait()  # its oldest request's, before this call is counted
-        refused = self._scheduler.refuse_at_door(len(requests))  # overload: refused unread (admission.py)
-        if refused:  # returned by execute: one message to the server, not a send each
-            self._note_call(call_size, markers, True)
-            return [_error_response(e) for e in refused]
-        # a call of as many requests as it holds rows is full before any is read (each has a row at
-        # least): it is routed unread, so that under overload it is refused without reading a tensor
-        full_unread = bool(self._call_capacity) and call_size >= self._call_capacity
-        route = None
-        if full_unread:
-            self._note_call(call_size, markers, True)
-            route = self._scheduler.route_call(len(requests), len(requests), True, self._hand_off, waited)
-        if route is not CallRoute.REFUSED:
-            tensors = [self._inputs(request) for request in requests]
-            if any(t is None for t in tensors):  # an input missing: each request read (and refused) alone
-                if not full_unread:
-                    self._note_call(call_size, markers, False)
-                self._watch(requests, self._submit(requests))
-                return None
-            ready: list[dict[str, np.ndarray]] = tensors  # type: ignore[assignment]
-            if route is None:
-                full = self._came_full(ready, call_size - len(requests))
-                self._note_call(call_size, markers, full, ready[0])
-                route = self._scheduler.route_call(len(requests), sum(request_rows(ready)), full, self._hand_off, waited)
-        if route is CallRoute.REFUSED:  # Triton's queue held it past the bound: its oldest, unread
+        began = time.monotonic()
+        waited = self._markers.oldest_wait() if self._markers is not None else None  # before the call counts
+        ready: list[dict[str, np.ndarray]] = [self._inputs(request) for request in requests]  # type: ignore[misc]
+        whole = bool(requests) and all(t is not None for t in ready)
+        full = whole and self._came_full(ready, call_size - len(requests))
+        if self._markers is not None:
+            self._markers.came(call_size, markers, full, ready[0] if full else None)
+        if not whole:  # an input missing: each request read (and refused) alone
+            self._watch(requests, self._submit(requests))
+            return None if requests else []
+        route = self._scheduler.route_call(len(requests), sum(request_rows(ready)), self._hand_off, waited)
+        if route is CallRoute.REFUSED:  # Triton's queue held it past the bound: its oldest
             return [_error_response(e) for e in self._scheduler.scheduler.refuse_caller_backlog(len(requests), waited or 0.0)]
         if route is CallRoute.LOOP:
             self._watch(requests, self._submit(requests, ready))
@@ -447,24 +424,11 @@ class TritonPythonModel:
 
     def _came_full(self, tensors: list[dict[str, np.ndarray]], markers: int = 0) -> bool:
         """Whether Triton's batcher handed over a full batch: the next request of the largest size
-        here would not have fitted its max_batch_size (`Pipeline.route_call` says why it counts).
+        here would not have fitted its max_batch_size: Triton's queue held more than the call.
         `markers`: the call's markers besides, a row each."""
         rows = request_rows(tensors)
         return bool(self._call_capacity) and sum(rows) + markers + max(rows) > self._call_capacity
 
-    def _caller_wait(self) -> float | None:
-        """Seconds the next call's oldest request has waited in Triton's queue (`CallerQueue`), or None."""
-        out = self._markers.earliest_out() if self._markers is not None else None
-        arrival = self._caller_queue.oldest_arrival(out)
-        return None if arrival is None else time.monotonic() - arrival
-
-    def _note_call(self, call_size: int, markers: list[tuple[int, float]], full: bool,
-                   tensors: Mapping[str, np.ndarray] | None = None) -> None:
-        """Count the call in Triton's queue as measured (`CallerQueue`); a full call asks for a marker
-        (`tensors`: one of its requests read, shaping the markers)."""
-        self._caller_queue.came(call_size, markers, full)
-        if full and self._markers is not None:
-            self._markers.want(tensors)
 
     def _submit(self, requests: list[Any], tensors: list[dict[str, np.ndarray]] | None = None,
                 held: bool = False, borrow: bool = False) -> list[_RequestAnswer | None]:

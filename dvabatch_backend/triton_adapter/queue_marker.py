@@ -1,16 +1,13 @@
-"""Markers: requests the model sends to itself, through Triton, to measure Triton's own queue.
+"""Markers: requests the model sends itself, through Triton, to measure Triton's own queue.
 
-Triton's queue before `execute` is invisible to the backend: the stub tells neither how many
-requests wait nor when one arrived. A marker (a request with no outputs asked for, id
-`MARKER_PREFIX` and a count, inputs of zeros shaped like the requests served) joins the back of
-that queue like any request, and `execute` answers it at once, unrun, with no outputs: the calls
-between two markers, and when each marker was sent, tell `runtime.caller_queue.CallerQueue` how
-long each call's oldest request has waited.
-
-Sent only while calls come full (the queue holds more than a call), and no sooner than
-`MARKERS_PER_BOUND` a bound apart: under overload a marker takes one row of a call about every
-half bound, and under a light load none is sent. Each is sent by a thread of its own that waits
-for its answer (the stub's `exec`), which leaves with the call it came in: several may be out.
+The stub tells the backend neither how many requests wait before `execute` nor when one arrived.
+A marker (id `MARKER_PREFIX` and a count, no outputs asked for, inputs of zeros shaped like a
+request served) joins the back of that queue like any request, and `execute` answers it at once,
+unrun: the calls between markers, and when each was sent, tell how long each call's oldest
+request has waited (`runtime.caller_queue.CallerQueue`, which this owns). Sent only while calls come full (the queue holds
+more than a call), `MARKERS_PER_BOUND` in the time the bound lets a request wait at most: none
+under a light load. Each is sent by a thread that waits for its answer (the stub's `exec`), which
+leaves with the call it came in, so several may be out.
 """
 from __future__ import annotations
 
@@ -23,9 +20,11 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from ..runtime.caller_queue import CallerQueue
+
 MARKER_PREFIX = "dvabatch-queue-marker-"
-# markers sent in the time the bound lets a request wait: the oldest wait is measured again at least
-# this often, while between markers it is worked out from the arrival rate
+# the oldest wait is measured again this often in the time it may take; between markers it is
+# worked out from the arrival rate
 MARKERS_PER_BOUND = 2
 
 
@@ -37,24 +36,28 @@ class QueueMarker:
         self._inputs = [(i["name"], pb_utils.triton_string_to_numpy(i["data_type"]), [int(d) for d in i["dims"]])
                         for i in config.get("input", []) if not i.get("optional")]
         self._period = period
-        self._lock = threading.Lock()  # guards _sent (the marker thread adds, `execute`'s thread takes)
+        self._queue = CallerQueue()  # execute's thread only
+        self._lock = threading.Lock()  # guards _sent (the senders add, `execute`'s thread takes)
         self._sent: dict[str, float] = {}  # marker id -> when it was sent (time.monotonic)
-        self._shapes: dict[str, tuple[int, ...]] = {}  # a served request's row shape by input (execute's thread writes)
-        self._wanted = threading.Event()  # set by `want`: calls come full, the queue is worth measuring
-        self._stop = threading.Event()
+        self._last = -float("inf")  # the last send (execute's thread only, as is _shapes)
+        self._shapes: dict[str, tuple[int, ...]] = {}  # a served request's row shape, by input
+        self._closed = False
         self._ids = itertools.count()
-        # a marker's answer leaves with its call, so the next may be sent before it is back; the queue
-        # holds a request at most about the bound, so this many are out at most
+        # a request waits about the bound at most, so no more than this many are out at once
         self._senders = ThreadPoolExecutor(MARKERS_PER_BOUND + 1, thread_name_prefix="dvabatch-queue-marker")
-        self._thread = threading.Thread(target=self._loop, name="dvabatch-queue-markers", daemon=True)
-        self._thread.start()
 
-    def want(self, tensors: Mapping[str, np.ndarray] | None = None) -> None:
-        """A call came full: send a marker when the last is out and the period has passed.
-        `tensors`: a request of that call, read, whose row shapes the markers take."""
+    def came(self, call_size: int, markers: list[tuple[int, float]], full: bool,
+             tensors: Mapping[str, np.ndarray] | None = None) -> None:
+        """A call of `call_size` requests came with `markers` (`take`): counted in the queue. A full
+        one sends a marker, unless one went less than the period ago; `tensors`: a request of
+        it, read, whose row shapes the markers take."""
+        self._queue.came(call_size, markers, full)
         if tensors is not None:
             self._shapes = {name: arr.shape[1:] for name, arr in tensors.items()}
-        self._wanted.set()
+        now = time.monotonic()
+        if full and now - self._last >= self._period() and not self._closed:
+            self._last = now
+            self._senders.submit(self._send, self._request())
 
     def take(self, requests: Sequence[Any]) -> list[tuple[int, float]]:
         """The markers among `requests`: each one's position and send time (the caller answers them
@@ -70,11 +73,12 @@ class QueueMarker:
                     found.append((position, sent))
         return found
 
-    def earliest_out(self) -> float | None:
-        """When the earliest marker still out was sent (every request that comes out before it
-        arrived before that), or None."""
+    def oldest_wait(self) -> float | None:
+        """Seconds the next call's oldest request has waited in Triton's queue, or None."""
         with self._lock:
-            return min(self._sent.values(), default=None)
+            out = min(self._sent.values(), default=None)  # the earliest marker still out: it came before
+        arrival = self._queue.oldest_arrival(out)
+        return None if arrival is None else time.monotonic() - arrival
 
     @staticmethod
     def response() -> Any:
@@ -82,26 +86,20 @@ class QueueMarker:
         return pb_utils.InferenceResponse(output_tensors=[])
 
     def close(self) -> None:
-        """Send no more, and join the threads (a marker out is answered before Triton unloads the model)."""
-        self._stop.set()
-        self._wanted.set()
-        self._thread.join()
+        """Send no more, and join the senders (a marker out is answered before Triton unloads the model)."""
+        self._closed = True
         self._senders.shutdown(wait=True)
 
-    def _loop(self) -> None:
-        last = -float("inf")
-        while True:
-            self._wanted.wait()
-            if self._stop.is_set() or self._stop.wait(max(0.0, last + self._period() - time.monotonic())):
-                return
-            self._wanted.clear()
-            last = time.monotonic()
-            self._senders.submit(self._send)
+    def _request(self) -> Any:
+        shapes = self._shapes
+        tensors = [pb_utils.Tensor(name, np.full((1, *shapes.get(name, [max(d, 1) for d in dims])),
+                                                 b"" if dtype == np.object_ else 0, dtype))
+                   for name, dtype, dims in self._inputs]
+        return pb_utils.InferenceRequest(model_name=self._model, request_id=f"{MARKER_PREFIX}{next(self._ids)}",
+                                         inputs=tensors, requested_output_names=[])
 
-    def _send(self) -> None:
-        marker_id = f"{MARKER_PREFIX}{next(self._ids)}"
-        request = pb_utils.InferenceRequest(model_name=self._model, request_id=marker_id, inputs=self._tensors(),
-                                            requested_output_names=[])
+    def _send(self, request: Any) -> None:
+        marker_id = request.request_id()
         with self._lock:
             self._sent[marker_id] = time.monotonic()
         try:
@@ -112,11 +110,5 @@ class QueueMarker:
         if failed is not None:
             with self._lock:
                 self._sent.pop(marker_id, None)
-            if not self._stop.is_set():
+            if not self._closed:
                 pb_utils.Logger.log_warn(f"dvabatch: a queue marker failed: {failed}")
-
-    def _tensors(self) -> list[Any]:
-        shapes = self._shapes
-        return [pb_utils.Tensor(name, np.full((1, *shapes.get(name, [max(d, 1) for d in dims])),
-                                              b"" if dtype == np.object_ else 0, dtype))
-                for name, dtype, dims in self._inputs]

@@ -231,7 +231,7 @@ class DvaBatch(DynamicBatcher):
         def submit(_: bool = False) -> None:
             ids.extend(pipeline.submit_many([(query, reply(done)) for query, done in batch]))
 
-        if pipeline.route_call(len(batch), len(batch), False, self._hand_off) is CallRoute.HERE:
+        if pipeline.route_call(len(batch), len(batch), self._hand_off) is CallRoute.HERE:
             pipeline.serve_here(submit, lambda: answered.issuperset(ids))
         else:
             submit()

@@ -302,40 +302,6 @@ def test_the_rule_reckons_the_wait_at_the_stages_rate_and_a_deadline_too() -> No
     lengths = ServiceModel([{4: 0.400}], 1, by_length={16: [{4: 0.100}], 128: [{4: 0.400}]})
     by_length = Admission(QueuePolicy(), SloPolicy(), lengths, 4)
     assert by_length.row_work(16) == pytest.approx(0.025) and by_length.row_work() == pytest.approx(0.1)
-    assert by_length.least_row_work() == pytest.approx(0.025)
-
-
-def test_the_door_refuses_unread_arrivals_by_the_same_rule(zoo) -> None:
-    """`Scheduler.refuse_at_door` (the Triton adapter asks it before reading a call's requests)
-    applies the rule to what is queued, as if each request were one row of the least work: nothing
-    short of the bound; at it (filled by queries of the shortest length, the least work: nothing
-    below the profile is cheaper), a refusal each, named by a query id of its own, counted as the
-    bound's; once the queue drains a query is served."""
-    model = zoo.stages("token", 2)
-    clock, collector = HandClock(), Collector()
-    policy = HoldPolicy()
-    scheduler = _scheduler(model, clock, policy)  # bs_max 4
-    held, _ = _submit(scheduler, model, collector, scheduler.bs_max, length=1)
-    assert scheduler.refuse_at_door(1) == []  # short of the bound
-    for seed in range(1, QUEUE_BATCHES * scheduler.bs_max * 20):
-        ids, _ = _submit(scheduler, model, collector, 1, seed=seed, length=1)
-        if ids[0] in collector.answers:  # the bound: this one's work did not fit
-            break
-        held += ids
-    assert len(held) >= QUEUE_BATCHES * scheduler.bs_max
-    refused = scheduler.refuse_at_door(2)
-    assert [type(e) for e in refused] == [QueueFullError] * 2 and len({e.query_id for e in refused}) == 2
-    assert all("Exceeds maximum queue size" in str(e) for e in refused)
-    assert scheduler.stats.submitted == len(held) + 1 + 2 and scheduler.stats.queue_full == 3
-    policy.release = True
-    clock.now = max(clock.now, scheduler.wake_at or clock.now)
-    scheduler.on_window()
-    run_until_idle(scheduler, model.engines())
-    assert all(collector.one(q).ok for q in held)
-    fresh, queries = _submit(scheduler, model, collector, 1, seed=10 ** 6)
-    assert scheduler.refuse_at_door(1) == []
-    run_until_idle(scheduler, model.engines())
-    assert_matches_reference(model, queries[0], collector.one(fresh[0]))
 
 
 def test_the_latency_targets_budgets_follow_the_profile() -> None:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from dvabatch_backend.runtime.decisions import ArrivalPlan, BatchTableView, New, Policy
 from dvabatch_backend.runtime.engine import OrtStageEngine
 from dvabatch_backend.runtime.errors import QueueFullError, StageFailedError
-from dvabatch_backend.runtime.pipeline import STANDING_CALLS, CallRoute, Pipeline
+from dvabatch_backend.runtime.pipeline import CallRoute, Pipeline
 from dvabatch_backend.runtime.query import QueryInfo
 from dvabatch_backend.runtime.settings import QueuePolicy, RuntimeSettings
 from policies import RandomLegalPolicy, create_policy
@@ -359,26 +359,23 @@ def test_random_schedules_of_callers_and_the_loop_answer_every_query_once_from_t
 
 
 class _Calls:
-    """A caller's calls of two one-row requests, each told whether it came full, as `execute` makes
-    them: "served" (routed here, each answer the model's), "refused" (both, unread, "Exceeds
-    maximum queue size") or "handed over" (left to the loop)."""
+    """A caller's calls of two one-row requests, the oldest having waited `waited` in the caller's
+    queue, as `execute` makes them: "served" (routed here, each answer the model's) or "refused"
+    (both, "Exceeds maximum queue size")."""
 
     def __init__(self, model: SlicedModel) -> None:
         rng = np.random.default_rng(0)
         self.model = model
         self.queries = [model.query(rng) for _ in range(2)]
-        self.handed: list[tuple[list[int], Collector]] = []
 
-    def __call__(self, pipeline: Pipeline, full: bool, waited: float | None = None) -> str:
-        route = pipeline.route_call(2, 2, full, waited=waited)
+    def __call__(self, pipeline: Pipeline, waited: float | None = None) -> str:
+        route = pipeline.route_call(2, 2, waited=waited)
         if route is CallRoute.REFUSED:
             errors = pipeline.scheduler.refuse_caller_backlog(2, waited or 0.0)
             assert all(isinstance(e, QueueFullError) and "Exceeds maximum queue size" in str(e) for e in errors)
             return "refused"
+        assert route is CallRoute.HERE
         collector = Collector()
-        if route is CallRoute.LOOP:
-            self.handed.append((pipeline.submit_many([(q, collector) for q in self.queries]), collector))
-            return "handed over"
         ids, _ = call(pipeline, self.queries, collector)
         assert collector.wait_for(ids)
         for qid, query in zip(ids, self.queries):
@@ -389,39 +386,37 @@ class _Calls:
 def test_with_the_derived_bound_a_call_whose_oldest_waited_past_it_is_refused_whole(zoo) -> None:
     """With the derived bound (no queue policy configured), a call is served on the caller's thread
     while its oldest request has waited in the caller's queue no longer than the bound (or that
-    wait is not measured); past it, refused whole, unread, "Exceeds maximum queue size", the wait
-    named. Nothing is handed to the loop."""
+    wait is not measured); past it, refused whole, "Exceeds maximum queue size", the wait named."""
     model = zoo.stages("token", 2)
     call = _Calls(model)
     with make_scheduler(model, create_policy("load"), num_buffer_pairs=1, queue=QueuePolicy()) as pipeline:
         bound = pipeline.admission.wait_bound()
         assert bound is not None
-        assert call(pipeline, True) == "served"  # not measured: a full call is a burst
-        assert call(pipeline, True, bound * 0.9) == "served"
-        assert [call(pipeline, True, bound * 1.1) for _ in range(2)] == ["refused", "refused"]
-        assert call(pipeline, False, bound * 0.5) == "served"
+        assert call(pipeline) == "served"  # not measured
+        assert call(pipeline, bound * 0.9) == "served"
+        assert [call(pipeline, bound * 1.1) for _ in range(2)] == ["refused", "refused"]
+        assert call(pipeline, bound * 0.5) == "served"
         stats = pipeline.stats
-        assert stats.queue_full == 4 and stats.caller_drains == 4 and stats.caller_handovers == 0
+        assert stats.queue_full == 4 and stats.caller_drains == 4
 
 
-def test_calls_that_come_full_in_a_row_are_left_to_the_loop_until_one_is_not_full(zoo) -> None:
-    """With a queue policy configured (here: unbounded), a full call is a burst its caller serves;
-    STANDING_CALLS in a row say the caller's own queue stands: each is left to the loop (the caller
-    returns at once, and its queue drains into the runtime's, where that policy judges each
-    arrival), until a call comes that is not full. A count of calls, not a time. What was handed
-    over is answered."""
+def test_a_configured_bound_bounds_the_callers_queue_by_the_time_its_rows_take(zoo) -> None:
+    """With a configured queue bound (rows of the runtime's queue, Triton's left unbounded), the
+    caller's bound is the time that many rows take the stages; a call whose oldest waited longer
+    is refused whole. With none (max_queue_size 0 and no timeout) nothing is refused."""
     model = zoo.stages("token", 2)
     call = _Calls(model)
-    with make_scheduler(model, create_policy("load"), num_buffer_pairs=1) as pipeline:
-        assert [call(pipeline, True) for _ in range(STANDING_CALLS - 1)] == ["served"] * (STANDING_CALLS - 1)
-        assert [call(pipeline, True) for _ in range(2)] == ["handed over"] * 2
-        assert call(pipeline, False) == "served"
-        assert call(pipeline, True) == "served"  # a burst again
-        assert pipeline.stats.caller_handovers == 2 and pipeline.stats.queue_full == 0
-        for ids, collector in call.handed:
-            assert collector.wait_for(ids)
-            for qid, query in zip(ids, call.queries):
-                assert_matches_reference(model, query, collector.one(qid))
+    with make_scheduler(model, create_policy("load"), num_buffer_pairs=1, queue=QueuePolicy(max_queue_size=4)) as pipeline:
+        admission = pipeline.admission
+        bound = admission.caller_bound()
+        assert admission.wait_bound() is None
+        assert bound == pytest.approx(4 * admission.row_work() * admission.service.correction)
+        assert call(pipeline, bound * 0.9) == "served"
+        assert call(pipeline, bound * 1.1) == "refused"
+    with make_scheduler(model, create_policy("load"), num_buffer_pairs=1, queue=QueuePolicy(max_queue_size=0)) as pipeline:
+        assert pipeline.admission.caller_bound() is None
+        assert call(pipeline, 10.0 ** 6) == "served"
+        assert pipeline.stats.queue_full == 0
 
 
 def test_a_callers_borrowed_inputs_are_copied_for_the_rows_still_queued_when_it_lets_go(zoo) -> None:

@@ -32,7 +32,6 @@ from slicer.profiler import int_bounds
 from slicer.slice_model import SliceOptions, slice_model
 
 from dvabatch_backend.runtime.admission import QUEUE_BATCHES
-from dvabatch_backend.runtime.pipeline import STANDING_CALLS
 
 from ..triton_support import Clients, ServedModel, add_variant, admitted_requests, settle
 
@@ -87,24 +86,23 @@ def server(tmp_path_factory):
     bounded = ServedModel("dense", bounded_dir / "1", report.manifest, {}, 0)
     models["bounded"] = add_variant(repo, bounded, "dense_bounded", policy="load", queue_size=2,
                                     extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_first"})
-    # the runtime's queue holds 2 rows (a configured bound), Triton's is unbounded: once calls come
-    # full in a row, Triton's backlog is handed to the pipeline and refused past the runtime's bound
+    # the runtime's queue holds 2 rows (a configured bound), Triton's is unbounded: a request may
+    # wait there as long as 2 rows take the stages (`Admission.caller_bound`)
     standing_dir = sliced / "dense_standing"
     shutil.copytree(report.out_dir, standing_dir)  # its own gate files
     standing = ServedModel("dense", standing_dir / "1", report.manifest, {}, 0)
     models["standing"] = add_variant(repo, standing, "dense_standing", policy="load",
                                      extra={"max_queue_size": 2, "engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
-    # Triton's queue unbounded and no queue policy configured (the slicer's config): calls that came
-    # full in a row for longer than the derived bound are refused whole until one is not full; the
-    # profile scaled down so far that the bound is a few nanoseconds: any two full calls are apart
-    # by more, without the test waiting on a clock
+    # Triton's queue unbounded and no queue policy configured (the slicer's config): a call whose
+    # oldest request waited there past the derived bound is refused; the profile scaled down so far
+    # that the bound is a few nanoseconds, without the test waiting on a clock
     derived_dir = sliced / "dense_derived"
     shutil.copytree(report.out_dir, derived_dir)  # its own gate files
     _scale_profile(derived_dir / "1" / "manifest.json", 1e-9)
     derived = ServedModel("dense", derived_dir / "1", report.manifest, {}, 0)
     models["derived"] = add_variant(repo, derived, "dense_derived", policy="load",
                                     extra={"engine_wrapper": f"{GATE_ENGINE.name}:hold_each"})
-    # the pipeline forced, the derived bound: once the runtime's queue is at it, the door refuses unread
+    # the pipeline forced, the derived bound: once the runtime's queue is at it, arrivals are refused
     door_dir = sliced / "dense_door"
     shutil.copytree(report.out_dir, door_dir)
     door = ServedModel("dense", door_dir / "1", report.manifest, {}, 0)
@@ -373,56 +371,15 @@ def test_requests_past_the_queue_bound_behind_an_inline_run_are_refused_at_once(
     assert _settle(lambda: _served(triton, model.name)[1], lambda v: v >= 3) == 3  # the refused never ran
 
 
-def test_when_tritons_queue_stands_its_backlog_is_handed_over_and_refused_past_a_configured_bound(server) -> None:
-    """Overload is refused with Triton's queue unbounded and the runtime's bound configured (a
-    user's queue policy: the bound applies in the pipeline). Each run of the model's stage is held
-    until the test opens it (gate_engine.py:hold_each). A lone request runs on its caller's thread;
-    the bs * STANDING_CALLS + 4 sent meanwhile wait in Triton's queue (its pending count says so),
-    so the next calls come full (bs rows, max_batch_size): the first STANDING_CALLS - 1 run on
-    their caller's thread, then Triton's queue stands and the calls go to the pipeline, whose
-    first batch is held while the rest meet its bound (2 rows): at least 2 are refused UNAVAILABLE
-    "Exceeds maximum queue size" while that batch is still held. Once every gate opens, each
-    request has exactly one answer, a result equal to the unsliced model's or a refusal."""
-    triton, models, _ = server
-    model = models["standing"]
-    gates = model.version_dir
-    bs = model.manifest.max_batch_size
-    n = 1 + bs * STANDING_CALLS + 4
-    rng = np.random.default_rng(9)
-    client = grpcclient.InferenceServerClient(triton.grpc_url)
-    queries = [model.query(rng) for _ in range(n)]
-    answers = _Answers()
-    here = 1 + bs * (STANDING_CALLS - 1)  # answered by their callers' own steps
-    try:
-        _backlog_behind_a_held_run(triton, model, client, queries, answers, n)
-        for k in range(1, STANDING_CALLS + 1):  # runs 1..STANDING_CALLS on the caller's thread; run k + 1 of a full call
-            (gates / f"open-{k}").touch()
-            assert _settle((gates / f"held-{k + 1}").exists, bool), f"run {k + 1} never came"
-
-        def counts() -> tuple[int, int]:  # (results, refusals) so far
-            got = [answers.got[i] for i in list(answers.order)]
-            return sum(e is None for _, e in got), sum(e is not None for _, e in got)
-
-        # the callers' own runs' answers, and 2 refusals while the pipeline's batch is held (which
-        # requests made which call is Triton's order of arrival, not the order they were sent in)
-        results, refusals = _settle(counts, lambda c: c[0] >= here and c[1] >= 2)
-        assert refusals >= 2 and results == here, (results, refusals, here)  # nothing else ran
-    finally:
-        (gates / "open").touch()
-    answers.wait(n)  # every answer
-    client.close()
-    _results_or_refusals(model, queries, answers)
-    handovers = _settle(lambda: _sample("dvabatch_caller_handovers_total", {"model": model.name},
-                                        _metrics_text(triton)) or 0.0, lambda v: v >= 1)
-    assert handovers >= 1
-
-
-def test_a_call_whose_oldest_waited_past_the_bound_in_tritons_queue_is_refused_unread(server) -> None:
-    """Overload as the slicer configures it (the derived bound) is refused in Triton's queue, which
-    markers measure (queue_marker.py: requests the model sends itself, answered unrun). Each run of
-    the stage is held until the test opens it (gate_engine.py:hold_each), and each wave of requests
-    is sent once Triton's pending count shows the marker before it queued, so the order in Triton's
-    queue is known. The bound is a few nanoseconds (the model's profile is scaled down):
+@pytest.mark.parametrize("variant", ["derived", "standing"])
+def test_a_call_whose_oldest_waited_past_the_bound_in_tritons_queue_is_refused(server, variant: str) -> None:
+    """Overload is refused in Triton's queue, which markers measure (queue_marker.py: requests the
+    model sends itself, answered unrun), as the slicer configures it (the derived bound) and with a
+    bound of 2 rows configured for the runtime's queue (Triton's own unbounded). Each run of the
+    stage is held until the test opens it (gate_engine.py:hold_each), and each wave of requests is
+    sent once Triton's pending count shows the marker before it queued, so the order in Triton's
+    queue is known. The bound is a few nanoseconds (the profile scaled down), or the time 2 rows
+    take, far shorter than the waits here:
 
       run 1: the lone request; wave 1 (bs) waits
       run 2: wave 1 (a full call: marker 1 is sent); wave 2 (bs) waits behind marker 1
@@ -435,7 +392,7 @@ def test_a_call_whose_oldest_waited_past_the_bound_in_tritons_queue_is_refused_u
     Each request has exactly one answer: a result equal to the unsliced model's, or that refusal;
     the markers are no request's."""
     triton, models, _ = server
-    model = models["derived"]
+    model = models[variant]
     gates = model.version_dir
     bs = model.manifest.max_batch_size
     waves = [1, bs, bs, 2 * bs]
@@ -477,13 +434,13 @@ def test_a_call_whose_oldest_waited_past_the_bound_in_tritons_queue_is_refused_u
     assert drains == bs + 2
 
 
-def test_at_the_bound_the_door_refuses_requests_unread(server) -> None:
-    """The door (admission.py) through the real server, the pipeline forced. A lone request's
-    batch is held at stage 0 (gate_engine.py:hold_each); the backlog sent meanwhile waits in the
-    runtime's queue (Triton's pending count falls to 0) up to the derived bound, QUEUE_BATCHES
-    batches of work, and what comes past it is refused. Requests sent then are refused UNAVAILABLE
-    "Exceeds maximum queue size: overloaded, ... wait" while that batch is still held: unread, by
-    `execute`. Once every gate opens, each request has exactly one answer, a result equal to the
+def test_at_the_bound_arrivals_are_refused(server) -> None:
+    """The bound on the runtime's queue (admission.py) through the real server, the pipeline
+    forced. A lone request's batch is held at stage 0 (gate_engine.py:hold_each); the backlog sent
+    meanwhile waits in the runtime's queue (Triton's pending count falls to 0) up to the derived
+    bound, QUEUE_BATCHES batches of work, and what comes past it is refused. Requests sent then are
+    refused UNAVAILABLE "Exceeds maximum queue size: overloaded, ... wait" at arrival while that
+    batch is still held. Once every gate opens, each request has exactly one answer, a result equal to the
     unsliced model's or a refusal."""
     triton, models, _ = server
     model = models["door"]
