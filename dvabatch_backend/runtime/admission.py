@@ -107,8 +107,6 @@ class Admission:
         self.slo_seconds = None if slo.slo_ms is None else slo.slo_ms / 1000.0
         # the derived bound unless the config sets a queue policy (a bound or a timeout): the user's
         self.derived_bound = queue.max_queue_size is None and not queue.default_timeout_us
-        self._call_seconds = 0.0  # a call's time on its caller's thread (`observe_call`); 0: none yet
-        self._calls = 0
         self._row_work: dict[int, float] = {}  # by length: `row_work`, worked out once each
 
     def row_work(self, length: int | None = None) -> float:
@@ -128,33 +126,23 @@ class Admission:
         return 1.0 / (self.row_work() * self.service.correction)
 
     def batch_seconds(self) -> float:
-        """Seconds a bs_max batch takes to enter the pipeline at the drain rate, or a call takes
-        its caller where that is longer: the unit of the bound (the scheduler's lock not needed:
-        it reads two floats)."""
-        return max(self.bs_max / self.drain_rate(), self._call_seconds)
-
-    def observe_call(self, seconds: float) -> None:
-        """A call took `seconds` on its caller's thread, its requests read and answered. A call of
-        any size takes no less than the server's round for a call: on a small model that outlasts
-        the stages' batch, and a queue of calls drains at the calls' pace. Learnt as the
-        correction is (`_EWMA`, `_OUTLIER`), the first calls weighted as a mean of those so far."""
-        c = self._call_seconds or self.bs_max / self.drain_rate()
-        self._calls += 1
-        weight = max(_EWMA, 1.0 / self._calls)
-        self._call_seconds = c + weight * (min(max(seconds, c / _OUTLIER), c * _OUTLIER) - c)
+        """Seconds a bs_max batch takes to enter the pipeline at the drain rate: the unit of the
+        bound (the scheduler's lock not needed: it reads one float of the correction)."""
+        return self.bs_max / self.drain_rate()
 
     def wait_bound(self) -> float | None:
         """The derived bound (s): `QUEUE_BATCHES` batch times; None where the config sets a queue policy."""
         return QUEUE_BATCHES * self.batch_seconds() if self.derived_bound else None
 
     def caller_bound(self) -> float | None:
-        """Seconds a request may wait before `execute` (`Pipeline.route_call`): the derived bound,
-        else a configured timeout, else the time a configured `max_queue_size` of rows takes the
-        stages; None where the queue is unbounded."""
-        if self.derived_bound or self._timeout_s(None):
-            return self.wait_bound() or self._timeout_s(None)
-        size = self.queue.max_queue_size
-        return size * self.row_work() * self.service.correction if size else None
+        """Calls served that a request may wait through before `execute` (`Pipeline.route_call`):
+        the derived bound's `QUEUE_BATCHES` (a call that comes full is a bs_max batch, at the pace
+        the server really serves calls, its own round for each included); else a configured
+        timeout's worth of batches, else a configured `max_queue_size`'s; None: unbounded."""
+        timeout, size = self._timeout_s(None), self.queue.max_queue_size
+        if self.derived_bound:
+            return float(QUEUE_BATCHES)
+        return timeout / self.batch_seconds() if timeout else size / self.bs_max if size else None
 
     def stage_budgets(self) -> list[float]:
         """The latency target split over the stages in proportion to their profiled times at bs_max (s)."""

@@ -172,7 +172,8 @@ class Pipeline:
 
     def route_call(self, requests: int, rows: int, hand_off: bool = False, waited: float | None = None) -> CallRoute:
         """A caller's call of `requests` requests (`rows` rows), whose oldest request has `waited`
-        seconds in the caller's own queue (`caller_queue.CallerQueue`; None: not measured): refused
+        through that many calls in the caller's own queue (`caller_queue.CallerQueue`; None: not
+        measured): refused
         whole where that is longer than the caller's bound (`Admission.caller_bound`), the call
         holding the caller's oldest; with `hand_off` (the engines run beside the host), left to
         the loop where `hands_over` says so; else served here."""
@@ -182,11 +183,6 @@ class Pipeline:
         if hand_off and self.hands_over(requests, rows):
             return CallRoute.LOOP
         return CallRoute.HERE
-
-    def observe_call(self, seconds: float) -> None:
-        """A call took `seconds` on its caller's thread (`Admission.observe_call`)."""
-        with self.scheduler.lock:
-            self.scheduler.admission.observe_call(seconds)
 
     def hands_over(self, requests: int, rows: int) -> bool:
         """Where the engines run beside the host: whether a call of `requests` requests (`rows` rows)

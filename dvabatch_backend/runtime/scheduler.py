@@ -185,12 +185,12 @@ class Scheduler:
 
     def refuse_caller_backlog(self, requests: int, waited: float) -> list[QueryError]:
         """One refusal for each of `requests`, a call of the caller's oldest, the first of which
-        has `waited` seconds in the caller's queue, past the bound (`Pipeline.route_call`)."""
+        has waited through `waited` calls in the caller's queue, past the bound (`Pipeline.route_call`)."""
         with self.lock:
             self.stats.queue_full += requests
             self.stats.caller_drains += requests
-            why = (f"Exceeds maximum queue size: overloaded, waited about {waited * 1000:.0f} ms before the model, "
-                   f"past the bound of {self.admission.caller_bound() * 1000:.0f} ms")
+            why = (f"Exceeds maximum queue size: overloaded, waited through about {waited:.0f} calls before the "
+                   f"model, past the bound of {self.admission.caller_bound():g}")
             self.stats.submitted += requests
             self.stats.answered_error += requests
             return [QueueFullError(next(self._ids), why) for _ in range(requests)]

@@ -332,9 +332,9 @@ class TritonPythonModel:
         # Triton's queue is measured where the runtime bounds it (Triton's own policy is not set) and
         # `execute` holds it while serving (the fast path: else `execute` submits and returns)
         own_policy = (config.get("dynamic_batching") or {}).get("default_queue_policy")
-        self._markers = (QueueMarker(args["model_name"], config, lambda: admission.caller_bound() / MARKERS_PER_BOUND)
-                         if admission.caller_bound() and self._call_capacity and settings.runtime.fast_path
-                         and not own_policy else None)
+        bound = admission.caller_bound()
+        self._markers = (QueueMarker(args["model_name"], config, bound / MARKERS_PER_BOUND)
+                         if bound and self._call_capacity and settings.runtime.fast_path and not own_policy else None)
         self._metrics = StageMetrics(self._scheduler, args["model_name"], device_calls=self._hand_off)
         self._metrics.loaded(load_seconds, device_bytes)
         # what loading left lives as long as the stub (which exits on unload): kept out of the
@@ -370,7 +370,6 @@ class TritonPythonModel:
 
     def _serve_call(self, requests: list[Any], call_size: int, markers: list[tuple[int, float]]) -> list[Any] | None:
         """`execute` for the call's requests other than markers (`call_size`: the call's, with them)."""
-        began = time.monotonic()
         waited = self._markers.oldest_wait() if self._markers is not None else None  # before the call counts
         ready: list[dict[str, np.ndarray]] = [self._inputs(request) for request in requests]  # type: ignore[misc]
         whole = bool(requests) and all(t is not None for t in ready)
@@ -383,6 +382,8 @@ class TritonPythonModel:
         route = self._scheduler.route_call(len(requests), sum(request_rows(ready)), self._hand_off, waited)
         if route is CallRoute.REFUSED:  # Triton's queue held it past the bound: its oldest
             return [_error_response(e) for e in self._scheduler.scheduler.refuse_caller_backlog(len(requests), waited or 0.0)]
+        if self._markers is not None:
+            self._markers.served()
         if route is CallRoute.LOOP:
             self._watch(requests, self._submit(requests, ready))
             return None
@@ -395,13 +396,9 @@ class TritonPythonModel:
                 if answer is not None and answer.release():
                     self._responder.submit(answer)
 
-        answered = self._scheduler.serve_here(
-            lambda here: answers.extend(self._submit(requests, ready, held=True, borrow=here)),
-            lambda: all(a is None or a.answered for a in answers), send_answered)
-        responses = self._release(requests, answers)
-        if answered:  # served whole on this thread: the pace Triton's queue drains at (`Admission.observe_call`)
-            self._scheduler.observe_call(time.monotonic() - began)
-        return responses
+        self._scheduler.serve_here(lambda here: answers.extend(self._submit(requests, ready, held=True, borrow=here)),
+                                   lambda: all(a is None or a.answered for a in answers), send_answered)
+        return self._release(requests, answers)
 
     def _release(self, requests: list[Any], answers: list[_RequestAnswer | None]) -> list[Any] | None:
         """After `execute` ran the steps it could: where every request was answered, their responses

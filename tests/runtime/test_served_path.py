@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from dvabatch_backend.runtime.decisions import ArrivalPlan, BatchTableView, New, Policy
 from dvabatch_backend.runtime.engine import OrtStageEngine
 from dvabatch_backend.runtime.errors import QueueFullError, StageFailedError
+from dvabatch_backend.runtime.admission import QUEUE_BATCHES
 from dvabatch_backend.runtime.pipeline import CallRoute, Pipeline
 from dvabatch_backend.runtime.query import QueryInfo
 from dvabatch_backend.runtime.settings import QueuePolicy, RuntimeSettings
@@ -385,13 +386,13 @@ class _Calls:
 
 def test_with_the_derived_bound_a_call_whose_oldest_waited_past_it_is_refused_whole(zoo) -> None:
     """With the derived bound (no queue policy configured), a call is served on the caller's thread
-    while its oldest request has waited in the caller's queue no longer than the bound (or that
-    wait is not measured); past it, refused whole, "Exceeds maximum queue size", the wait named."""
+    while its oldest request has waited through no more than QUEUE_BATCHES calls in the caller's
+    queue (or that wait is not measured); past it, refused whole, "Exceeds maximum queue size"."""
     model = zoo.stages("token", 2)
     call = _Calls(model)
     with make_scheduler(model, create_policy("load"), num_buffer_pairs=1, queue=QueuePolicy()) as pipeline:
-        bound = pipeline.admission.wait_bound()
-        assert bound is not None
+        bound = pipeline.admission.caller_bound()
+        assert bound == QUEUE_BATCHES  # calls served
         assert call(pipeline) == "served"  # not measured
         assert call(pipeline, bound * 0.9) == "served"
         assert [call(pipeline, bound * 1.1) for _ in range(2)] == ["refused", "refused"]
@@ -402,15 +403,15 @@ def test_with_the_derived_bound_a_call_whose_oldest_waited_past_it_is_refused_wh
 
 def test_a_configured_bound_bounds_the_callers_queue_by_the_time_its_rows_take(zoo) -> None:
     """With a configured queue bound (rows of the runtime's queue, Triton's left unbounded), the
-    caller's bound is the time that many rows take the stages; a call whose oldest waited longer
-    is refused whole. With none (max_queue_size 0 and no timeout) nothing is refused."""
+    caller's bound is the calls that many rows make; a call whose oldest waited through more is
+    refused whole. With none (max_queue_size 0 and no timeout) nothing is refused."""
     model = zoo.stages("token", 2)
     call = _Calls(model)
     with make_scheduler(model, create_policy("load"), num_buffer_pairs=1, queue=QueuePolicy(max_queue_size=4)) as pipeline:
         admission = pipeline.admission
         bound = admission.caller_bound()
         assert admission.wait_bound() is None
-        assert bound == pytest.approx(4 * admission.row_work() * admission.service.correction)
+        assert bound == pytest.approx(4 / pipeline.bs_max)  # calls: a full call is bs_max rows
         assert call(pipeline, bound * 0.9) == "served"
         assert call(pipeline, bound * 1.1) == "refused"
     with make_scheduler(model, create_policy("load"), num_buffer_pairs=1, queue=QueuePolicy(max_queue_size=0)) as pipeline:
