@@ -213,6 +213,8 @@ class SystemResult:
     stub_rss_mb: float | None = None  # its Python-backend stub's resident memory after the runs
     succeeded: int = 0  # Triton's statistics after every run
     failed: int = 0
+    refused: int = 0  # refused by the model's admission (dvabatch_refused_queries_total): overload answered
+    refused_levels: list[str] = field(default_factory=list)  # the runs whose only errors were those refusals
     perf_analyzer_errors: list[str] = field(default_factory=list)
 
 
@@ -381,10 +383,21 @@ def _run(url: str, model: str, data: Path, plan: Plan, windows_x: int = 1, **loa
                              max_trials=WINDOWS, timeout=max(120.0, 40 * windows_s), **load)
 
 
+# how the model words a refusal under overload (admission.py): perf_analyzer stops at the first, and
+# the run is the system's answer to more than it serves, not an error of the measurement
+REFUSAL = "Exceeds maximum queue size"
+
+
 def _note_errors(result: PerfResult, system: SystemResult, what: str, allow_missing: bool = False) -> None:
     """A perf_analyzer run that exited badly or left levels out (unless a latency stop explains it:
-    then even no level at all is an answer, the lowest rate was already past the target)."""
-    latency_stop = allow_missing and "went over the set limit" in (result.stdout_tail + result.stderr_tail)
+    then even no level at all is an answer, the lowest rate was already past the target). A run
+    whose only errors are the model's refusals is noted as refused."""
+    text = result.stdout_tail + result.stderr_tail
+    latency_stop = allow_missing and "went over the set limit" in text
+    errors = re.findall(r"had error: (.*)", text)
+    if result.returncode != 0 and errors and all(REFUSAL in e for e in errors):
+        system.refused_levels.append(what)
+        return
     if result.returncode != 0 or (not result.rows and not latency_stop) or (result.missing_levels and not allow_missing):
         tail = (result.stderr_tail or result.stdout_tail).strip().splitlines()[-3:]
         system.perf_analyzer_errors.append(f"{what}: {result.describe().splitlines()[0]}: {' | '.join(tail)}")
@@ -606,6 +619,8 @@ def compare(server: Any, names: dict[str, str], data: Path, plan: Plan, bs_max: 
     everyone = systems + [s for s in overhead_systems]
     for system in everyone:
         system.succeeded, system.failed = failure_counts(server.http_url, system.model)
+        # Triton counts a request the backend answered with an error as a success: the refusals are the model's count
+        system.refused = int(counter_totals(server.metrics_url, system.model, ["dvabatch_refused_queries_total"])[0])
         system.stub_rss_mb = stub_rss_mb(server, system.model)
     return everyone, of
 
@@ -656,6 +671,10 @@ def verdicts(systems: Sequence[SystemResult], light: bool = False) -> dict[str, 
             target = targets.get(f"{key} {stat}")
             base = best({b.label: b.loads.get(key, {}).get(f"{stat}_ms") for b in baselines}, lower=True)
             mine = dva.loads.get(key, {}).get(f"{stat}_ms")
+            if target is not None and base is not None and mine is None and dva.refused_levels:
+                # refused as overload: more than it serves, where the baseline kept up
+                out[f"{key} {stat}"] = {"value": None, "baseline": base[0], "target": target, "met": False}
+                continue
             if target is None or base is None or mine is None or base[1] <= 0:
                 continue
             ratio = mine / base[1]
@@ -721,7 +740,8 @@ def table(systems: Sequence[SystemResult], latency_target_ms: float, light: bool
         sign = ">=" if figure == "sustained" or figure.startswith("closed loop") else "<="
         noise: dict[bool | None, str] = {True: " (the rounds overlap: within the spread)",
                                          False: " (the rounds do not overlap)", None: ""}
-        lines.append(f"DVABatch {figure}: {v['value']:g} vs {v['baseline']} (target {sign} {v['target']:g}): "
+        value = "refused (overload)" if v["value"] is None else f"{v['value']:g}"
+        lines.append(f"DVABatch {figure}: {value} vs {v['baseline']} (target {sign} {v['target']:g}): "
                      f"{'met' if v['met'] else 'NOT met'}{noise[v.get('within_spread')]}")
     lines.append(f"sustained: the highest Poisson rate with p99 <= {latency_target_ms:g} ms and >= {KEEP_UP:.0%} of it "
                  "answered")
@@ -735,6 +755,8 @@ def table(systems: Sequence[SystemResult], latency_target_ms: float, light: bool
         steps = ", ".join(f"{st['rate']:g}/s: {st['throughput']:.0f}/s p99 {st['p99_ms']:.0f} ms" for st in s.steps)
         lines.append(f"  {s.label} steps: {steps or '-'}")
         lines += [f"  {s.label} perf_analyzer: {e}" for e in s.perf_analyzer_errors]
+        if s.refused_levels:
+            lines.append(f"  {s.label} refused overload ({s.refused} requests, \"{REFUSAL}\") at: {', '.join(s.refused_levels)}")
     return lines
 
 

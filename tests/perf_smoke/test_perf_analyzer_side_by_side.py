@@ -1,8 +1,9 @@
 """`python -m perf.compare.by_perf_analyzer` at the zoo's test size, short windows: the slicer's
 model beside ZeroBatch and DelayBatch in one real tritonserver, measured by the real perf_analyzer
 (concurrency 1, closed loop at bs_max, stepping Poisson rates, the fixed 0.5x and 0.9x rates, and
-Gamma CV 4 arrivals at 0.5x). A row per system, every request succeeded (Triton's own statistics:
-no failure, some successes), and a verdict per figure; no timing assertions. The closed-loop sweep
+Gamma CV 4 arrivals at 0.5x). A row per system, every request succeeded or was refused as overload
+(Triton's own statistics: no other failure, some successes), and a verdict per figure; no timing
+assertions. The closed-loop sweep
 over client counts and the rounds' order are checked on perf_analyzer results given by the test."""
 from __future__ import annotations
 
@@ -38,13 +39,15 @@ def test_a_row_per_system_and_every_request_succeeded(zoo_out: Path, capsys: pyt
         assert system["c1_p99_ms"] is not None and system["closed_loop_peak"] is not None, (label, out)
         # a rate step, unless the lowest rate was already past the target (perf_analyzer's latency stop)
         assert system["steps"] or system["sustained_rate"] is None, (label, out)
-        assert set(system["loads"]) == {"0.5x", "0.9x", "0.5x gamma4"}, (label, out)
+        # a load the model refused (overload, "Exceeds maximum queue size") has no figure
+        assert set(system["loads"]) <= {"0.5x", "0.9x", "0.5x gamma4"}, (label, out)
+        assert len(system["loads"]) == 3 or system["refused_levels"] and system["refused"] > 0, (label, out)
         assert system["closed_loop"] == {}, (label, out)  # --no-closed-loop-sweep
         assert all(load["mean_ms"] > 0 and load["p99_ms"] >= load["mean_ms"] * 0.5 for load in system["loads"].values())
         assert any(line.startswith(label) for line in out.splitlines()), out
     # the same fixed rates for every system, fractions of ZeroBatch's sustained rate (or its peak)
-    assert len({system["loads"]["0.5x"]["rate"] for system in systems.values()}) == 1
-    assert len({system["loads"]["0.5x gamma4"]["rate"] for system in systems.values()}) == 1
+    for key in ("0.5x", "0.5x gamma4"):
+        assert len({system["loads"][key]["rate"] for system in systems.values() if key in system["loads"]}) == 1
     assert {"c1 mean (ms over)", "0.5x mean", "0.5x p99", "0.9x mean", "0.9x p99", "0.5x gamma4 mean",
             "0.5x gamma4 p99"} <= set(results["verdicts"]), out
     assert all(isinstance(v["met"], bool) and v["baseline"] in ("ZeroBatch", "DelayBatch")
