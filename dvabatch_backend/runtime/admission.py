@@ -24,8 +24,8 @@ code and wording:
     answered "overloaded: cannot meet N ms" at once -- at arrival, and again when stage 0 is about
     to take it -- rather than served late (`action` "serve_late" keeps it).
 
-In Triton's queue, before `execute`, the bound is applied to each call's oldest request's wait
-(`Pipeline.route_call`). Under overload the policy's batches are full, and the answered rate is
+In Triton's queue, before `execute`, the same bound is counted in calls served (`caller_bound`): a
+call whose oldest request waited through more is refused (`Pipeline.route_call`). Under overload the policy's batches are full, and the answered rate is
 the rate the stages sustain.
 
 `ServiceModel` is the prediction; `Admission` applies the rule. Both are owned by the scheduler

@@ -332,9 +332,9 @@ class TritonPythonModel:
         # Triton's queue is measured where the runtime bounds it (Triton's own policy is not set) and
         # `execute` holds it while serving (the fast path: else `execute` submits and returns)
         own_policy = (config.get("dynamic_batching") or {}).get("default_queue_policy")
-        bound = admission.caller_bound()
-        self._markers = (QueueMarker(args["model_name"], config, bound / MARKERS_PER_BOUND)
-                         if bound and self._call_capacity and settings.runtime.fast_path and not own_policy else None)
+        calls = admission.caller_bound()
+        self._markers = (QueueMarker(args["model_name"], config, calls / MARKERS_PER_BOUND)
+                         if calls and self._call_capacity and settings.runtime.fast_path and not own_policy else None)
         self._metrics = StageMetrics(self._scheduler, args["model_name"], device_calls=self._hand_off)
         self._metrics.loaded(load_seconds, device_bytes)
         # what loading left lives as long as the stub (which exits on unload): kept out of the
@@ -479,7 +479,7 @@ class TritonPythonModel:
     def finalize(self) -> None:
         """Answer what is in flight ("shutting down") and join every thread the model started."""
         if self._markers is not None:
-            self._markers.close()  # its thread ends: no marker is out once Triton unloads the model
+            self._markers.close()  # no marker is out once Triton unloads the model: its senders end
         self._cancel_watch.close()
         self._scheduler.stop()  # its last answers go to the responder, which sends them before it ends
         self._responder.close()
