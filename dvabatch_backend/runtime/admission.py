@@ -41,10 +41,10 @@ from .query import Query, QueryState
 from .settings import MIN_WAKE_DELAY, QueuePolicy, SloPolicy
 
 # the derived bound: a request may wait as long as this many bs_max batches take to enter the
-# pipeline. A count of batches, so the bound follows the device's measured service; four carry a
-# burst of four full batches at once, and keep an answered request's wait under overload to about
-# four batch times beside a lone query's own (a second, for batches of a quarter second)
-QUEUE_BATCHES = 4
+# pipeline. A count of batches, so the bound follows the device's measured service; five carry a
+# burst of five full batches at once, and keep an answered request's wait under overload to about
+# five batch times beside a lone query's own (a second, for batches of a fifth of a second)
+QUEUE_BATCHES = 5
 UNPROFILED_STAGE_SECONDS = 1e-3  # per row, for a manifest without stage times, until the correction learns
 _EWMA = 0.05  # weight of one observation in the measured/profiled correction
 # an observation counts at most this factor from the correction: a run held or preempted (a
