@@ -5,8 +5,9 @@ its own model (`triton_adapter.queue_marker`), joins the back of the queue and c
 everything before it. So the requests out between two markers arrived between their sends (the
 arrival rate), and one out `c` requests after a marker sent at `s` arrived at about
 `s + c / rate`, and for certain before every marker still out was sent: each call's oldest
-request's wait, which the bound is about (`Pipeline.route_call`). A call that is not full says
-nothing older waits. Owned by the caller's thread (`execute`'s): no lock.
+request's wait, which the bound is about (`Pipeline.route_call`). Times are on any one clock:
+the adapter's counts calls served. A call that is not full says nothing older waits. Owned by the
+caller's thread (`execute`'s): no lock.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class CallerQueue:
     def __init__(self) -> None:
         self._sent: float | None = None  # when the last marker out was sent; None: none since the queue emptied
         self._behind = 0  # requests out since that marker: they arrived after it was sent
-        self.rate: float | None = None  # requests a second, between the last two markers' sends
+        self.rate: float | None = None  # requests per tick of the clock, between the last two markers' sends
 
     def oldest_arrival(self, marker_out: float | None = None) -> float | None:
         """When the next call's oldest request arrived, at the latest: None where no marker has

@@ -357,7 +357,8 @@ class TritonPythonModel:
     def execute(self, requests: list[Any]) -> list[Any] | None:
         markers = self._markers.take(requests) if self._markers is not None else []
         at = {position for position, _ in markers}  # answered at once, unrun (queue_marker.py)
-        responses = self._serve_call([r for k, r in enumerate(requests) if k not in at], len(requests), markers)
+        others = [r for k, r in enumerate(requests) if k not in at] if at else requests
+        responses = self._serve_call(others, len(requests), markers)
         if not at:
             return responses
         if responses is None:  # the others are answered by sends: so are the markers
