@@ -177,8 +177,8 @@ def _side_by_side(server: TritonServer, dva_name: str, zero_name: str, manifest:
                                title=f"{dva_name}: DVABatch beside ZeroBatch (no queue delay), our own "
                                      "open-loop driver")
         print(written_line(written, plot_to), flush=True)
-    failed = sum(len(row.dva.errors()) + len(row.zero.errors()) for row in rows)
-    failed += sum(len(result.errors()) for result in lone.values())
+    failed = sum(len(failures(row.dva)) + len(failures(row.zero)) for row in rows)
+    failed += sum(len(failures(result)) for result in lone.values())
     for line in error_lines(rows):
         print(line)
     print(f"side by side took {time.perf_counter() - began:.1f} s", flush=True)
@@ -272,16 +272,30 @@ def curves(rows: Sequence[Row], lone: Mapping[str, LoadResult], dva_name: str, z
     return out
 
 
+# how the model words a refusal under overload (admission.py): the system's answer to more than it
+# serves, not a failure of the comparison
+REFUSAL = "Exceeds maximum queue size"
+
+
+def failures(result: Any) -> list[Any]:
+    """`result`'s queries that failed or were not answered, the model's refusals left out."""
+    return [r for r in result.errors() if REFUSAL not in str(r.error)]
+
+
 def error_lines(rows: Sequence[Row]) -> list[str]:
-    """One line per system and load with failed queries, with its first distinct messages."""
+    """One line per system and load with failed queries, with its first distinct messages, and
+    one with the queries it refused as overload."""
     lines = []
     for row in rows:
         for label, result in (("DVABatch", row.dva), ("ZeroBatch", row.zero)):
-            errors = result.errors()
+            errors, refused = failures(result), len(result.errors()) - len(failures(result))
             if errors:
                 messages = "; ".join(sorted({str(r.error) for r in errors})[:3])
                 lines.append(f"ERROR {label} at {row.fraction:g}x: {len(errors)} of {len(result.records)} "
                              f"queries failed or were not answered: {messages}")
+            if refused:
+                lines.append(f"{label} at {row.fraction:g}x refused {refused} of {len(result.records)} queries "
+                             f"as overload (UNAVAILABLE \"{REFUSAL}\"): more than it serves")
     return lines
 
 
