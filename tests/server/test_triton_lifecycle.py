@@ -98,9 +98,10 @@ def served(tmp_path_factory) -> dict:
     shutil.copy(GATE_POLICY, minilm.version_dir / GATE_POLICY.name)
     models = {
         CYCLE: add_variant(repo, slice_zoo_model(repo / ".sliced", "bert"), CYCLE),
-        # pipelined behind a gate: the test holds the requests in the model until it unloads it
+        # pipelined behind a gate: the test holds the requests in the model until it unloads it (its
+        # queue unbounded: every one waits there, none past a bound)
         FLIGHT: add_variant(repo, minilm, FLIGHT, policy=f"{GATE_POLICY.name}:GatePolicy",
-                            policy_params={"gate": gate, "inner": "pipelined"}),
+                            policy_params={"gate": gate, "inner": "pipelined"}, extra={"max_queue_size": 0}),
         STEADY: add_variant(repo, minilm, STEADY),
     }
     server = TritonServer(repo, explicit=True, watch_stubs=True).start()
