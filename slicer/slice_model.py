@@ -28,15 +28,16 @@ import onnxruntime as ort
 
 from dvabatch_backend.runtime.engine import available_cores
 from dvabatch_backend.runtime.loading import MODEL_SPINNING, STAGE_SPINNING
-from dvabatch_backend.runtime.manifest import Manifest
+from dvabatch_backend.runtime.manifest import Manifest, TensorSpec
 from dvabatch_backend.runtime.settings import RuntimeSettings
 
 from .analysis import CutPoint, legal_cut_points, name_nodes, with_length_carrier
 from .axes import (DENSE_RULE_LENGTHS, AxisOverrides, LengthRule, batch_first_outputs, canonical_model,
                    discover_axes, length_rule, probe_lengths, runnable_lengths)
 from .cut import cut_model, input_specs, output_dims, output_strides, probe_settings, set_probe_lengths
-from .errors import SliceError
+from .errors import SliceError, one_line
 from .pad_safety import PadSafety, check_pad_safety, output_atol
+from .precision import FP32, Precision, check_outputs, convert, convert_stages, precision
 from .plots import write_stage_plot
 from .partition import NoLegalCut, Partition, achievable_balance, balanced_partition
 from .preflight import check_proto, full_session, probe_max_length, read_model
@@ -79,6 +80,8 @@ class SliceOptions:
     # the engine and device that will serve, which time the stages (slicer/serving_engine.py); the
     # default, onnxruntime on the CPU, is timed by slicer/profiler.py
     serving: ServingEngine = ServingEngine()
+    # the stages' and the unsliced model's floats: fp32 as exported, or fp16 / bf16 (slicer/precision.py)
+    precision: str = "fp32"
 
 
 @dataclass
@@ -139,6 +142,11 @@ class SliceReport:
         if "engine" in slicing:
             lines.append(f"  timed on {slicing['engine']['engine']}, {slicing['engine']['device']} "
                          f"({self.manifest.extra.get('profiled_on', 'cpu')})")
+        if "precision" in slicing:
+            p = slicing["precision"]
+            lines.append(f"  precision {p['precision']}: error against the fp32 model, over each output's largest "
+                         f"magnitude, {p['model_error']:.2e} unsliced, {p['stages_error']:.2e} the stages in a row "
+                         f"(tolerance {p['tolerance']:.2e}); inputs, outputs and the stages' boundaries as exported")
         if "buffer_pairs" in slicing:
             lines.append(f"  buffer pairs: {slicing['buffer_pairs']['chosen']} ({slicing['buffer_pairs']['why']})")
         if len(self.candidates) > 1:
@@ -180,6 +188,7 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
     say = progress or (lambda message: None)
     if out_dir.exists() and any(out_dir.iterdir()) and not options.force:
         raise SliceError(f"{out_dir} exists and is not empty (use force to replace it)")
+    to = precision(options.precision)
     model = load_model(source)
     name = options.name or out_dir.name
     try:
@@ -221,6 +230,7 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
         if len(carried_points) > len(points) + 1:
             say(f"a length carrier makes {len(carried_points) - 1} positions legal instead of {len(points)}")
             model, points, illegal = name_nodes(carried), carried_points, carried_illegal
+    half = _half_model(model, to, inputs, lengths, options, say)
     wanted = [options.stages] if options.stages is not None else [
         n for n in options.candidates if n - 1 <= len(points) and (n > 1 or not has_seq)]
     for n in wanted:
@@ -233,7 +243,7 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
     with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.", dir=out_dir.parent) as tmp:
         candidates = [
             _build_candidate(model, name, n, costs_at[ref], points, preferred, ref, lengths, max_length,
-                             Path(tmp) / f"n{n}", options, say)
+                             Path(tmp) / f"n{n}", options, say, half)
             for n in wanted
         ]
         concurrency = min(16, options.max_batch_size)
@@ -274,7 +284,7 @@ def slice_model(source: str | Path | onnx.ModelProto, out_dir: str | Path, optio
         manifest = _final_manifest(chosen, profile, ref, options, pad, int_bounds(model), policy, fast_path,
                                    _stage_count_record(candidates, chosen, has_seq, options.stages,
                                                        _measured_on(options.serving)), rule,
-                                   device=device, buffer_pairs=pairs)
+                                   device=device, buffer_pairs=pairs, half=half)
         _write_profile(chosen.dir, manifest, profile)
         write_stage_plot(chosen.dir, manifest, candidates)
         _write_config(chosen.dir.parent, manifest, policy["choice"], options.serving)
@@ -326,8 +336,9 @@ def _check_stage_count(n: int, node_count: int, points: list[CutPoint]) -> None:
 
 def _build_candidate(model: onnx.ModelProto, name: str, n: int, costs: np.ndarray,
                      points: list[CutPoint], preferred: set[int], ref: Setting, lengths: list[int], max_length: int,
-                     work: Path, options: SliceOptions, say: Progress) -> Candidate:
-    """Cut into `n` stages; re-balance with measured stage times; verify the best cut."""
+                     work: Path, options: SliceOptions, say: Progress, half: HalfModel | None = None) -> Candidate:
+    """Cut into `n` stages (in `half`'s precision, where given); re-balance with measured stage
+    times; verify the best cut."""
     best: Candidate | None = None
     candidates: list[Candidate] = []
     tried: set[tuple[int, ...]] = set()
@@ -341,6 +352,8 @@ def _build_candidate(model: onnx.ModelProto, name: str, n: int, costs: np.ndarra
         say(f"cutting into {n} stages at {list(part.positions)}")
         folder = work / f"round{round_}" / VERSION_DIR
         manifest = cut_model(model, part.positions, folder, name, options.max_batch_size, max_length)
+        if half is not None:  # timed, as served, in the precision that will serve
+            convert_stages(folder, [s.file for s in manifest.stages], str(manifest.full_model), half.model, half.to)
         seconds = _stage_seconds(folder, manifest, ref, options, int_bounds(model), options.repeats)
         cand = Candidate(n, folder, manifest, part, seconds)
         candidates.append(cand)
@@ -355,8 +368,47 @@ def _build_candidate(model: onnx.ModelProto, name: str, n: int, costs: np.ndarra
     if best.balance > options.balance_goal and len(candidates) > 1:
         best = _remeasured(candidates, ref, options, int_bounds(model), say)
     say(f"verifying the {n}-stage cut against the original")
-    best.verify_error = verify_stages(model, best.dir, best.manifest, lengths, options.atol)
+    best.verify_error = verify_stages(model, best.dir, best.manifest, lengths, options.atol,
+                                      half.to if half is not None else FP32, options.serving)
     return best
+
+
+@dataclass(frozen=True)
+class HalfModel:
+    """The model converted to a half precision, and its error against fp32 on the serving engine."""
+
+    model: onnx.ModelProto
+    to: Precision
+    error: float  # the largest output error, over the fp32 output's largest magnitude
+
+
+def _half_model(model: onnx.ModelProto, to: Precision, inputs: Sequence[TensorSpec], lengths: list[int],
+                options: SliceOptions, say: Progress) -> HalfModel | None:
+    """`model` in precision `to`, run on the engine that will serve and checked against the fp32
+    model at the shortest and the longest length; None in fp32. Where the engine cannot run an op
+    in that precision, a SliceError names it."""
+    if not to.is_half:
+        return None
+    if external_data_dir(model) is not None:
+        raise SliceError(f"{to.name}: converting a model over 2 GB (its weights on disk) is not supported; "
+                         "convert it before slicing")
+    engine = f"{options.serving.engine} on {options.serving.device}"
+    say(f"converting to {to.name} and checking it against fp32 on {engine}")
+    half = convert(model, to)
+    rng = np.random.default_rng(3)
+    full = full_session(model)
+    error = 0.0
+    for length in sorted(set(lengths[:1] + lengths[-1:])):
+        feeds = random_inputs(inputs, 3, length, rng, int_bounds(model))
+        expected = dict(zip([o.name for o in full.get_outputs()], full.run(None, feeds)))
+        try:
+            got = options.serving.run_once(half, feeds)
+        except Exception as exc:
+            hint = (" (the torch engine runs bf16 on the CPU: --engine torch)"
+                    if to.name == "bf16" and options.serving.engine != "torch" else "")
+            raise SliceError(f"the model cannot run in {to.name} on {engine}: {one_line(exc)}{hint}") from exc
+        error = max(error, check_outputs(got, expected, to, f"the unsliced model at length {length}"))
+    return HalfModel(half, to, error)
 
 
 def _remeasured(candidates: list[Candidate], ref: Setting, options: SliceOptions, int_high: dict[str, int],
@@ -412,8 +464,11 @@ def _diversity_points(costs_at: dict[Setting, np.ndarray], settings: list[Settin
     return found
 
 
-def verify_stages(model: onnx.ModelProto, folder: Path, manifest: Manifest, lengths: list[int], atol: float) -> float:
-    """Run the stages in order and the original on the same random inputs; the max |difference|."""
+def verify_stages(model: onnx.ModelProto, folder: Path, manifest: Manifest, lengths: list[int], atol: float,
+                  to: Precision = FP32, serving: ServingEngine = ServingEngine()) -> float:
+    """Run the stages in order and the original on the same random inputs; the max |difference|.
+    Stages in a half precision run on the engine that will serve; their error is relative to the
+    fp32 output's largest magnitude, within the precision's tolerance (slicer/precision.py)."""
     rng = np.random.default_rng(2)
     full = full_session(model)
     names = [o.name for o in full.get_outputs()]
@@ -426,10 +481,17 @@ def verify_stages(model: onnx.ModelProto, folder: Path, manifest: Manifest, leng
     for length, feeds, expected in runs:
         values = dict(feeds)
         for spec in manifest.stages:  # one stage's session at a time
+            feeds = {t.name: values[t.name] for t in spec.inputs}
+            if to.is_half:
+                values = serving.run_once(folder / spec.file, feeds)
+                continue
             session = ort.InferenceSession(str(folder / spec.file), providers=["CPUExecutionProvider"])
-            outs = session.run([t.name for t in spec.outputs], {t.name: values[t.name] for t in spec.inputs})
+            outs = session.run([t.name for t in spec.outputs], feeds)
             values = dict(zip([t.name for t in spec.outputs], outs))
             del session
+        if to.is_half:
+            worst = max(worst, check_outputs(values, expected, to, f"the stages in a row at length {length}"))
+            continue
         for name, ref in expected.items():
             diff = float(np.max(np.abs(values[name].astype(np.float64) - ref.astype(np.float64)))) if ref.size else 0.0
             tolerance = output_atol(ref.dtype, atol)
@@ -648,7 +710,7 @@ def _final_manifest(chosen: Candidate, profile: dict[str, Any], ref: Setting, op
                     pad: PadSafety, input_bounds: dict[str, int], policy: dict[str, str],
                     fast_path: dict[str, Any] | None = None, stage_count: dict[str, Any] | None = None,
                     rule: LengthRule = LengthRule(), device: str = "cpu",
-                    buffer_pairs: dict[str, Any] | None = None) -> Manifest:
+                    buffer_pairs: dict[str, Any] | None = None, half: HalfModel | None = None) -> Manifest:
     doc = chosen.manifest.to_json()
     doc["length_multiple"], doc["min_length"], doc["length_rule"] = rule.multiple, rule.min_length, rule.why
     doc["policy"] = policy
@@ -676,6 +738,9 @@ def _final_manifest(chosen: Candidate, profile: dict[str, Any], ref: Setting, op
         doc["profiled_on"] = device
     if buffer_pairs is not None:
         doc["slicing"]["buffer_pairs"] = buffer_pairs
+    if half is not None:  # the errors against the fp32 model, over each output's largest magnitude
+        doc["slicing"]["precision"] = {"precision": half.to.name, "tolerance": half.to.tolerance,
+                                       "model_error": half.error, "stages_error": chosen.verify_error}
     manifest = Manifest.from_json(doc)
     manifest.dump(chosen.dir / "manifest.json")
     return manifest

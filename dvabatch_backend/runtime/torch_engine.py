@@ -556,7 +556,10 @@ def _constant_value(node: Node) -> np.ndarray:
 
 
 def _to_torch(array: np.ndarray) -> Tensor:
-    return torch.from_numpy(np.array(array, copy=True))
+    array = np.array(array, copy=True)
+    if array.dtype.name == "bfloat16":  # ml_dtypes' bfloat16 (onnx's arrays): torch reads its bits
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _stays_on_host(t: Tensor) -> bool:

@@ -101,6 +101,10 @@ def _add_slice(slice_: argparse.ArgumentParser) -> None:
     slice_.add_argument("--engine", choices=("onnxruntime", "torch"),
                         help="the engine that will serve and times the stages (default: onnxruntime on the CPU, "
                              "torch on cuda)")
+    slice_.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32",
+                        help="the stages' and the unsliced model's floats (inputs and outputs keep their types; "
+                             "each output checked against fp32 within 64 unit roundoffs of its largest magnitude; "
+                             "bf16 runs on the torch engine)")
     slice_.add_argument("-v", "--verbose", action="store_true", help="on an error, print its traceback too")
     slice_.add_argument("--batch-axis", action="append", default=[], metavar="INPUT:AXIS",
                         help="the batch axis of an input, where discovery gets it wrong (must be 0); repeatable")
@@ -165,6 +169,9 @@ def _add_zoo(zoo: argparse.ArgumentParser) -> None:
                            help="a preset: test (small, for tests), bench (what perf/ runs), real (full depth; "
                                 "vision models at width 16 and 64-128 pixels) or full (the paper's size: what a "
                                 "GPU serves)")
+        model.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32",
+                           help="its floats (inputs and outputs stay fp32): as `dvabatch slice --precision` "
+                                "converts a model")
 
 
 def _add_demo_runtime(runtime: argparse.ArgumentParser) -> None:
@@ -299,6 +306,7 @@ def run_slice(args: argparse.Namespace) -> int:
         max_batch_size=args.bs_max, max_length=args.max_length, threads=args.threads, repeats=args.repeats,
         operator_diversity_cuts=args.operator_diversity_cuts, force=args.force,
         axes=axes, serving=ServingEngine(args.engine or ("onnxruntime" if args.device == "cpu" else "torch"), args.device),
+        precision=args.precision,
     )
     if options.serving.engine == "onnxruntime" and options.serving.device != "cpu":
         print("dvabatch slice: --device cuda serves on the torch engine (--engine torch)", file=sys.stderr)
@@ -335,16 +343,19 @@ def run_zoo(args: argparse.Namespace) -> int:
         for name, entry in ZOO.items():
             print(f"{name:<10} {entry.description} (sizes: {', '.join(sorted(entry.presets))})")
         return 0
+    from slicer.errors import SliceError
+    from slicer.precision import convert, precision
+
     try:
-        model = build(args.name, args.size)
-    except ValueError as exc:
+        model = convert(build(args.name, args.size), precision(args.precision))
+    except (ValueError, SliceError) as exc:
         print(f"dvabatch zoo: {exc}", file=sys.stderr)
         return 1
     import onnx
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(args.out))
-    print(f"wrote {args.name} ({args.size}) to {args.out}: {len(model.graph.node)} nodes")
+    print(f"wrote {args.name} ({args.size}, {args.precision}) to {args.out}: {len(model.graph.node)} nodes")
     return 0
 
 

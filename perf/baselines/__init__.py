@@ -48,18 +48,28 @@ def config_pbtxt(manifest: Manifest, name: str, delay_us: int, threads: int, bs_
     return python_model_config(manifest, name, parameters, bs_max=bs_max, delay_us=delay_us)
 
 
+def sliced_engine(manifest: Manifest) -> tuple[str, str]:
+    """The engine and device the slicer timed the model on (where it will serve): a baseline's
+    default, so that it runs the same engine on the same precision's model (onnxruntime on the CPU
+    for a model sliced so)."""
+    recorded = manifest.extra.get("slicing", {}).get("engine", {})
+    return recorded.get("engine", "onnxruntime"), recorded.get("device", "cpu")
+
+
 def add_baseline(repository: Path, version_dir: Path, name: str, delay_us: int, threads: int = 1,
-                 bs_max: int | None = None, engine: str = "onnxruntime", device: str = "cpu",
+                 bs_max: int | None = None, engine: str | None = None, device: str | None = None,
                  respond: str = "return", spinning: bool = False, device_profile: str | None = None) -> Path:
     """repository/name/: config.pbtxt, and 1/ with model.py and links to the version folder's
     unsliced model and manifest. Replaces an earlier baseline of that name. Returns the model dir.
     `engine`/`device`: what runs the model (onnxruntime on the CPU, torch on "cpu"/"cuda", or
-    "simulated": the GPU stand-in, charged from `device_profile`, an absolute path);
+    "simulated": the GPU stand-in, charged from `device_profile`, an absolute path; default: the
+    engine and device the model was sliced for, `sliced_engine`);
     `respond`: how answers go back (`baseline_model.RESPONDS`; "echo" runs no model); `spinning`:
     onnxruntime's threads spin-wait for work (its default; the runtime's sleep)."""
     version_dir = Path(version_dir).resolve()
     manifest_path = version_dir / "manifest.json"
     manifest = Manifest.from_json(json.loads(manifest_path.read_text()))
+    engine, device = engine or sliced_engine(manifest)[0], device or sliced_engine(manifest)[1]
     onnx_model = manifest.full_model or "model.onnx"
     if not (version_dir / onnx_model).is_file():
         raise FileNotFoundError(f"{version_dir / onnx_model}: the unsliced model is not in the version folder")
@@ -92,7 +102,7 @@ def add_baseline(repository: Path, version_dir: Path, name: str, delay_us: int, 
 
 
 def zero_batch(repository: Path, version_dir: Path, name: str | None = None, threads: int = 1,
-               bs_max: int | None = None, engine: str = "onnxruntime", device: str = "cpu",
+               bs_max: int | None = None, engine: str | None = None, device: str | None = None,
                spinning: bool = False, device_profile: str | None = None) -> Path:
     """ZeroBatch: Triton's dynamic batcher with no queue delay. Default name: MANIFEST_NAME_zerobatch."""
     name = name or f"{_manifest_name(version_dir)}_zerobatch"
@@ -101,7 +111,7 @@ def zero_batch(repository: Path, version_dir: Path, name: str | None = None, thr
 
 
 def delay_batch(repository: Path, version_dir: Path, delay_us: int, name: str | None = None, threads: int = 1,
-                bs_max: int | None = None, engine: str = "onnxruntime", device: str = "cpu",
+                bs_max: int | None = None, engine: str | None = None, device: str | None = None,
                 spinning: bool = False, device_profile: str | None = None) -> Path:
     """DelayBatch at `delay_us` (tuned by `tune_delay`). Default name: MANIFEST_NAME_delaybatch."""
     name = name or f"{_manifest_name(version_dir)}_delaybatch"
@@ -111,7 +121,7 @@ def delay_batch(repository: Path, version_dir: Path, delay_us: int, name: str | 
 
 def delay_candidates(repository: Path, version_dir: Path, delays_us: Sequence[int] = DEFAULT_DELAYS_US,
                      prefix: str | None = None, threads: int = 1, bs_max: int | None = None,
-                     engine: str = "onnxruntime", device: str = "cpu") -> dict[int, str]:
+                     engine: str | None = None, device: str | None = None) -> dict[int, str]:
     """One baseline per candidate delay (PREFIX_delayUS), for `tune_delay`; returns {delay: model name}."""
     prefix = prefix or _manifest_name(version_dir)
     names = {int(d): f"{prefix}_delay{int(d)}" for d in delays_us}
@@ -237,8 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bs-max", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None, help="the tuning record (default REPO/NAME_delaybatch.json)")
-    parser.add_argument("--engine", choices=ENGINES, default="onnxruntime", help="what runs the unsliced model")
-    parser.add_argument("--device", choices=DEVICES, default="cpu", help="cuda: with --engine torch")
+    parser.add_argument("--engine", choices=ENGINES,
+                        help="what runs the unsliced model (default: the engine the model was sliced for)")
+    parser.add_argument("--device", choices=DEVICES, help="cuda: with --engine torch (default: as sliced)")
     args = parser.parse_args(argv)
     manifest = Manifest.from_json(json.loads((args.version_dir / "manifest.json").read_text()))
     delays = [int(d) for d in args.delays.split(",") if d.strip()]
