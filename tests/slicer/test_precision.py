@@ -19,11 +19,12 @@ from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST
 from dvabatch_backend import Manifest, RuntimeSettings, load_pipeline
 from policies import create_policy
 from slicer.errors import SliceError
-from slicer.precision import PRECISIONS, convert, output_error
+from slicer.cut import input_specs
+from slicer.precision import PRECISIONS, check_outputs, convert, output_error
 from slicer.profiler import int_bounds, random_inputs
 from slicer.serving_engine import ServingEngine
 from slicer.slice_model import SliceOptions, slice_model
-from slicer.zoo import build
+from slicer.zoo import ZOO, build
 
 ONNXRUNTIME_CPU = ServingEngine()
 TORCH_CPU = ServingEngine("torch", "cpu")
@@ -55,6 +56,22 @@ def test_conversion_keeps_inputs_and_outputs_and_orders_the_nodes(zoo: str, name
     fp32 = {t.name for t in half.graph.initializer if t.data_type == TensorProto.FLOAT}
     assert {n.op_type for n in half.graph.node if set(n.input) & fp32} <= set(DEFAULT_OP_BLOCK_LIST)
     assert _in_order(half.graph)  # the converter's casts placed where the torch engine runs them in order
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("zoo", sorted(ZOO))
+def test_every_zoo_model_runs_within_its_tolerance(zoo: str, name: str) -> None:
+    """Each zoo model converted and run on the CPU engine that runs the precision (onnxruntime for
+    fp16, torch for bf16), against the fp32 model at the longest length."""
+    if name == "bf16":
+        pytest.importorskip("torch")
+    model = build(zoo)
+    inputs = list(input_specs(model).values())
+    feeds = random_inputs(inputs, 2, ZOO[zoo].max_length.get("test", 0), np.random.default_rng(5), int_bounds(model))
+    full = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = dict(zip([o.name for o in full.get_outputs()], full.run(None, feeds)))
+    got = (ONNXRUNTIME_CPU if name == "fp16" else TORCH_CPU).run_once(convert(model, PRECISIONS[name]), feeds)
+    assert check_outputs(got, expected, PRECISIONS[name], zoo) > 0  # converted: not the fp32 answers
 
 
 def test_bf16_keeps_a_finite_mask_fill_finite() -> None:
