@@ -237,6 +237,9 @@ def median_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
     return {"mean_ms": med("latency_mean_ms"), "p99_ms": med("latency_p99_ms"),
             "answered": min(r["answered"] for r in runs), "queries": runs[0]["queries"],
+            # the load as sent: the achieved send rate against the scheduled one, and the client's CPU
+            "scheduled_qps": med("offered_qps"), "sent_qps": med("send_rate_qps"),
+            "client_cpu_cores": med("client_cpu_cores"),
             "rounds": [{"mean_ms": r.get("latency_mean_ms"), "p99_ms": r.get("latency_p99_ms"),
                         "answered": r["answered"]} for r in runs]}
 
@@ -266,8 +269,12 @@ def row_line(load: Mapping[str, Any]) -> str:
 
     cells = "; ".join(f"{k} {v['mean_ms'] or float('nan'):.2f}/{v['p99_ms'] or float('nan'):.1f} "
                       f"({v['answered']}/{v['queries']})" for k, v in systems.items())
+    sent = "; ".join(f"{k} {v['sent_qps'] or float('nan'):.0f}/{v['scheduled_qps'] or float('nan'):.0f} qps, "
+                     f"client {v['client_cpu_cores'] or float('nan'):.2f} cores"
+                     for k, v in systems.items() if v.get("scheduled_qps") is not None)
     return (f"{load['fraction']:g}x ({load['rate_qps']:.0f} qps), mean/p99 ms: {cells}\n"
-            f"  DVABatch / ZeroBatch: mean {ratio(dva['mean_ms'], zero['mean_ms'])}, p99 "
+            + (f"  sent/scheduled: {sent}\n" if sent else "")
+            + f"  DVABatch / ZeroBatch: mean {ratio(dva['mean_ms'], zero['mean_ms'])}, p99 "
             f"{ratio(dva['p99_ms'], zero['p99_ms'])}; / the better baseline ({best_name}): mean "
             f"{ratio(dva['mean_ms'], best_mean)}, p99 {ratio(dva['p99_ms'], best_p99)}")
 

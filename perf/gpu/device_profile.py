@@ -1,6 +1,7 @@
 """Measure on a GPU what the GPU stand-in assumes, and write it as the stand-in's device profile.
 
     python -m perf.gpu.device_profile --model bert --out DIR      (on the GPU machine)
+    python -m perf.gpu.device_profile --model-dir SLICED --out DIR  (a sliced model, as it serves)
 
 The stand-in (runtime/simulated.py) charges each stage run from a device profile and its
 `DeviceParameters`; until a device measured them, the parameters are assumptions with their
@@ -31,8 +32,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from dvabatch_backend.runtime.device_times import time_engines
-from dvabatch_backend.runtime.loading import engine_buckets, make_engine
-from dvabatch_backend.runtime.manifest import StageSpec
+from dvabatch_backend.runtime.loading import engine_buckets, find_version_dir, make_engine
+from dvabatch_backend.runtime.manifest import Manifest, StageSpec
 from dvabatch_backend.runtime.settings import RuntimeSettings
 from perf.gpu.pipelines import sliced_zoo_model, torch_engines
 
@@ -139,19 +140,29 @@ def _dtype(torch: Any, spec: Any) -> Any:
     return torch.from_numpy(np.zeros(0, spec.np_dtype)).dtype
 
 
-def measure(model: str, out: Path, stages: int = 4, bs_max: int = 16, max_length: int = 128) -> dict[str, Any]:
+def measure(model: str, out: Path, stages: int = 4, bs_max: int = 16, max_length: int = 128,
+            sliced: Path | None = None) -> dict[str, Any]:
+    """The profile of the zoo's `model` cut evenly into `stages`, or of the `sliced` model folder
+    (its version folder, as the slicer wrote it: the model a side by side serves)."""
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this measures a GPU (the stand-in's parameters come from it)")
-    model_dir, manifest, _ = sliced_zoo_model(model, out / "model", stages, bs_max, max_length if model == "bert" else 0)
+    if sliced is not None:
+        model_dir = find_version_dir(sliced)
+        manifest = Manifest.load(model_dir / "manifest.json")
+        bs_max, model = manifest.max_batch_size, f"{manifest.name} ({sliced})"
+    else:
+        model_dir, manifest, _ = sliced_zoo_model(model, out / "model", stages, bs_max,
+                                                  max_length if model == "bert" else 0)
     settings = RuntimeSettings(engine="torch", device="cuda", bs_max=bs_max)
     sizes, lengths = engine_buckets(settings, manifest)
     lengths = lengths if manifest.has_seq else [0]
     engines = torch_engines(model_dir, manifest, "cuda", True, bs_max)
     stage_times = time_engines(manifest.stages, engines, sizes, lengths)
-    whole = make_engine(model_dir / "model.onnx", settings, manifest)
-    model_times = time_engines([StageSpec("model.onnx", manifest.inputs, manifest.outputs)], [whole], sizes, lengths)
+    full = str(manifest.full_model or "model.onnx")
+    whole = make_engine(model_dir / full, settings, manifest)
+    model_times = time_engines([StageSpec(full, manifest.inputs, manifest.outputs)], [whole], sizes, lengths)
     longest = str(max(lengths))
     longest_length = max(lengths) if manifest.has_seq else 0
     parameters = {"launch_s": launch_seconds(torch), **copy_fit(torch),
@@ -160,7 +171,9 @@ def measure(model: str, out: Path, stages: int = 4, bs_max: int = 16, max_length
     parameters["concurrent_kernels"] = overlap["concurrent_kernels"]
     doc = {"measured_on": torch.cuda.get_device_name(0),
            "measured": f"{time.strftime('%Y-%m-%d')}, perf.gpu.device_profile --model {model}",
-           "model": f"zoo {model} at the paper's size, {stages} stages, bs_max {bs_max}",
+           "model": (f"zoo {model} at the paper's size, {stages} stages, bs_max {bs_max}" if sliced is None else
+                     f"{model} as sliced: {manifest.num_stages} stages, bs_max {bs_max}, precision "
+                     f"{manifest.extra.get('slicing', {}).get('precision', {}).get('precision', 'fp32')}"),
            "parameters": parameters, "two_streams": overlap,
            "stage_times": stage_times[longest], "model_times": {"stage_times": model_times[longest]}}
     if manifest.has_seq:
@@ -174,9 +187,10 @@ def measure(model: str, out: Path, stages: int = 4, bs_max: int = 16, max_length
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="bert", choices=("bert", "resnet152"))
+    parser.add_argument("--model-dir", type=Path, help="a sliced model folder to profile instead (as it serves)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    doc = measure(args.model, args.out)
+    doc = measure(args.model, args.out, sliced=args.model_dir)
     print(json.dumps({k: doc[k] for k in ("measured_on", "parameters", "two_streams")}, indent=1))
     return 0
 

@@ -1,57 +1,47 @@
 """The GPU suite as steps, one command each on a GPU host: plan them here, run each there.
 
 The GPU host is any machine with a CUDA device and the repository's working tree: one at hand, or
-a remote one reached through a job runner with limits. The plan is checked against a runner's
-limits, kept as constants below: a time limit per command (`CALL_LIMIT_S`), a total time budget
-with machine starts included (`DEVICE_BUDGET_S`, `START_S`), a size limit on what a command
-sends (`TRANSFER_LIMIT`: the working tree plus the carried paths), a length limit on one command
-(`COMMAND_LIMIT`), and the files a command may bring back (`OUT_FILES` plain files from $OUT, each
-at most `OUT_FILE_LIMIT`).
+a remote one reached through a job runner with limits, offline included (what it needs is fetched
+beforehand: `perf.gpu.fetch_wheels`). The plan is checked against a runner's limits, options of the
+dry run whose defaults are the constants below: a time limit per command (`CALL_LIMIT_S`), a total
+time budget with machine starts included (`DEVICE_BUDGET_S`, `START_S`), a size limit on what a
+command sends (`TRANSFER_LIMIT`: the working tree plus the carried paths), a length limit on one
+command (`COMMAND_LIMIT`); and the files a command may bring back (`OUT_FILES` plain files from
+$OUT, each at most `OUT_FILE_LIMIT`).
 
 Here (no GPU):
 
     python -m perf.gpu.fetch_wheels          # the wheels of perf/gpu/wheels.txt -> work/wheels/
     python -m perf.gpu.run_device --dry-run  # every call printed and checked; exit 1 on a problem
+    python -m perf.gpu.run_device step tier1 --standin --out DIR   # a tier rehearsed on the stand-in
 
 There (on the GPU host, in the repository root with work/wheels carried, once per call the dry run
 prints; perf/README.md lists them):
 
     python3 -m pip install ... --target /tmp/site work/wheels/*.whl; export PYTHONPATH=/tmp/site:$PWD
-    python3 -m perf.gpu.run_device step gpu --out $OUT
-    python3 -m perf.gpu.run_device step experiments --out $OUT
+    python3 -m perf.gpu.run_device step tier1 --out $OUT
+    python3 -m perf.gpu.run_device step tier2 --out $OUT
 
-The total budget counts one call with its machine start: the one step not marked `rerun`. A step
-marked `rerun` is a further call, made where the budget has room for it (`step NAME --seconds S`
-fits a step to a shorter call).
+The total budget counts tier 1 with its machine start and tier 2 after it on the machine it left up
+(`follows`). A step marked `rerun` is a further call, made where the budget has room for it (`step
+NAME --seconds S` fits a step to a shorter call).
 
-Steps:
-- `handoff` (the call the budget counts): BERT-base sliced on the GPU as a user slices it,
-  served beside ZeroBatch and DelayBatch with the adapter's hand-off of calls and without it
-  (`sync`), each one's sustained rate, the stubs under py-spy;
-- `resnet`: ResNet-152 at the paper's size sliced on the GPU and served the same way;
-- `slice`: `dvabatch slice --device cuda` on BERT-base and ResNet-152, then the GPU-sliced
-  BERT-base served;
-- `standin`: the stand-in's device profile and the side by side it is judged against, in one call;
-- `served`: the stand-in's device profile measured on the GPU host (perf.gpu.device_profile),
-  then BERT-base sliced and served with the Docker image's GPU config beside ZeroBatch and
-  DelayBatch on the same engine (perf.compare --device cuda), every process of the server under
-  py-spy;
-- `diagnose`: the default config beside the load policy and ZeroBatch, each stub under py-spy:
-  where the served path's time goes;
-- `confirm`: the served comparison with the baselines answering, both stubs under py-spy;
-- `gpu`: nvidia-smi and the versions in use, then the GPU test module (tests/gpu: the torch
-  engine on CUDA against onnxruntime, CUDA graphs, the fence, the property test on CUDA, the
-  overlap check) with the runtime's own property test and the fence plumbing tests beside it (on
-  the host's CPU, with its own numpy and onnx), the overlap figure (perf.gpu.overlap), the real
-  server (perf.gpu.serve_check), and DVABatch beside ZeroBatch on the torch engine on CUDA
-  (perf.gpu.side_by_side);
-- `experiments`: the GPU tests, the real server, and DVABatch beside ZeroBatch with one buffer
-  pair and two and with `load`'s first stage running ahead of the device.
+Steps (`tiers`, the order a GPU host runs them; every model sliced on the device, bs_max 16):
+- `tier1`, at most 5 minutes: versions; BERT-base fp16 sliced (stage counts 2 and 4 tried);
+  DVABatch against ZeroBatch at the lone query and 9/10, one round; the device profile the
+  stand-in needs, of that slice;
+- `tier2`: fp32 sliced beside it; both at 1/4, 3/5 and 9/10 with DelayBatch, two rounds; the
+  hand-off of calls off beside (`sync`); py-spy of DVABatch's and ZeroBatch's stubs;
+- `tier3`: ResNet-152 224x224 fp16 sliced and served; the sustained rates; the pipeline against
+  the one-stage route;
+- `gpu`: the GPU test module beside the runtime's CPU property tests, the overlap figures, the real
+  server's check.
 
 A step runs its commands one after another in the repository root, each with what is left of the
-step's time, every line of output echoed and kept; then it collects into OUT at most `OUT_FILES`
-plain files (no folders): STEP.log (every command's output), the figures and JSON, junit XML, and
-STEP-raw.tar.gz of everything else the step wrote (models left out).
+step's time, every line of output echoed and kept with each command's wall time; after each command
+it collects into OUT at most `OUT_FILES` plain files (no folders): STEP.log (every command's
+output), the figures and JSON, junit XML, and STEP-raw.tar.gz of everything else the step wrote
+(models left out).
 """
 from __future__ import annotations
 
@@ -103,32 +93,13 @@ class Step:
     # a further call, made only where the total budget has room for it after the first: not
     # counted in the plan's budget
     rerun: bool = False
+    # made right after the step before, on the machine it left up (no start): counted in the budget
+    follows: bool = False
 
 
 def capped(seconds: int, *argv: str) -> tuple[str, ...]:
     """argv under coreutils' `timeout`: a hung command costs its own cap, not the call."""
     return ("timeout", "-k", "5", str(seconds), *argv)
-
-
-PY_SPY = "/tmp/site/bin/py-spy"  # the carried py-spy wheel's program, once installed there
-
-
-def profiled(out: str, *argv: str, subprocesses: bool = False) -> tuple[str, ...]:
-    """argv under py-spy (raw stacks of every thread into `out`, 50 samples a second; with
-    `subprocesses`, of its child processes too: the tritonserver's backend stubs), or alone where
-    py-spy cannot run: the figures come back either way."""
-    plain = shlex.join(argv)
-    children = " --subprocesses" if subprocesses else ""
-    return ("bash", "-c", f"if {PY_SPY} --version >/dev/null 2>&1; then exec {PY_SPY} record -r 50 --nonblocking"
-            f"{children} -f raw -o {out} -- {plain}; else exec {plain}; fi")
-
-
-def sliced_bert(seconds: int, slice_args: str) -> tuple[str, ...]:
-    """The zoo's BERT-base at its real size, exported and sliced on the GPU host (`dvabatch slice` with
-    `slice_args`, bs_max 16, lengths to 128) into {work}/repo/bert_base, capped."""
-    return capped(seconds, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo bert --size real --out {{work}}/bert.onnx && "
-                  f"{PY} -m dvabatch_backend.tools.cli slice {{work}}/bert.onnx {slice_args} --bs-max 16 --max-length 128 "
-                  "--repeats 3 --out {work}/repo/bert_base")
 
 
 STUB_SITE = "/tmp/stub-site"  # the carried numpy 1 (fetch_wheels.STUB_NUMPY), for the backend stubs alone
@@ -139,136 +110,151 @@ STUB_SITE_CHECK = ('import numpy, torch, onnx, onnxruntime, dvabatch_backend.run
                    'torch.from_numpy(numpy.ones(2, "float32")).cuda().cpu().numpy()')
 
 
-def served_model(seconds: int, compare_args: str, model: str = "bert_base") -> tuple[str, ...]:
-    """{work}/repo/MODEL (BERT-base unless named) served on the GPU beside the baselines
-    (`perf.compare --device cuda`, 1,000 queries a load, 2 rounds, `compare_args`), the carried
-    py-spy on the PATH, capped. The backend stubs import numpy from `STUB_SITE` first, as a user's
-    install of this package serves (numpy below 2), where it works with the machine's torch; else
-    the machine's numpy 2, and the log says which."""
+
+MODELS = "{work}/../models"  # slices kept between steps on a host that stays up: a later tier reuses them
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the tiers serve: a GPU (`cuda`: sliced on the device, served with the GPU config), or
+    the GPU stand-in (`simulated`: sliced on the host's CPU into the stage count of its device
+    profiles, served with `engine: simulated` charged from them), which rehearses the tiers with the
+    same caps where there is no GPU."""
+
+    device: str  # "cuda" or "simulated"
+    profiles: tuple[tuple[str, str], ...] = ()  # the stand-in's device profile per zoo model (repository paths)
+    sizes: tuple[tuple[str, str], ...] = ()  # the zoo size per model, where not the paper's
+
+    def size(self, zoo: str, paper: str) -> str:
+        return dict(self.sizes).get(zoo, paper)
+
+    def slice_args(self, candidates: str) -> str:
+        return f"--device cuda --stages auto --candidates {candidates}" if self.device == "cuda" else "--stages 4"
+
+    def compare_args(self, zoo: str) -> str:
+        if self.device == "cuda":
+            return "--device cuda"
+        return f"--device simulated --device-profile $PWD/{dict(self.profiles)[zoo]}"
+
+
+GPU = Target("cuda")
+# the profiles the stand-in replays: the H200's BERT-base (4 stages), the H100's ResNet-152 stage
+# times (4 stages); ResNet-152 at the zoo's `real` size (64x64), as the stand-in charges its stages
+# from the profile and the paper's size takes the host's two cores minutes to slice
+STANDIN = Target("simulated", (("bert", "perf/gpu/profiles/h200-bert-device-profile.json"),
+                               ("resnet152", "perf/gpu/profiles/h100-resnet152-stage-times.json")),
+                 (("resnet152", "real"),))
+
+
+def sliced(seconds: int, target: Target, zoo: str, paper_size: str, precision: str, name: str,
+           candidates: str = "2,4", extra: str = "") -> tuple[str, ...]:
+    """The zoo model sliced in `precision` into MODELS/NAME (bs_max 16, lengths to 128 where it has
+    them), unless a step before left it there; capped."""
+    size = target.size(zoo, paper_size)
+    folder = f"{MODELS}/{name}"
+    return capped(seconds, "bash", "-c", f"test -f {folder}/config.pbtxt && echo 'reused {folder}' || "
+                  f"({PY} -m dvabatch_backend.tools.cli zoo {zoo} --size {size} --out {MODELS}/{zoo}-{size}.onnx && "
+                  f"time {PY} -m dvabatch_backend.tools.cli slice {MODELS}/{zoo}-{size}.onnx {target.slice_args(candidates)} "
+                  f"--precision {precision} --bs-max 16 --repeats 3 {extra}--force --out {folder})")
+
+
+def served(seconds: int, target: Target, zoo: str, name: str, compare_args: str, out: str) -> tuple[str, ...]:
+    """MODELS/NAME served beside the baselines on the target (`served_model`), results in {work}/OUT."""
+    return served_model(seconds, f"{target.compare_args(zoo)} {compare_args}", f"{MODELS}/{name}", out)
+
+
+def served_model(seconds: int, compare_args: str, model_dir: str, out: str = "served") -> tuple[str, ...]:
+    """MODEL_DIR served beside the baselines (`perf.compare`, 1,000 queries a load, `compare_args`:
+    the device, loads, rounds, ...), the carried py-spy on the PATH, capped. The backend stubs import
+    numpy from `STUB_SITE` first, as a user's install of this package serves (numpy below 2), where
+    it works with the machine's torch; else the machine's numpy, and the log says which."""
     check = f"PYTHONPATH={STUB_SITE}:$PYTHONPATH {PY} -c {shlex.quote(STUB_SITE_CHECK)}"
-    return capped(seconds, "bash", "-c", f"STUB=; if {check}; then STUB='--stub-site {STUB_SITE}'; fi; "
+    return capped(seconds, "bash", "-c", f"STUB=; if {check} 2>/dev/null; then STUB='--stub-site {STUB_SITE}'; fi; "
                   f"echo \"backend stubs: ${{STUB:-numpy of the machine}}\"; "
-                  f"PATH=/tmp/site/bin:$PATH {PY} -m perf.compare --model-dir {{work}}/repo/{model} "
-                  f"--device cuda --queries 1000 --rounds 2 {compare_args} $STUB --out {{work}}/served")
+                  f"PATH=/tmp/site/bin:$PATH {PY} -m perf.compare --model-dir {model_dir} "
+                  f"--queries 1000 {compare_args} $STUB --out {{work}}/{out}")
 
 
-def sliced_resnet152(seconds: int) -> tuple[str, ...]:
-    """ResNet-152 at the paper's size (224x224, 1000 classes: the zoo's `full`) sliced on the
-    device (`--device cuda --stages auto`, bs_max 16) into {work}/repo/resnet152, timed, capped."""
-    return capped(seconds, "bash", "-c", f"{PY} -m dvabatch_backend.tools.cli zoo resnet152 --size full --out {{work}}/r152.onnx && "
-                  f"time {PY} -m dvabatch_backend.tools.cli slice {{work}}/r152.onnx --device cuda --stages auto "
-                  "--bs-max 16 --repeats 3 --out {work}/repo/resnet152")
+def device_profile(seconds: int, target: Target, name: str) -> tuple[str, ...]:
+    """The stand-in's device profile of MODELS/NAME as it serves (stage and unsliced times at every
+    bucket, copies, launch, `host_run_s`), measured on the GPU; the stand-in has none to measure."""
+    if target.device != "cuda":
+        return ("echo", "device profile: none on the stand-in (it replays the committed ones)")
+    return capped(seconds, PY, "-m", "perf.gpu.device_profile", "--model-dir", f"{MODELS}/{name}",
+                  "--out", "{work}/profile")
 
 
-# The total budget (`DEVICE_BUDGET_S`) holds one machine start and one full call: the one step not
-# marked `rerun`. The others are further calls, each made where the budget has room for it.
+def versions(target: Target) -> tuple[tuple[str, ...], ...]:
+    smi = (capped(10, "nvidia-smi"),) if target.device == "cuda" else ()
+    return (*smi, capped(20, PY, "-c", ENV_REPORT))
+
+
+# Tier caps: tier 1 and tier 2 fit one budget (`DEVICE_BUDGET_S`) with one machine start, tier 2 on
+# the machine tier 1 left up (its slice reused); tier 3 is a further call.
+TIER1_S, TIER2_S, TIER3_S = 300, 450, 570
+SERVED_NEEDS = ("perf/compare/on_device.py", "perf/compare/__main__.py", "slicer/precision.py",
+                "slicer/serving_engine.py", "perf/baselines/model.py")
+
+
+def tiers(target: Target) -> tuple[Step, ...]:
+    """The GPU suite's three tiers on `target`; each command capped, each tier's caps summing to 30 s
+    under its time (kept for collecting)."""
+    return (
+        # versions; BERT-base fp16 sliced on the device (candidates 2 and 4); DVABatch against
+        # ZeroBatch at the lone query and 9/10, one round; the device profile the stand-in needs
+        Step("tier1", TIER1_S, (
+            *versions(target),
+            sliced(100, target, "bert", "real", "fp16", "bert_fp16", extra="--max-length 128 "),
+            served(95, target, "bert", "bert_fp16", "--loads 0.9 --rounds 1 --delays ''", "bert_fp16-tier1"),
+            device_profile(45, target, "bert_fp16"),
+        ), needs=("perf/gpu/device_profile.py", *SERVED_NEEDS)),
+        # fp32 beside it; 1/4, 3/5 and 9/10; DelayBatch; two rounds; the hand-off of calls off beside
+        # (`sync`); py-spy of every stub thread of DVABatch and ZeroBatch
+        Step("tier2", TIER2_S, (
+            sliced(90, target, "bert", "real", "fp16", "bert_fp16", extra="--max-length 128 "),
+            sliced(90, target, "bert", "real", "fp32", "bert_fp32", extra="--max-length 128 "),
+            served(150, target, "bert", "bert_fp16", "--loads 0.25,0.6,0.9 --rounds 2 --delays 500,1000 "
+                   "--variant sync:hand_off_calls=false --py-spy DVABatch,ZeroBatch", "bert_fp16"),
+            served(90, target, "bert", "bert_fp32", "--loads 0.25,0.6,0.9 --rounds 2 --delays 500,1000",
+                   "bert_fp32"),
+        ), needs=SERVED_NEEDS, rerun=True, follows=True),
+        # ResNet-152 224x224 fp16 sliced and served; BERT-base fp16's sustained rate beside
+        # ZeroBatch's; the pipeline (stages on streams: the one-stage route off) against the default
+        # at 3/5 and 9/10, with each stage's batch sizes and the meta operations counted
+        Step("tier3", TIER3_S, (
+            sliced(90, target, "bert", "real", "fp16", "bert_fp16", extra="--max-length 128 "),
+            sliced(120, target, "resnet152", "full", "fp16", "resnet152_fp16"),
+            served(130, target, "resnet152", "resnet152_fp16", "--loads 0.25,0.6,0.9 --rounds 2 --delays 500,2000",
+                   "resnet152_fp16"),
+            served(200, target, "bert", "bert_fp16", "--loads 0.6,0.9 --rounds 2 --delays '' "
+                   "--variant pipeline:fast_path=false --sustained DVABatch,ZeroBatch", "bert_fp16-tier3"),
+        ), needs=SERVED_NEEDS, rerun=True),
+    )
+
+
+# The total budget (`DEVICE_BUDGET_S`) holds one machine start, tier 1 (the one step not marked
+# `rerun`) and tier 2 on the machine it left up. The others are further calls, each made where the
+# budget has room for it.
 STEPS: tuple[Step, ...] = (
-    # the call the budget counts: BERT-base sliced on the GPU as a user slices it, served beside
-    # ZeroBatch and DelayBatch with the adapter's hand-over of calls to the engine loop and without it
-    # (`sync`: hand_off_calls=false), each one's sustained rate (issue 41, item 2); the stubs under
-    # py-spy
-    Step("handoff", 560, (
-        capped(20, "nvidia-smi"),
-        sliced_bert(200, "--device cuda --stages auto --candidates 2,4"),
-        served_model(340, "--loads 0.25,0.6,0.9 --delays 500 --variant sync:hand_off_calls=false "
-                     "--sustained DVABatch,sync,ZeroBatch,DelayBatch-0.5ms --py-spy DVABatch,ZeroBatch"),
-    ), needs=("dvabatch_backend/runtime/engine_loop.py", "perf/compare/on_device.py", "slicer/serving_engine.py")),
-    # ResNet-152 at the paper's size (224x224, not the zoo's CPU size of width 16 at 64x64) sliced
-    # on the GPU and served as sliced beside ZeroBatch and DelayBatch, with the hand-off of calls
-    # and without it (`sync`: the hand-off's input copies compete for the host's cores, the more so
-    # the larger the inputs); `standin` after it measures the engine's host time per run
-    # (`host_run_s`)
-    Step("resnet", 420, (
-        capped(20, "nvidia-smi"),
-        sliced_resnet152(180),
-        served_model(190, "--loads 0.25,0.6,0.9 --delays 500,2000 --variant sync:hand_off_calls=false "
-                     "--py-spy DVABatch,ZeroBatch", model="resnet152"),
-    ), needs=("slicer/serving_engine.py", "slicer/zoo/__init__.py", "perf/compare/on_device.py"), rerun=True),
-    # `dvabatch slice --device cuda` on BERT-base and ResNet-152 (the stage count and buffer pairs
-    # measured on the GPU; its time), then the GPU-sliced BERT-base served beside ZeroBatch and
-    # DelayBatch on the same engine
-    Step("slice", 585, (
-        capped(20, "nvidia-smi"),
-        sliced_bert(280, "--device cuda --stages auto --candidates 2,3,4"),
-        sliced_resnet152(100),
-        served_model(160, "--loads 0.25,0.6,0.9 --delays 500 --py-spy DVABatch,ZeroBatch"),
-    ), needs=("slicer/serving_engine.py", "slicer/gpu_config.py", "perf/compare/on_device.py",
-              "perf/compare/stub_profile.py", "perf/baselines/model.py"), rerun=True),
-    # the stand-in's check (issue 40, item 3), from one call on one GPU host: its device profile (the
-    # stages and the unsliced model, timed together) and the side by side it is judged against, back
-    # to back, since profiles taken apart can disagree on the same stages
-    Step("standin", 420, (
-        capped(20, "nvidia-smi"),
-        capped(110, PY, "-m", "perf.gpu.device_profile", "--model", "bert", "--out", "{work}/profile"),
-        capped(260, PY, "-m", "perf.gpu.side_by_side", "--model", "bert", "--device", "cuda", "--pairs", "1,2",
-               "--policies", "load", "--host-buffers", "", "--fractions", "0.25,0.6,0.9,1.1", "--out", "{work}/bert"),
-    ), needs=("perf/gpu/device_profile.py", "perf/gpu/side_by_side.py"), rerun=True),
-    # what the stand-in assumes, measured on the GPU host (its device profile, committed under
-    # perf/gpu/profiles/), then BERT-base served as a user serves it (the slicer's CPU profile
-    # re-profiled at load on the GPU, the Docker image's GPU config) beside ZeroBatch and DelayBatch
-    # on the same engine and graphs, every process of the server under py-spy: where the served
-    # path's time goes
-    Step("served", 540, (
-        capped(20, "nvidia-smi"),
-        sliced_bert(150, "--stages 4"),
-        # the default GPU config (one buffer pair) beside two buffer pairs (the pipeline)
-        capped(300, *profiled("{work}/served/py-spy.txt", PY, "-m", "perf.compare", "--model-dir", "{work}/repo/bert_base",
-                              "--device", "cuda", "--queries", "1000", "--rounds", "2", "--loads", "0.25,0.6,0.9",
-                              "--variant", "pairs2:num_buffer_pairs=2", "--out", "{work}/served",
-                              subprocesses=True)),
-        capped(110, PY, "-m", "perf.gpu.device_profile", "--model", "bert", "--out", "{work}/profile"),
-    ), needs=("perf/gpu/device_profile.py", "perf/compare/on_device.py", "perf/compare/__main__.py",
-              "perf/compare/served_metrics.py", "docker/gpu_config.py"), rerun=True),
-    # after `served`: the default config beside the same model with the load policy (one batch per
-    # execute call, as ZeroBatch's), and ZeroBatch, each stub under py-spy (every thread, idle too)
-    # one query at a time and at 0.6x and 0.9x: where the served path's time goes
-    Step("diagnose", 300, (
-        sliced_bert(150, "--stages 4"),
-        served_model(140, "--loads 0.6,0.9 --delays '' --variant load:policy=load --py-spy DVABatch,load,ZeroBatch"),
-    ), needs=("perf/compare/on_device.py", "perf/compare/stub_profile.py", "perf/compare/served_metrics.py"),
-       rerun=True),
-    # after `diagnose`: the served comparison with the baselines' stubs answering with data (under
-    # numpy 2 they answered with none, and so sent nothing), both stubs under py-spy
-    Step("confirm", 250, (
-        sliced_bert(120, "--stages 4"),
-        served_model(150, "--loads 0.25,0.6,0.9 --delays 500,2000 --py-spy DVABatch,ZeroBatch"),
-    ), needs=("perf/compare/on_device.py", "perf/compare/stub_profile.py", "perf/baselines/model.py"), rerun=True),
-    # the GPU suite's commands in the order the issue ranks them, each capped: the GPU tests (answers,
-    # graphs, fence, overlap) with the CPU property tests beside them, the overlap figures, the real
-    # server, then the two experiments (BERT under py-spy)
-    Step("gpu", 585, (
-        capped(20, "nvidia-smi"),
-        capped(40, PY, "-c", ENV_REPORT),
+    *tiers(GPU),
+    # the GPU test module (answers, graphs, fence, overlap) with the CPU property tests beside it, the
+    # overlap figures and the real server's check
+    Step("gpu", 330, (
+        *versions(GPU),
         # the runtime's CPU property tests (the GPU host's own numpy and onnx) beside the GPU tests
         capped(150, "bash", "-c", f"timeout 140 {PY} -m pytest -q -o timeout=60 tests/runtime/test_property.py "
                "tests/runtime/test_property_torch.py tests/unit/test_fences.py --junitxml={out}/junit-runtime.xml "
                f"> {{out}}/runtime-tests.log 2>&1 & {PY} -m pytest -q -rs -o timeout=120 tests/gpu/test_gpu.py "
                "--junitxml={out}/junit-gpu.xml; code=$?; wait; exit $code"),
         capped(40, PY, "-m", "perf.gpu.overlap", "--out", "{work}/overlap"),
-        # the real server first: quick, and item 5 of the issue; a CPU instance only where the GPU one fails
-        capped(110, "bash", "-c", f"{PY} -m perf.gpu.serve_check --out {{work}}/serve || "
+        # a CPU instance only where the GPU one fails
+        capped(80, "bash", "-c", f"{PY} -m perf.gpu.serve_check --out {{work}}/serve || "
                f"{PY} -m perf.gpu.serve_check --instance cpu --out {{work}}/serve-cpu-instance"),
-        capped(220, *profiled("{work}/bert/py-spy.txt", PY, "-m", "perf.gpu.side_by_side", "--model", "bert",
-                              "--device", "cuda", "--out", "{work}/bert")),
-        capped(150, PY, "-m", "perf.gpu.side_by_side", "--model", "resnet152", "--device", "cuda",
-               "--out", "{work}/resnet152"),
-    ), needs=("tests/gpu/test_gpu.py", "perf/gpu/overlap.py", "perf/gpu/side_by_side.py", "perf/gpu/serve_check.py",
+    ), needs=("tests/gpu/test_gpu.py", "perf/gpu/overlap.py", "perf/gpu/serve_check.py",
               "tests/runtime/test_property.py", "tests/runtime/test_property_torch.py", "tests/unit/test_fences.py",
               "docker/gpu_config.py", "pytest.ini"), rerun=True),
-    Step("experiments", 500, (
-        capped(90, PY, "-m", "pytest", "-q", "-rs", "-o", "timeout=80", "tests/gpu/test_gpu.py",
-               "--junitxml={out}/junit-gpu.xml"),
-        capped(80, PY, "-m", "perf.gpu.serve_check", "--out", "{work}/serve"),
-        # one buffer pair beside two, both with device-memory boundaries (`gpu` sets device against
-        # host memory), and `load` with its first stage running ahead of the device beside the
-        # default, which waits for it (`entry_waits_for_device`)
-        capped(240, PY, "-m", "perf.gpu.side_by_side", "--model", "bert", "--device", "cuda", "--pairs", "2,1",
-               "--host-buffers", "", "--run-ahead", "load", "--out", "{work}/bert"),
-        capped(150, PY, "-m", "perf.gpu.side_by_side", "--model", "resnet152", "--device", "cuda", "--pairs", "2,1",
-               "--host-buffers", "", "--run-ahead", "load", "--out", "{work}/resnet152"),
-    ), needs=("tests/gpu/test_gpu.py", "perf/gpu/side_by_side.py", "perf/gpu/serve_check.py", "docker/gpu_config.py"),
-       rerun=True),
 )
+STANDIN_STEPS: tuple[Step, ...] = tiers(STANDIN)
 
 
 # -- planning (here) -----------------------------------------------------------------------
@@ -354,31 +340,52 @@ def device_call(step: Step, wheels: Sequence[Wheel], wheel_dir: Path, repo: Path
     return DeviceCall(step, command, carry, step.timeout_s, names)
 
 
-def plan(repo: Path, wheel_dir: Path, specs: Sequence[str], tree_bytes: int, steps: Sequence[Step] = STEPS) -> Plan:
-    """Every call, checked: each wheel present, the transfer under `TRANSFER_LIMIT`, each command
-    short enough and naming only files that exist, each call and the whole run inside its time."""
+@dataclass(frozen=True)
+class Limits:
+    """A job runner's limits the plan is checked against."""
+
+    call_s: int = CALL_LIMIT_S
+    budget_s: int = DEVICE_BUDGET_S
+    start_s: int = START_S
+    transfer_bytes: int = TRANSFER_LIMIT
+    command_chars: int = COMMAND_LIMIT
+
+
+def plan(repo: Path, wheel_dir: Path, specs: Sequence[str], tree_bytes: int, steps: Sequence[Step] = STEPS,
+         limits: Limits = Limits()) -> Plan:
+    """Every call, checked: each wheel present, the transfer under the limit, each command short
+    enough and naming only files that exist, each call inside its time, and the first call with
+    the next (tier 1 and tier 2, the second on the machine the first left up) inside the budget."""
     wheels = [find_wheel(spec, wheel_dir) for spec in specs]
     carried = sum(p.stat().st_size for p in wheel_dir.rglob("*") if p.is_file()) if wheel_dir.is_dir() else 0
     result = Plan(wheels, tree_bytes, [], carried_bytes=carried)
     missing = [w.requirement for w in wheels if w.path is None]
     if missing:
         result.problems.append(f"wheels missing from {wheel_dir} (run python -m perf.gpu.fetch_wheels): {missing}")
-    if result.transfer_bytes > TRANSFER_LIMIT:
+    if result.transfer_bytes > limits.transfer_bytes:
         result.problems.append(f"the tree ({tree_bytes / MiB:.1f} MiB) and the carried folder ({result.carried_bytes / MiB:.1f} MiB) "
-                               f"are over the {TRANSFER_LIMIT // MiB} MiB a call carries")
+                               f"are over the {limits.transfer_bytes // MiB} MiB a call carries")
     result.calls = [device_call(step, wheels, wheel_dir, repo) for step in steps]
     for call in result.calls:
-        if len(call.command) > COMMAND_LIMIT:
-            result.problems.append(f"step {call.step.name}: command of {len(call.command)} characters (limit {COMMAND_LIMIT})")
-        if call.timeout_s > CALL_LIMIT_S:
-            result.problems.append(f"step {call.step.name}: {call.timeout_s} s (a call runs at most {CALL_LIMIT_S} s)")
+        if len(call.command) > limits.command_chars:
+            result.problems.append(f"step {call.step.name}: command of {len(call.command)} characters "
+                                   f"(limit {limits.command_chars})")
+        if call.timeout_s > limits.call_s:
+            result.problems.append(f"step {call.step.name}: {call.timeout_s} s (a call runs at most {limits.call_s} s)")
         absent = [name for name in call.names if not (repo / name).is_file()]
         if absent:
             result.problems.append(f"step {call.step.name}: names files that do not exist: {absent}")
-    total = sum(c.timeout_s + START_S for c in result.calls if not c.step.rerun)
-    if total > DEVICE_BUDGET_S:
-        result.problems.append(f"the calls may take {total} s with starts, over the {DEVICE_BUDGET_S} s budget")
+    total = opening_seconds(result.calls, limits.start_s)
+    if total > limits.budget_s:
+        result.problems.append(f"the calls may take {total} s with starts, over the {limits.budget_s} s budget")
     return result
+
+
+def opening_seconds(calls: Sequence[DeviceCall], start_s: int) -> int:
+    """The budget's calls: the first (not a `rerun`) with its machine's start, and those that
+    `follow` it on the machine it left up."""
+    return sum(c.timeout_s + start_s for c in calls if not c.step.rerun) + sum(c.timeout_s for c in calls
+                                                                              if c.step.follows)
 
 
 def print_plan(result: Plan, repo: Path) -> None:
@@ -396,9 +403,9 @@ def print_plan(result: Plan, repo: Path) -> None:
         for argv in call.step.commands:
             work = f"{WORK}/{call.step.name}"  # collected into $OUT when the step ends
             print("    " + shlex.join(_filled(argv, work, work)))
-    total = sum(c.timeout_s + START_S for c in result.calls if not c.step.rerun)
-    print(f"\ntime at most {total / 60:.1f} min (the first call, {START_S} s start; a rerun only where "
-          f"the budget has room), "
+    total = opening_seconds(result.calls, START_S)
+    print(f"\ntime at most {total / 60:.1f} min (the first call with its {START_S} s start and the one that "
+          f"follows it on that machine; a rerun only where the budget has room), "
           f"budget {DEVICE_BUDGET_S // 60} min")
     print("\n".join(f"PROBLEM: {p}" for p in result.problems) or "plan: OK")
 
@@ -418,13 +425,21 @@ def run_step(step: Step, out: Path, seconds: int | None = None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     out.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + min(step.timeout_s, seconds or step.timeout_s) - 30  # 30 s kept for collecting
+    began = time.monotonic()
+    deadline = began + min(step.timeout_s, seconds or step.timeout_s) - 30  # 30 s kept for collecting
     failures = 0
+    kept: list[Path] = []
     with open(work / f"{step.name}.log", "w") as log:
         for argv in step.commands:
+            started = time.monotonic()
             failures += _run_logged(_filled(argv, str(work), str(work)), log, deadline)
-    collect(work, out, step.name)
-    print(f"step {step.name}: {failures} command(s) failed", flush=True)
+            line = f"(wall {time.monotonic() - started:.0f} s; the step's so far {time.monotonic() - began:.0f} s)\n"
+            print(line, end="", flush=True)
+            log.write(line)
+            log.flush()
+            kept = collect(work, out, step.name, kept)  # results as they come: a call stopped at its limit keeps them
+    print(f"step {step.name}: {failures} command(s) failed; wall {time.monotonic() - began:.0f} s "
+          f"of {step.timeout_s} s", flush=True)
     return 1 if failures else 0
 
 
@@ -459,18 +474,19 @@ def _run_logged(argv: list[str], log, deadline: float) -> int:
 DIRECT_ORDER = (".log", ".json", ".xml", ".png")  # what comes back as a file first; the rest is in the tarball
 
 
-def collect(work: Path, out: Path, name: str) -> list[Path]:
+def collect(work: Path, out: Path, name: str, earlier: Sequence[Path] = ()) -> list[Path]:
     """At most `OUT_FILES` files into `out` (no folders): the log, junit XML, figures and JSON as
-    they are, everything else (models left out) in NAME-raw.tar.gz."""
+    they are, everything else (models left out) in NAME-raw.tar.gz; the `earlier` collect's files
+    it does not write again are removed (a step collects after each command)."""
     out.mkdir(parents=True, exist_ok=True)
     files = sorted(p for p in work.rglob("*") if p.is_file() and p.suffix != ".onnx")
     direct = sorted((p for p in files if p.suffix in DIRECT_ORDER and p.stat().st_size <= OUT_FILE_LIMIT
                      and not {"model", "repository", ".sliced"} & set(p.relative_to(work).parts[:-1])),
                     key=lambda p: (DIRECT_ORDER.index(p.suffix), str(p)))
     direct = direct[: OUT_FILES - 1]
-    kept = []
+    kept: list[Path] = []
     for p in direct:
-        target = out / (p.name if not (out / p.name).exists() else f"{p.parent.name}-{p.name}")
+        target = out / (p.name if out / p.name not in kept else f"{p.parent.name}-{p.name}")
         shutil.copyfile(p, target)
         kept.append(target)
     raw = out / f"{name}-raw.tar.gz"
@@ -479,6 +495,8 @@ def collect(work: Path, out: Path, name: str) -> list[Path]:
             if p not in direct:
                 tar.add(p, arcname=str(p.relative_to(work)))
     kept.append(raw)
+    for stale in set(earlier) - set(kept):
+        stale.unlink(missing_ok=True)
     return kept
 
 
@@ -489,14 +507,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     step_parser.add_argument("name", choices=[s.name for s in STEPS])
     step_parser.add_argument("--out", type=Path, required=True)
     step_parser.add_argument("--seconds", type=int, help="the call's time where less than the step plans")
+    step_parser.add_argument("--standin", action="store_true",
+                             help="a tier rehearsed on the GPU stand-in, here, with the same caps")
     parser.add_argument("--dry-run", action="store_true", help="print and check every call (here)")
     parser.add_argument("--wheels", type=Path, default=DEFAULT_DEST)
+    # a job runner's limits (the defaults: the runner the project's own GPU runs went through)
+    parser.add_argument("--call-limit", type=int, default=CALL_LIMIT_S, help="seconds one command may run")
+    parser.add_argument("--budget", type=int, default=DEVICE_BUDGET_S,
+                        help="seconds of the whole run, machine starts included")
+    parser.add_argument("--start", type=int, default=START_S, help="seconds a fresh GPU host takes to start")
+    parser.add_argument("--transfer-limit", type=int, default=TRANSFER_LIMIT // MiB,
+                        help="MiB a call carries: the working tree and the wheels")
+    parser.add_argument("--command-limit", type=int, default=COMMAND_LIMIT, help="characters of one command")
     args = parser.parse_args(argv)
     if args.what == "step":
-        return run_step(next(s for s in STEPS if s.name == args.name), args.out, args.seconds)
+        steps = STANDIN_STEPS if args.standin else STEPS
+        if args.name not in {s.name for s in steps}:
+            parser.error(f"the stand-in rehearses the tiers: {[s.name for s in steps]}")
+        return run_step(next(s for s in steps if s.name == args.name), args.out, args.seconds)
     if not args.dry_run:
         parser.error("give --dry-run (here) or `step NAME --out DIR` (on the GPU host)")
-    result = plan(REPO, args.wheels.resolve(), requirements(WHEELS_TXT), tree_size(REPO))
+    limits = Limits(args.call_limit, args.budget, args.start, args.transfer_limit * MiB, args.command_limit)
+    result = plan(REPO, args.wheels.resolve(), requirements(WHEELS_TXT), tree_size(REPO), limits=limits)
     print_plan(result, REPO)
     return 1 if result.problems else 0
 

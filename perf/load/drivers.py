@@ -124,6 +124,7 @@ def run_open_loop(client_url: str, model: str, queries: Sequence[Query], offsets
         sizes = list(lengths) if lengths is not None else [query_length(q, add_batch_dim) for q in queries]
         order = np.argsort(times, kind="stable").tolist()
         targets = times.tolist()
+        cpu_before = time.process_time()  # the client's own CPU: a starved sender lags its schedule
         with _GcFrozen():
             started_at = time.time()
             for i in paced(targets, order, on_start=lambda t0: clock.__setitem__("t0", t0)):
@@ -132,11 +133,13 @@ def run_open_loop(client_url: str, model: str, queries: Sequence[Query], offsets
                 tracker.started()
                 transport.submit(record, requests[i], tracker.answered)
             tracker.wait(timeout + 10.0)
+        client_cpu_s = time.process_time() - cpu_before
     finally:
         transport.close()
     _unanswered(records, timeout)
     records.sort(key=lambda r: r.id)
-    info = {"n": len(queries), "timeout_s": timeout, "channels": channels, **(params or {})}
+    info = {"n": len(queries), "timeout_s": timeout, "channels": channels, "client_cpu_s": client_cpu_s,
+            **(params or {})}
     return LoadResult("open", model, client_url, protocol, started_at, records, info, transport.outputs)
 
 

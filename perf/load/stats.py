@@ -104,7 +104,7 @@ class LoadResult:
 
     def summary(self, latency_target: float | None = None) -> dict[str, Any]:
         """Flat figures: counts, latency (ms) mean/p50/p90/p99/max, throughput and goodput (qps),
-        offered and achieved send rates, and send lag (ms; open loop only)."""
+        offered and achieved send rates, send lag (ms) and the client's CPU in cores (open loop only)."""
         ok = self._ok()
         out: dict[str, Any] = {"mode": self.mode, "model": self.model, "protocol": self.protocol,
                                "queries": len(self.records), "answered": len(ok),
@@ -121,6 +121,8 @@ class LoadResult:
             span = max(scheduled) - min(scheduled)
             out["offered_qps"] = (len(scheduled) - 1) / span if span > 0 else None
             out.update(latency_fields(self.send_lags(), "send_lag"))
+        if self.params.get("client_cpu_s") is not None and out["duration_s"] > 0:  # cores the client kept busy
+            out["client_cpu_cores"] = self.params["client_cpu_s"] / out["duration_s"]
         return out
 
     def segments(self, size: int) -> list[LoadResult]:

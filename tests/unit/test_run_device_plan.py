@@ -58,11 +58,11 @@ def test_the_stubs_numpy_is_unpacked_apart_and_served_with_where_the_machine_tak
         unpack = f"-m zipfile -e work/wheels/{STUB_SITE_DIR}/numpy-1.26.4-cp312-cp312-manylinux_2_17_x86_64.whl"
         assert f"{unpack} {run_device.STUB_SITE}" in call.command
         assert "--target /tmp/site" in call.command.split(unpack)[0]
-    served = run_device.served_model(60, "--loads 0.5")[-1]
+    served = run_device.served_model(60, "--loads 0.5", "/tmp/m")[-1]
     assert f"--stub-site {run_device.STUB_SITE}" in served and "$STUB --out" in served
     assert "import numpy, torch" in served and "backend stubs:" in served
     steps = {s.name: s for s in STEPS}
-    assert all(any("$STUB --out" in c[-1] for c in steps[name].commands) for name in ("handoff", "resnet"))
+    assert all(any("$STUB --out" in c[-1] for c in steps[name].commands) for name in ("tier1", "tier2", "tier3"))
     without = plan(repo, repo / "work" / "wheels", [], tree_bytes=MiB)  # nothing carried: nothing unpacked
     assert all("zipfile" not in c.command for c in without.calls)
 
@@ -97,13 +97,46 @@ def test_a_step_naming_an_absent_file_is_a_problem(repo: Path) -> None:
 
 
 def test_calls_fit_the_device_limits() -> None:
-    """Every call under the per-call time limit; the first call (the one the budget counts) with its
-    start inside the total time budget; each rerun, with its own start, under the budget too (it
-    runs on what the first leaves)."""
+    """Every call under the per-call time limit; tier 1 (the one the budget counts) with its start,
+    and tier 2 after it on the machine it left up, inside the total time budget; each rerun, with
+    its own start, under the budget too (it runs on what the first leaves). Tier 1 takes at most 5
+    minutes, and each tier's caps leave it 30 s to collect."""
     assert all(s.timeout_s <= run_device.CALL_LIMIT_S for s in STEPS)
     first = [s for s in STEPS if not s.rerun]
-    assert len(first) == 1 and first[0].timeout_s + run_device.START_S <= run_device.DEVICE_BUDGET_S
+    assert [s.name for s in first] == ["tier1"] and first[0].timeout_s <= 300
+    assert [s.name for s in STEPS if s.follows] == ["tier2"]
+    assert first[0].timeout_s + run_device.START_S + STEPS[1].timeout_s <= run_device.DEVICE_BUDGET_S
     assert all(s.timeout_s + run_device.START_S < run_device.DEVICE_BUDGET_S for s in STEPS if s.rerun)
+    for step in STEPS:
+        caps = [int(argv[3]) for argv in step.commands if argv[0] == "timeout"]
+        assert sum(caps) <= step.timeout_s - 30, step.name
+
+
+def test_the_stand_in_rehearses_the_tiers_with_the_same_caps() -> None:
+    """The same tiers, the same caps per command but the device's own, the device switched: sliced on the CPU into the
+    stage count of the stand-in's profiles, served on the stand-in charged from them."""
+    gpu = {s.name: s for s in STEPS}
+    for rehearsal in run_device.STANDIN_STEPS:
+        on_gpu = gpu[rehearsal.name]
+        assert rehearsal.timeout_s == on_gpu.timeout_s
+        def caps(step: run_device.Step) -> list[str]:  # but the device's own: nvidia-smi, its profile
+            return [argv[3] for argv in step.commands if argv[0] == "timeout" and "nvidia-smi" not in argv
+                    and "perf.gpu.device_profile" not in argv]
+
+        assert caps(rehearsal) == caps(on_gpu)
+        text = " ".join(" ".join(argv) for argv in rehearsal.commands)
+        assert "--device cuda" not in text and "--device simulated --device-profile $PWD/perf/gpu/profiles/" in text
+    for _, profile in run_device.STANDIN.profiles:
+        assert (run_device.REPO / profile).is_file()
+
+
+def test_the_limits_are_options(repo: Path) -> None:
+    tight = run_device.Limits(call_s=200, budget_s=600, start_s=60, transfer_bytes=MiB, command_chars=100)
+    problems = plan(repo, repo / "work" / "wheels", SPECS, tree_bytes=2 * MiB, limits=tight).problems
+    assert any("(a call runs at most 200 s)" in p for p in problems)
+    assert any("over the 600 s budget" in p for p in problems)
+    assert any("over the 1 MiB a call carries" in p for p in problems)
+    assert any("(limit 100)" in p for p in problems)
 
 
 def test_the_server_bundle_keeps_only_the_device_python(tmp_path: Path) -> None:
@@ -151,3 +184,16 @@ def test_run_step_logs_every_command_and_collects(tmp_path: Path, monkeypatch: p
     assert run_device.run_step(step, tmp_path / "out") == 1  # the second command failed
     log = (tmp_path / "out" / "smoke.log").read_text()
     assert "hello from the step" in log and "(exit 3)" in log
+    assert log.count("(wall ") == 2  # each command's wall time, and the step's so far
+
+
+def test_a_step_writes_its_results_as_it_goes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After each command the results so far are in OUT: a call stopped at its limit keeps them. The
+    second command checks, while it runs, that the first one's JSON is already there."""
+    monkeypatch.setattr(run_device, "WORK", str(tmp_path / "work"))
+    out = tmp_path / "out"
+    write = "import pathlib; pathlib.Path('{work}/first.json').write_text('{}')"
+    check = f"import pathlib, sys; sys.exit(0 if pathlib.Path('{out}/first.json').is_file() else 4)"
+    step = run_device.Step("going", 60, (("python3", "-c", write), ("python3", "-c", check)), needs=())
+    assert run_device.run_step(step, out) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["first.json", "going-raw.tar.gz", "going.log"]
