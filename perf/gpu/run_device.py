@@ -191,7 +191,7 @@ def versions(target: Target) -> tuple[tuple[str, ...], ...]:
 
 # Tier caps: tier 1 and tier 2 fit one budget (`DEVICE_BUDGET_S`) with one machine start, tier 2 on
 # the machine tier 1 left up (its slice reused); tier 3 is a further call.
-TIER1_S, TIER2_S, TIER3_S = 300, 450, 570
+TIER1_S, TIER2_S, TIER3_S = 270, 480, 570
 SERVED_NEEDS = ("perf/compare/on_device.py", "perf/compare/__main__.py", "slicer/precision.py",
                 "slicer/serving_engine.py", "perf/baselines/model.py")
 
@@ -205,18 +205,17 @@ def tiers(target: Target) -> tuple[Step, ...]:
         Step("tier1", TIER1_S, (
             *versions(target),
             sliced(100, target, "bert", "real", "fp16", "bert_fp16", extra="--max-length 128 "),
-            served(95, target, "bert", "bert_fp16", "--loads 0.9 --rounds 1 --delays ''", "bert_fp16-tier1"),
-            device_profile(45, target, "bert_fp16"),
+            served(70, target, "bert", "bert_fp16", "--loads 0.9 --rounds 1 --delays ''", "bert_fp16-tier1"),
+            device_profile(40, target, "bert_fp16"),
         ), needs=("perf/gpu/device_profile.py", *SERVED_NEEDS)),
         # fp32 beside it; 1/4, 3/5 and 9/10; DelayBatch; two rounds; the hand-off of calls off beside
         # (`sync`); py-spy of every stub thread of DVABatch and ZeroBatch
         Step("tier2", TIER2_S, (
-            sliced(90, target, "bert", "real", "fp16", "bert_fp16", extra="--max-length 128 "),
+            sliced(100, target, "bert", "real", "fp16", "bert_fp16", extra="--max-length 128 "),
             sliced(90, target, "bert", "real", "fp32", "bert_fp32", extra="--max-length 128 "),
-            served(150, target, "bert", "bert_fp16", "--loads 0.25,0.6,0.9 --rounds 2 --delays 500,1000 "
+            served(140, target, "bert", "bert_fp16", "--loads 0.25,0.6,0.9 --rounds 2 --delays 500,1000 "
                    "--variant sync:hand_off_calls=false --py-spy DVABatch,ZeroBatch", "bert_fp16"),
-            served(90, target, "bert", "bert_fp32", "--loads 0.25,0.6,0.9 --rounds 2 --delays 500,1000",
-                   "bert_fp32"),
+            served(120, target, "bert", "bert_fp32", "--loads 0.25,0.6,0.9 --rounds 2 --delays 500", "bert_fp32"),
         ), needs=SERVED_NEEDS, rerun=True, follows=True),
         # ResNet-152 224x224 fp16 sliced and served; BERT-base fp16's sustained rate beside
         # ZeroBatch's; the pipeline (stages on streams: the one-stage route off) against the default

@@ -11,7 +11,8 @@ for the steps of `python -m perf.gpu.run_device` that run it):
   buffer-pair rule broken;
 - the first stage's executor waits for its batch on the device before it takes another;
 - the overlap check from CUDA event timings: with one buffer pair the stages never overlap on
-  the GPU timeline; with two they do.
+  the GPU timeline; with two they do;
+- a model sliced on the device in fp16 and bf16 answers within each precision's tolerance.
 """
 from __future__ import annotations
 
@@ -342,3 +343,44 @@ def test_a_transformers_stages_on_graphs_answer_mixed_lengths_as_the_unsliced_mo
         answer = collector.one(qid)
         assert answer.error is None, answer.error
         check(q, answer.outputs)
+
+
+# -- half precision on the device ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_half_precision_slice_on_graphs_answers_within_its_tolerance(tmp_path: Path, precision: str) -> None:
+    """The zoo BERT (test size) sliced on the device in fp16 and bf16 (`--device cuda --precision`):
+    the stages run on CUDA graphs in the half type, queries of mixed lengths answer within the
+    precision's tolerance of the fp32 model run on each alone, in the exported shapes and types."""
+    import onnxruntime as ort
+
+    from dvabatch_backend.runtime.loading import load_pipeline
+    from policies import create_policy
+    from slicer.precision import PRECISIONS, output_error
+    from slicer.profiler import int_bounds, random_inputs
+    from slicer.serving_engine import ServingEngine
+    from slicer.slice_model import SliceOptions, slice_model
+    from slicer.zoo import build
+
+    model = build("bert")
+    report = slice_model(model, tmp_path / "bert", SliceOptions(
+        stages=2, max_batch_size=8, max_length=32, repeats=2, calibration_rounds=0,
+        serving=ServingEngine("torch", "cuda"), precision=precision))
+    full = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in full.get_outputs()]
+    rng = np.random.default_rng(8)
+    queries = [{k: v[0] for k, v in random_inputs(report.manifest.inputs, 1, n, rng, int_bounds(model)).items()}
+               for n in (1, 5, 16, 17, 32, 9)]
+    collector = Collector()
+    settings = RuntimeSettings(engine="torch", device="cuda", num_buffer_pairs=1, bs_max=8)
+    with load_pipeline(report.out_dir, create_policy("input"), settings) as pipeline:
+        sent = dict(zip(pipeline.submit_many([(q, collector) for q in queries]), queries))
+        assert collector.wait_for(set(sent), timeout=60)
+    for qid, query in sent.items():
+        answer = collector.one(qid)
+        assert answer.error is None
+        for name, want in zip(names, full.run(names, {k: v[None] for k, v in query.items()})):
+            got = answer.outputs[name]
+            assert got.shape == want[0].shape and got.dtype == want.dtype, name
+            assert output_error(got, want[0]) <= PRECISIONS[precision].tolerance, name
