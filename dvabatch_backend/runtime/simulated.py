@@ -98,7 +98,10 @@ class DeviceProfile:
 
     `stage_times[i]`: stage i's run time by batch size at the longest length (or a fixed-shape
     model's); `stage_times_by_length[L][i]` the same at length L; `model_times` (optional, same
-    forms under "stage_times"/"by_length" as one stage) the unsliced model's."""
+    forms under "stage_times"/"by_length" as one stage) the unsliced model's. `boundaries`: where
+    the profile's runs kept the tensors between stages: "host" (each run copied its inputs in and
+    its outputs out: the profiles measured before `perf.gpu.device_profile` timed them as served)
+    or "device" (only the model's own inputs and outputs were copied)."""
 
     name: str
     stage_times: tuple[Times, ...]
@@ -108,6 +111,7 @@ class DeviceProfile:
     parameters: DeviceParameters = DeviceParameters()
     computed_values: bool = False
     source: str = ""
+    boundaries: str = "host"
 
     @property
     def num_stages(self) -> int:
@@ -130,13 +134,16 @@ class DeviceProfile:
         values = doc.get("values", "zeros")
         if values not in ("zeros", "computed"):
             raise ValueError(f"device profile {source}: values must be 'zeros' or 'computed', got {values!r}")
+        boundaries = doc.get("boundaries", "host")
+        if boundaries not in ("host", "device"):
+            raise ValueError(f"device profile {source}: boundaries must be 'host' or 'device', got {boundaries!r}")
         return cls(name=str(doc.get("measured_on") or doc.get("name") or "unnamed device") + " (simulated)",
                    stage_times=_stages(doc["stage_times"]),
                    stage_times_by_length={int(k): _stages(v) for k, v in (doc.get("stage_times_by_length") or {}).items()},
                    model_times=_stages(model["stage_times"]) if model.get("stage_times") else None,
                    model_times_by_length={int(k): _stages(v) for k, v in (model.get("by_length") or {}).items()},
                    parameters=replace(DeviceParameters(), **params), computed_values=values == "computed",
-                   source=source)
+                   source=source, boundaries=boundaries)
 
     def run_seconds(self, stage: int | None, batch: int, length: int) -> float:
         """A run's time as profiled (copies in and out included) at `batch` rows and `length`
@@ -339,7 +346,7 @@ class SimulatedStageEngine:
 
     def __init__(self, device: SimulatedDevice, inputs: Sequence[TensorSpec], parts: Sequence[Part],
                  buckets: tuple[Sequence[int], Sequence[int]], pad_length: bool, values: Any = None,
-                 name: str = "") -> None:
+                 name: str = "", model_io: frozenset[str] | None = None) -> None:
         self.device = device
         self.input_specs = tuple(inputs)  # what `run` is given: where it reads the batch's rows and length
         self._parts = tuple(parts)
@@ -353,6 +360,9 @@ class SimulatedStageEngine:
         self.name = name
         self.replays = 0
         self._compute_cache: dict[tuple[int, int], float] = {}
+        # the tensors a profile with device boundaries copied: the model's own inputs and outputs
+        # (None: every part's, as a profile with host boundaries did)
+        self._profiled_copies = model_io if device.profile.boundaries == "device" else None
 
     @property
     def buckets(self) -> tuple[list[int], list[int]]:
@@ -395,7 +405,8 @@ class SimulatedStageEngine:
 
     def compute_seconds(self, size: int, length: int) -> float:
         """The replay's device time at a bucket: each part's profiled run less its launch and the
-        copies it made (each of its inputs in and outputs out, host memory, at the bucket's shapes)."""
+        copies it made (each of its inputs in and outputs out that were in host memory when
+        profiled, at the bucket's shapes: every one, or with device boundaries the model's own)."""
         key = (size, length)
         seconds = self._compute_cache.get(key)
         if seconds is None:
@@ -403,7 +414,8 @@ class SimulatedStageEngine:
             seconds = 0.0
             for stage, inputs, outputs in self._parts:
                 copies = params.copies_seconds(math.prod(s.shape(size, max(length, 1))) * s.np_dtype.itemsize
-                                               for s in (*inputs, *outputs))
+                                               for s in (*inputs, *outputs)
+                                               if self._profiled_copies is None or s.name in self._profiled_copies)
                 profiled = self.device.profile.run_seconds(stage, size, length)
                 seconds += max(0.0, profiled - params.launch_s - copies)
             self._compute_cache[key] = seconds
@@ -475,4 +487,5 @@ def simulated_engine(path: Path, profile_path: str | Path | None, manifest: Mani
         from .engine import OrtStageEngine
 
         values = OrtStageEngine(path, 1)
-    return SimulatedStageEngine(device, inputs, parts, buckets, pad_length, values, path.name)
+    model_io = frozenset(t.name for t in (*manifest.inputs, *manifest.outputs))
+    return SimulatedStageEngine(device, inputs, parts, buckets, pad_length, values, path.name, model_io)

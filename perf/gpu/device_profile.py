@@ -15,8 +15,9 @@ sources. This measures, with the runtime's torch engine on CUDA:
   (nothing waited for), which the stand-in spends on the host thread that runs it;
 - `concurrent_kernels`: two stages' graphs replayed on two streams at once against one after the
   other: 2 where together they take under 75 % of the two apart, else 1;
-- the stage times (`run()` at every graph bucket, as perf.gpu.side_by_side profiles them) and the
-  unsliced model's (`model_times`), which the stand-in otherwise sums from the stages.
+- the stage times (`run()` at every graph bucket, the boundaries between stages in device memory as
+  served: `"boundaries": "device"`) and the unsliced model's (`model_times`), which the stand-in
+  otherwise sums from the stages.
 
 Writes DIR/device_profile.json in the format `DeviceProfile.load` reads (measured_on, parameters,
 stage_times, stage_times_by_length, model_times), and DIR/device_profile.log.
@@ -31,7 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dvabatch_backend.runtime.device_times import time_engines
+from dvabatch_backend.runtime.device_times import served_memory, time_engines
 from dvabatch_backend.runtime.loading import engine_buckets, find_version_dir, make_engine
 from dvabatch_backend.runtime.manifest import Manifest, StageSpec
 from dvabatch_backend.runtime.settings import RuntimeSettings
@@ -159,7 +160,9 @@ def measure(model: str, out: Path, stages: int = 4, bs_max: int = 16, max_length
     sizes, lengths = engine_buckets(settings, manifest)
     lengths = lengths if manifest.has_seq else [0]
     engines = torch_engines(model_dir, manifest, "cuda", True, bs_max)
-    stage_times = time_engines(manifest.stages, engines, sizes, lengths)
+    # the boundaries between stages in device memory, as served: each run copies only the model's
+    # own inputs and outputs, which is what the stand-in subtracts from it ("boundaries": "device")
+    stage_times = time_engines(manifest.stages, engines, sizes, lengths, memory=served_memory(engines))
     full = str(manifest.full_model or "model.onnx")
     whole = make_engine(model_dir / full, settings, manifest)
     model_times = time_engines([StageSpec(full, manifest.inputs, manifest.outputs)], [whole], sizes, lengths)
@@ -174,7 +177,7 @@ def measure(model: str, out: Path, stages: int = 4, bs_max: int = 16, max_length
            "model": (f"zoo {model} at the paper's size, {stages} stages, bs_max {bs_max}" if sliced is None else
                      f"{model} as sliced: {manifest.num_stages} stages, bs_max {bs_max}, precision "
                      f"{manifest.extra.get('slicing', {}).get('precision', {}).get('precision', 'fp32')}"),
-           "parameters": parameters, "two_streams": overlap,
+           "parameters": parameters, "two_streams": overlap, "boundaries": "device",
            "stage_times": stage_times[longest], "model_times": {"stage_times": model_times[longest]}}
     if manifest.has_seq:
         doc["stage_times_by_length"] = stage_times

@@ -107,6 +107,34 @@ def test_each_host_tensor_is_a_copy_of_its_own_in_the_charge_and_in_what_the_pro
     assert clock.now == pytest.approx(params.launch_s + 4 * params.copy_seconds(tensor_bytes) + expected)
 
 
+@pytest.mark.parametrize("boundaries", ["host", "device"])
+def test_a_profile_with_device_boundaries_paid_only_the_models_own_copies(boundaries: str) -> None:
+    """A profile timed with the boundaries between stages in device memory (as
+    `perf.gpu.device_profile` times them now) made no copies of them: a middle stage's compute is
+    its whole run less the launch, and only the model's own inputs and outputs are subtracted. A
+    profile with host boundaries paid a copy of each (where a large boundary's modelled copy outgrew
+    the run, compute read 0: ResNet-152 on the stand-in twice as fast as the H100)."""
+    clock = ManualClock()
+    profile = DeviceProfile.from_json(_profile(launch_s=1e-5, boundaries=boundaries))
+    device = SimulatedDevice(profile, clock, clock.sleep, spin_s=0.0)
+    model_in, middle = TensorSpec("x", "float32", ("batch", "seq", 8)), TensorSpec("h", "float32", ("batch", "seq", 8))
+    first = SimulatedStageEngine(device, [model_in], [(0, [model_in], [middle])], ([1, 2, 4], [16, 32]), True,
+                                 model_io=frozenset({"x", "y"}))
+    second = SimulatedStageEngine(device, [middle], [(1, [middle], [TensorSpec("y", "float32", ("batch", "seq", 8))])],
+                                  ([1, 2, 4], [16, 32]), True, model_io=frozenset({"x", "y"}))
+    params, copy = profile.parameters, profile.parameters.copy_seconds(4 * 32 * 8 * 4)
+    run = profile.run_seconds(1, 4, 32)
+    host = boundaries == "host"
+    assert first.compute_seconds(4, 32) == pytest.approx(run - params.launch_s - copy - (copy if host else 0.0))
+    assert second.compute_seconds(4, 32) == pytest.approx(run - params.launch_s - (copy if host else 0.0) - copy)
+
+
+def test_a_profiles_boundaries_are_host_or_device() -> None:
+    assert DeviceProfile.from_json(_profile()).boundaries == "host"  # the profiles measured before
+    with pytest.raises(ValueError, match="boundaries must be 'host' or 'device'"):
+        DeviceProfile.from_json(_profile(boundaries="pinned"))
+
+
 def test_the_engines_host_work_is_spent_on_the_calling_thread_before_its_launch() -> None:
     """`host_run_s`: a run with device outputs returns once the host work is done (not at once),
     and its work reaches the device that much later; the device's time is unchanged."""
