@@ -122,7 +122,9 @@ class SliceReport:
             f"  stage times at batch {self.reference.batch}, length {self.reference.length}: "
             + ", ".join(f"{t * 1e3:.3f} ms" for t in c.stage_seconds)
             + f"  (slowest / mean = {c.balance:.2f})",
-            f"  verified against the original: max |error| {c.verify_error:.2e}",
+            (f"  verified against the original: max |error| {c.verify_error:.2e}"
+             if "precision" not in self.manifest.extra.get("slicing", {}) else
+             f"  verified against the fp32 original: max |error| {c.verify_error:.2e} of each output's largest magnitude"),
             "  pad-safe: " + ("yes" if self.manifest.pad_safe
                               else "NO — queries are batched only with queries of the same length "
                                    f"({self.manifest.extra.get('slicing', {}).get('pad_check', '')})"),
