@@ -124,7 +124,8 @@ class SliceReport:
             + f"  (slowest / mean = {c.balance:.2f})",
             (f"  verified against the original: max |error| {c.verify_error:.2e}"
              if "precision" not in self.manifest.extra.get("slicing", {}) else
-             f"  verified against the fp32 original: max |error| {c.verify_error:.2e} of each output's largest magnitude"),
+             f"  verified against the fp32 original: max |error| {c.verify_error:.2e} of each output's "
+             "largest magnitude"),
             "  pad-safe: " + ("yes" if self.manifest.pad_safe
                               else "NO — queries are batched only with queries of the same length "
                                    f"({self.manifest.extra.get('slicing', {}).get('pad_check', '')})"),
