@@ -18,7 +18,7 @@ A converted model is checked against the fp32 one on the same inputs (`check_out
 within `Precision.tolerance` of the fp32 output's largest magnitude. The tolerance is a rule: the
 format's unit roundoff (2^-11 for fp16, 2^-8 for bf16) times `ROUNDOFF_BUDGET`, the rounding error a
 deep network's forward pass may accumulate (each layer's error is a few roundoffs of its output,
-and normalization keeps the errors from compounding; the zoo's models show 2 to 40).
+and normalization keeps the errors from compounding; docs/slicing.md gives what models show).
 """
 from __future__ import annotations
 
