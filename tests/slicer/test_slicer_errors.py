@@ -121,7 +121,7 @@ def test_stages_that_differ_from_the_original_fail_verification(tmp_path, monkey
 
     verify = slicing.verify_stages
 
-    def tampered(model, folder, manifest, lengths, atol):  # the first weight matrix met, doubled
+    def tampered(model, folder, manifest, lengths, atol, *precision):  # the first weight matrix met, doubled
         for spec in manifest.stages:  # where the cut falls is measured: any stage may hold the weights
             stage = onnx.load(str(folder / spec.file))
             weights = [w for w in stage.graph.initializer
@@ -131,7 +131,7 @@ def test_stages_that_differ_from_the_original_fail_verification(tmp_path, monkey
                                                             weights[0].name))
                 onnx.save(stage, str(folder / spec.file))
                 break
-        return verify(model, folder, manifest, lengths, atol)
+        return verify(model, folder, manifest, lengths, atol, *precision)
 
     monkeypatch.setattr(slicing, "verify_stages", tampered)
     out_parent = tmp_path / "out"
