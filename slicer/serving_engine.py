@@ -21,13 +21,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
 from dvabatch_backend.runtime.device_times import CPU, served_memory, serving_device, time_engines
 from dvabatch_backend.runtime.loading import engine_buckets, make_engine, make_engines
 from dvabatch_backend.runtime.manifest import Manifest, StageSpec
 from dvabatch_backend.runtime.settings import RuntimeSettings
 
+from .preflight import full_session
 from .profiler import Setting, random_input
 from .stage_profile import PROFILE_SCHEMA_VERSION, diversity, preferred_batch_size
 
@@ -103,23 +103,20 @@ class ServingEngine:
     def run_once(self, model: onnx.ModelProto | Path, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One run of a graph on this engine and device, outside the runtime (the slicer's checks of a
         converted model): {output name: array}. An op the engine cannot run is named in the error."""
+        proto = onnx.load(str(model)) if isinstance(model, Path) else model
         if self.engine == TORCH:
             import torch
 
             from dvabatch_backend.runtime.torch_engine import OnnxTorchModule
 
-            module = OnnxTorchModule(onnx.load(str(model)) if isinstance(model, Path) else model).eval()
-            module = module.to(self.device)
+            module = OnnxTorchModule(proto).eval().to(self.device)
             with torch.inference_mode():
                 outs = module(*[torch.from_numpy(np.ascontiguousarray(feeds[n])).to(self.device)
                                 for n in module.input_names])
             return {name: out.float().cpu().numpy() if out.dtype == torch.bfloat16 else out.cpu().numpy()
                     for name, out in zip(module.output_names, outs)}
-        providers = ["CUDAExecutionProvider"] if self.device == "cuda" else ["CPUExecutionProvider"]
-        options = ort.SessionOptions()
-        options.log_severity_level = 3  # the caller reports a failure
-        source = str(model) if isinstance(model, Path) else model.SerializeToString()
-        session = ort.InferenceSession(source, options, providers=providers)
+        # onnxruntime serves on the CPU only (`dvabatch slice --device cuda` takes the torch engine)
+        session = full_session(proto)
         names = [o.name for o in session.get_outputs()]
         return dict(zip(names, session.run(names, {i.name: feeds[i.name] for i in session.get_inputs()})))
 

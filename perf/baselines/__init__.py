@@ -69,7 +69,8 @@ def add_baseline(repository: Path, version_dir: Path, name: str, delay_us: int, 
     version_dir = Path(version_dir).resolve()
     manifest_path = version_dir / "manifest.json"
     manifest = Manifest.from_json(json.loads(manifest_path.read_text()))
-    engine, device = engine or sliced_engine(manifest)[0], device or sliced_engine(manifest)[1]
+    sliced_for = sliced_engine(manifest)
+    engine, device = engine or sliced_for[0], device or sliced_for[1]
     onnx_model = manifest.full_model or "model.onnx"
     if not (version_dir / onnx_model).is_file():
         raise FileNotFoundError(f"{version_dir / onnx_model}: the unsliced model is not in the version folder")
