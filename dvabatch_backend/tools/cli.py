@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_slice(slice_: argparse.ArgumentParser) -> None:
+    from slicer.precision import PRECISIONS
+
     slice_.add_argument("model", type=Path, help="the ONNX model")
     slice_.add_argument("--out", type=Path, required=True, help="model directory to write (NAME/, for a model repository)")
     slice_.add_argument("--stages", default="auto", help="number of stages, or 'auto' to choose by measurement")
@@ -101,7 +103,7 @@ def _add_slice(slice_: argparse.ArgumentParser) -> None:
     slice_.add_argument("--engine", choices=("onnxruntime", "torch"),
                         help="the engine that will serve and times the stages (default: onnxruntime on the CPU, "
                              "torch on cuda)")
-    slice_.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32",
+    slice_.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
                         help="the stages' and the unsliced model's floats (inputs and outputs keep their types; "
                              "each output checked against fp32 within 64 unit roundoffs of its largest magnitude; "
                              "bf16 runs on the torch engine)")
@@ -157,6 +159,7 @@ def _add_compare(compare: argparse.ArgumentParser) -> None:
 
 
 def _add_zoo(zoo: argparse.ArgumentParser) -> None:
+    from slicer.precision import PRECISIONS
     from slicer.zoo import ZOO
 
     models = zoo.add_subparsers(dest="name", required=True, metavar="MODEL")
@@ -169,7 +172,7 @@ def _add_zoo(zoo: argparse.ArgumentParser) -> None:
                            help="a preset: test (small, for tests), bench (what perf/ runs), real (full depth; "
                                 "vision models at width 16 and 64-128 pixels) or full (the paper's size: what a "
                                 "GPU serves)")
-        model.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32",
+        model.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
                            help="its floats (inputs and outputs stay fp32): as `dvabatch slice --precision` "
                                 "converts a model")
 
