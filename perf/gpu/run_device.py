@@ -199,20 +199,23 @@ SERVED_NEEDS = ("perf/compare/on_device.py", "perf/compare/__main__.py", "slicer
 def tiers(target: Target) -> tuple[Step, ...]:
     """The GPU suite's three tiers on `target`; each command capped, each tier's caps summing to 30 s
     under its time (kept for collecting)."""
+    def bert(seconds: int, precision: str) -> tuple[str, ...]:  # BERT-base sliced in `precision`, or reused
+        return sliced(seconds, target, "bert", "real", precision, f"bert_{precision}", extra="--max-length 128 ")
+
     return (
         # versions; BERT-base fp16 sliced on the device (candidates 2 and 4); DVABatch against
         # ZeroBatch at the lone query and 9/10, one round; the device profile the stand-in needs
         Step("tier1", TIER1_S, (
             *versions(target),
-            sliced(100, target, "bert", "real", "fp16", "bert_fp16", extra="--max-length 128 "),
+            bert(100, "fp16"),
             served(70, target, "bert", "bert_fp16", "--loads 0.9 --rounds 1 --delays ''", "bert_fp16-tier1"),
             device_profile(40, target, "bert_fp16"),
         ), needs=("perf/gpu/device_profile.py", *SERVED_NEEDS)),
         # fp32 beside it; 1/4, 3/5 and 9/10; DelayBatch; two rounds; the hand-off of calls off beside
         # (`sync`); py-spy of every stub thread of DVABatch and ZeroBatch
         Step("tier2", TIER2_S, (
-            sliced(100, target, "bert", "real", "fp16", "bert_fp16", extra="--max-length 128 "),
-            sliced(90, target, "bert", "real", "fp32", "bert_fp32", extra="--max-length 128 "),
+            bert(100, "fp16"),
+            bert(90, "fp32"),
             served(140, target, "bert", "bert_fp16", "--loads 0.25,0.6,0.9 --rounds 2 --delays 500,1000 "
                    "--variant sync:hand_off_calls=false --py-spy DVABatch,ZeroBatch", "bert_fp16"),
             served(120, target, "bert", "bert_fp32", "--loads 0.25,0.6,0.9 --rounds 2 --delays 500", "bert_fp32"),
@@ -221,7 +224,7 @@ def tiers(target: Target) -> tuple[Step, ...]:
         # ZeroBatch's; the pipeline (stages on streams: the one-stage route off) against the default
         # at 3/5 and 9/10, with each stage's batch sizes and the meta operations counted
         Step("tier3", TIER3_S, (
-            sliced(90, target, "bert", "real", "fp16", "bert_fp16", extra="--max-length 128 "),
+            bert(90, "fp16"),
             sliced(120, target, "resnet152", "full", "fp16", "resnet152_fp16"),
             served(130, target, "resnet152", "resnet152_fp16", "--loads 0.25,0.6,0.9 --rounds 2 --delays 500,2000",
                    "resnet152_fp16"),
@@ -281,6 +284,17 @@ class DeviceCall:
     names: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Limits:
+    """A job runner's limits the plan is checked against."""
+
+    call_s: int = CALL_LIMIT_S
+    budget_s: int = DEVICE_BUDGET_S
+    start_s: int = START_S
+    transfer_bytes: int = TRANSFER_LIMIT
+    command_chars: int = COMMAND_LIMIT
+
+
 @dataclass
 class Plan:
     wheels: list[Wheel]
@@ -288,6 +302,7 @@ class Plan:
     calls: list[DeviceCall]
     problems: list[str] = field(default_factory=list)
     carried_bytes: int = 0  # the carried folder, all of it
+    limits: Limits = Limits()  # what it was checked against
 
     @property
     def transfer_bytes(self) -> int:
@@ -339,17 +354,6 @@ def device_call(step: Step, wheels: Sequence[Wheel], wheel_dir: Path, repo: Path
     return DeviceCall(step, command, carry, step.timeout_s, names)
 
 
-@dataclass(frozen=True)
-class Limits:
-    """A job runner's limits the plan is checked against."""
-
-    call_s: int = CALL_LIMIT_S
-    budget_s: int = DEVICE_BUDGET_S
-    start_s: int = START_S
-    transfer_bytes: int = TRANSFER_LIMIT
-    command_chars: int = COMMAND_LIMIT
-
-
 def plan(repo: Path, wheel_dir: Path, specs: Sequence[str], tree_bytes: int, steps: Sequence[Step] = STEPS,
          limits: Limits = Limits()) -> Plan:
     """Every call, checked: each wheel present, the transfer under the limit, each command short
@@ -357,7 +361,7 @@ def plan(repo: Path, wheel_dir: Path, specs: Sequence[str], tree_bytes: int, ste
     the next (tier 1 and tier 2, the second on the machine the first left up) inside the budget."""
     wheels = [find_wheel(spec, wheel_dir) for spec in specs]
     carried = sum(p.stat().st_size for p in wheel_dir.rglob("*") if p.is_file()) if wheel_dir.is_dir() else 0
-    result = Plan(wheels, tree_bytes, [], carried_bytes=carried)
+    result = Plan(wheels, tree_bytes, [], carried_bytes=carried, limits=limits)
     missing = [w.requirement for w in wheels if w.path is None]
     if missing:
         result.problems.append(f"wheels missing from {wheel_dir} (run python -m perf.gpu.fetch_wheels): {missing}")
@@ -393,7 +397,7 @@ def print_plan(result: Plan, repo: Path) -> None:
         where = w.path.relative_to(repo) if w.path else "MISSING"
         print(f"  {w.requirement:<28} {w.size / 1024:>9.1f} KiB  {where}")
     print(f"transfer: tree {result.tree_bytes / MiB:.2f} MiB + carried {result.carried_bytes / MiB:.2f} MiB = "
-          f"{result.transfer_bytes / MiB:.2f} MiB (limit {TRANSFER_LIMIT // MiB} MiB)")
+          f"{result.transfer_bytes / MiB:.2f} MiB (limit {result.limits.transfer_bytes // MiB} MiB)")
     for k, call in enumerate(result.calls, 1):
         print(f"\ncall {k}/{len(result.calls)}: step {call.step.name}")
         print("  run(" + json.dumps({"timeout_s": call.timeout_s, "carry": list(call.carry),
@@ -402,10 +406,11 @@ def print_plan(result: Plan, repo: Path) -> None:
         for argv in call.step.commands:
             work = f"{WORK}/{call.step.name}"  # collected into $OUT when the step ends
             print("    " + shlex.join(_filled(argv, work, work)))
-    total = opening_seconds(result.calls, START_S)
-    print(f"\ntime at most {total / 60:.1f} min (the first call with its {START_S} s start and the one that "
-          f"follows it on that machine; a rerun only where the budget has room), "
-          f"budget {DEVICE_BUDGET_S // 60} min")
+    limits = result.limits
+    total = opening_seconds(result.calls, limits.start_s)
+    print(f"\ntime at most {total / 60:.1f} min (the first call with its {limits.start_s} s start and the one "
+          f"that follows it on that machine; a rerun only where the budget has room), "
+          f"budget {limits.budget_s / 60:g} min")
     print("\n".join(f"PROBLEM: {p}" for p in result.problems) or "plan: OK")
 
 

@@ -130,9 +130,13 @@ def test_the_stand_in_rehearses_the_tiers_with_the_same_caps() -> None:
         assert (run_device.REPO / profile).is_file()
 
 
-def test_the_limits_are_options(repo: Path) -> None:
+def test_the_limits_are_options(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tight = run_device.Limits(call_s=200, budget_s=600, start_s=60, transfer_bytes=MiB, command_chars=100)
-    problems = plan(repo, repo / "work" / "wheels", SPECS, tree_bytes=2 * MiB, limits=tight).problems
+    result = plan(repo, repo / "work" / "wheels", SPECS, tree_bytes=2 * MiB, limits=tight)
+    problems = result.problems
+    run_device.print_plan(result, repo)  # the plan as printed names the limits it was checked against
+    printed = capsys.readouterr().out
+    assert "(limit 1 MiB)" in printed and "its 60 s start" in printed and "budget 10 min" in printed
     assert any("(a call runs at most 200 s)" in p for p in problems)
     assert any("over the 600 s budget" in p for p in problems)
     assert any("over the 1 MiB a call carries" in p for p in problems)
